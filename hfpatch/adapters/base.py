@@ -1,0 +1,50 @@
+"""What hfpatch needs to know about one model family, as plain data.
+
+Paths are dotted attribute paths. `layers`, `rotary`, `position_table`, `final_norm` and `embedding_norm` are
+relative to the *base* model (`model.base_model`, e.g. `LlamaModel` inside `LlamaForCausalLM`); `attention` and
+`norms` are relative to one entry of `layers`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Adapter:
+    model_type: str
+    layers: str  # the list of transformer blocks
+    attention: str  # the attention module inside a block
+    norms: tuple[str, ...]  # the norms inside a block, in forward order
+    final_norm: str | None = None
+    embedding_norm: str | None = None  # BERT normalizes the embeddings
+    qk_norms: tuple[str, ...] = ()  # per-head norms on queries/keys (qwen3, gemma3, olmo2), relative to a block
+    norm: str = "rmsnorm"  # "rmsnorm" | "gemma_rmsnorm" (output * (1 + w)) | "layernorm"
+    # "pre": x + f(norm(x)); "post": norm(x + f(x)); "sandwich": pre and post norms around each sublayer (gemma2/3);
+    # "post_sublayer": x + norm(f(x)) (olmo2). A callable reads it from the config (OPT can be either).
+    placement: str | Callable = "pre"
+    rotary: str | None = None  # the rotary module; None = the family has no RoPE
+    position_table: str | None = None  # learned absolute position embeddings
+    causal: bool = True
+    # RoPE types the family's config class accepts and round-trips through config.json (phi3: default/longrope).
+    native_rope_types: frozenset = field(
+        default_factory=lambda: frozenset({"default", "linear", "dynamic", "yarn", "llama3", "longrope"})
+    )
+    # Models whose config nests rope_parameters per layer type (gemma3): the types a scaling scheme applies to by
+    # default. Transformers' own legacy `rope_scaling` goes to the global-attention layers only; so do we.
+    rope_layer_types: tuple[str, ...] = ()
+
+    @property
+    def has_rope(self) -> bool:
+        return self.rotary is not None
+
+    def placement_of(self, config) -> str:
+        return self.placement(config) if callable(self.placement) else self.placement
+
+    def position_kind(self) -> str:
+        if self.rotary is not None:
+            return "rope"
+        if self.position_table is not None:
+            return "learned"
+        return "none"

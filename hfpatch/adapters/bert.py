@@ -1,0 +1,13 @@
+from .base import Adapter
+
+ADAPTER = Adapter(
+    model_type="bert",
+    layers="encoder.layer",
+    attention="attention.self",
+    norms=("attention.output.LayerNorm", "output.LayerNorm"),
+    embedding_norm="embeddings.LayerNorm",
+    norm="layernorm",
+    placement="post",
+    position_table="embeddings.position_embeddings",
+    causal=False,
+)

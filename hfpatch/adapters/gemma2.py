@@ -1,0 +1,12 @@
+from .base import Adapter
+
+ADAPTER = Adapter(
+    model_type="gemma2",
+    layers="layers",
+    attention="self_attn",
+    norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    final_norm="norm",
+    norm="gemma_rmsnorm",
+    placement="sandwich",
+    rotary="rotary_emb",
+)

@@ -1,0 +1,253 @@
+"""patch / unpatch / describe: validate the request, apply it all-or-nothing, remember what was done.
+
+The model is always `original ∘ spec`: a new request is merged into the current spec, every edit of the current
+patch is undone, and the merged spec is applied from the original model. So a second position scheme replaces the
+first instead of stacking on it, and repeating a spec is a no-op. If applying fails, the partial edits are undone
+and the previous spec (if any) is applied again: the model is left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedModel
+
+from . import spec as specs
+from .adapters import ADAPTERS, Adapter, adapter_for
+from .edits import Edits
+from .position import rotary as rot
+from .position.rope import ROPE_SCHEMES, max_positions
+
+RECORD_VERSION = 1
+_STATE = "_hfpatch_state"  # attribute on the transformers model that holds the live PatchState
+
+
+@dataclass
+class PatchState:
+    spec: dict
+    edits: Edits = field(default_factory=Edits)
+
+
+def unwrap(model) -> PreTrainedModel:
+    """The transformers model to patch: itself, or the base model inside a peft.PeftModel."""
+    target = model
+    if not isinstance(target, PreTrainedModel) and hasattr(target, "get_base_model"):
+        target = target.get_base_model()
+    if not isinstance(target, PreTrainedModel):
+        raise TypeError(
+            f"hfpatch patches a transformers PreTrainedModel (or a peft PeftModel around one), got {type(model).__name__}"
+        )
+    return target
+
+
+def get_path(root, path: str):
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def state_of(model) -> PatchState | None:
+    return getattr(unwrap(model), _STATE, None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# position
+
+
+def _trained_window(config, params: dict) -> int:
+    """The config's trained context: the scheme's original window if the model is already scaled natively,
+    phi3's `original_max_position_embeddings`, else `max_position_embeddings`."""
+    for value in (params.get("original_max_position_embeddings"), getattr(config, "original_max_position_embeddings", None)):
+        if value:
+            return int(value)
+    return int(config.max_position_embeddings)
+
+
+def _apply_position(model: PreTrainedModel, adapter: Adapter, req: dict, edits: Edits) -> None:
+    scheme = req["scheme"]
+    config = model.config
+    if not adapter.has_rope:
+        rope_families = sorted(k for k, a in ADAPTERS.items() if a.has_rope)
+        raise ValueError(
+            f"position={scheme!r} is a RoPE scheme, but {adapter.model_type} has {adapter.position_kind()} absolute "
+            f"position embeddings and no RoPE; RoPE schemes apply to: {', '.join(rope_families)}"
+        )
+    rotary = get_path(model.base_model, adapter.rotary)
+    opts = {k: v for k, v in req.items() if k not in ("scheme", "layer_types", "original_max_position_embeddings")}
+    info = ROPE_SCHEMES[scheme]
+    original = config.rope_parameters
+    all_types = rot.layer_types(config)
+
+    # Which layer types the scheme applies to.
+    if all_types == [None]:
+        if "layer_types" in req:
+            raise ValueError(f"layer_types= applies to models with per-layer-type RoPE (gemma3); {adapter.model_type} has one RoPE")
+        targets = [None]
+    else:
+        targets = req.get("layer_types") or list(adapter.rope_layer_types) or all_types
+        unknown = sorted(set(targets) - set(all_types))
+        if unknown:
+            raise ValueError(f"unknown layer_types {unknown}; this model's RoPE layer types: {sorted(all_types)}")
+        if any(original[lt] is None for lt in targets):
+            raise ValueError(f"layer types {[lt for lt in targets if original[lt] is None]} have no RoPE to scale")
+
+    new_params = {}
+    window = req.get("original_max_position_embeddings")
+    for lt in targets:
+        base = rot.params_of(config, lt)
+        window = window or _trained_window(config, base)
+        n_freq = getattr(rotary, f"{rot._prefix(lt)}inv_freq").numel()  # rotated channels / 2
+        for key in ("short_factor", "long_factor"):
+            if key in opts and len(opts[key]) != n_freq:
+                raise ValueError(
+                    f"{key} must have one entry per rotary frequency: {n_freq} for this model "
+                    f"(rotary dim {2 * n_freq}), got {len(opts[key])}"
+                )
+        new_params[lt] = info.build(base, window, opts, 2 * n_freq)
+    rope_parameters = new_params[None] if targets == [None] else {**original, **new_params}
+    n_positions = max_positions(scheme, window, opts)
+
+    native = scheme != "dynamic-yarn" and all(p["rope_type"] in adapter.native_rope_types for p in new_params.values())
+    edits.set(config, "max_position_embeddings", n_positions)
+    if native:
+        # The config describes the patch in transformers' own terms, so plain from_pretrained reloads it.
+        edits.set(config, "rope_parameters", rope_parameters)
+        if hasattr(config, "original_max_position_embeddings"):
+            # phi3's standardization copies this attribute over rope_parameters' own value: keep them equal.
+            edits.set(config, "original_max_position_embeddings", window)
+        rope_config = config
+    else:
+        # The model's config keeps its original RoPE (its class cannot express this scheme); the rotary module
+        # reads a private copy that does, and the hfpatch record carries the scheme through save/reload.
+        rope_config = copy.copy(config)
+        rope_config.rope_parameters = rope_parameters
+        if hasattr(config, "original_max_position_embeddings"):
+            rope_config.original_max_position_embeddings = window
+        edits.set(rotary, "config", rope_config)
+    rot.rebuild(rotary, rope_config, edits)
+    if scheme == "dynamic-yarn":
+        base = {lt: rot.params_of(config if native else rope_config, lt) for lt in targets}
+        rot.make_dynamic_yarn(rotary, base, window, opts, edits)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# patch / unpatch
+
+
+def _apply(model: PreTrainedModel, adapter: Adapter, spec: dict, edits: Edits) -> None:
+    if "position" in spec:
+        _apply_position(model, adapter, spec["position"], edits)
+    # The record that save_pretrained writes (and that model.save_pretrained writes too, as part of the config):
+    # the spec, and the config values the patch replaced, so that from_pretrained can rebuild the original first.
+    touched = edits.touched(model.config)
+    edits.set(model.config, "hfpatch", _record(spec, model.config, touched))
+
+
+def _record(spec: dict, config, touched: dict) -> dict:
+    from .edits import _MISSING
+
+    return {
+        "version": RECORD_VERSION,
+        "spec": copy.deepcopy(spec),
+        "original_config": {k: copy.deepcopy(v) for k, v in touched.items() if v is not _MISSING},
+        "added_config": sorted(k for k, v in touched.items() if v is _MISSING),
+    }
+
+
+def patch(model, position=None, factor=None, norm=None, placement=None, exact=True, **options):
+    """Patch `model` in place (and return it). See the README for every scheme and option."""
+    target = unwrap(model)
+    adapter = adapter_for(target.config)
+    request = specs.request(position=position, factor=factor, norm=norm, placement=placement, exact=exact, **options)
+    state: PatchState | None = getattr(target, _STATE, None)
+    current = state.spec if state else {}
+    new = specs.merge(current, request)
+    if new == current:
+        return model
+    if state:
+        state.edits.undo()
+    edits = Edits()
+    try:
+        _apply(target, adapter, new, edits)
+    except BaseException:
+        edits.undo()
+        if state:  # put the previous patch back; it applied cleanly before
+            _apply(target, adapter, current, state.edits)
+        raise
+    object.__setattr__(target, _STATE, PatchState(spec=new, edits=edits))
+    return model
+
+
+def unpatch(model):
+    """Undo every patch: the original modules, buffers, classes and config values come back themselves."""
+    target = unwrap(model)
+    state = getattr(target, _STATE, None)
+    if state is not None:
+        state.edits.undo()
+        object.__delattr__(target, _STATE)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# describe / supported
+
+_RT_TO_SCHEME = {"default": "rope", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn", "llama3": "llama3",
+                 "longrope": "longrope"}
+
+
+def _position(model, adapter: Adapter, state: PatchState | None) -> dict:
+    config = model.config
+    if state and "position" in state.spec:
+        req = state.spec["position"]
+        rotary = get_path(model.base_model, adapter.rotary)
+        return {**req, "rope_parameters": copy.deepcopy(rotary.config.rope_parameters),
+                "native": rotary.config is config}
+    if adapter.has_rope:
+        params = config.rope_parameters
+        flat = rot.layer_types(config) == [None]
+        rope_type = params["rope_type"] if flat else {lt: p and p["rope_type"] for lt, p in params.items()}
+        scheme = _RT_TO_SCHEME.get(rope_type, rope_type) if flat else "rope"
+        return {"scheme": scheme, "rope_parameters": copy.deepcopy(params), "native": True}
+    if adapter.position_table:
+        return {"scheme": "learned", "table": adapter.position_table}
+    return {"scheme": "none"}
+
+
+def describe(model) -> dict:
+    """What the model is, how it normalizes and encodes position now, and what hfpatch has applied."""
+    target = unwrap(model)
+    adapter = adapter_for(target.config)
+    state = getattr(target, _STATE, None)
+    return {
+        "family": adapter.model_type,
+        "class": type(target).__name__,
+        "norm": adapter.norm,
+        "placement": adapter.placement_of(target.config),
+        "position": _position(target, adapter, state),
+        "max_position_embeddings": target.config.max_position_embeddings,
+        "applied": copy.deepcopy(state.spec) if state else {},
+        "patches": _available(adapter),
+    }
+
+
+def _available(adapter: Adapter) -> dict:
+    return {
+        "position": list(ROPE_SCHEMES) if adapter.has_rope else [],
+        "norm": [],  # not in this version yet
+        "placement": [],
+    }
+
+
+def supported() -> dict:
+    """{family: {norm, placement, position, patches}} for every family with an adapter."""
+    return {
+        name: {
+            "norm": a.norm,
+            "placement": a.placement if isinstance(a.placement, str) else "per-config",
+            "position": a.position_kind(),
+            "causal": a.causal,
+            "patches": _available(a),
+        }
+        for name, a in sorted(ADAPTERS.items())
+    }

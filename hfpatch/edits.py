@@ -1,0 +1,88 @@
+"""The one layer of hfpatch that changes live objects.
+
+Every change a patch makes to a model (an attribute, a buffer, a config field, an instance's class) goes through
+an `Edits` log that remembers what was there before. That gives us, for free:
+- all-or-nothing patching: if anything fails half-way, `undo()` puts back every change already made;
+- exact `unpatch`: the original tensors and objects are restored themselves, not recomputed (diff 0.0).
+"""
+
+from __future__ import annotations
+
+_MISSING = object()
+
+
+class Edits:
+    """An ordered log of reversible changes."""
+
+    def __init__(self):
+        self._log: list[tuple[object, str, object]] = []  # (target, attribute, previous value or _MISSING)
+
+    def __len__(self):
+        return len(self._log)
+
+    def set(self, obj, name: str, value) -> None:
+        """setattr(obj, name, value), remembering the old value (or its absence).
+
+        On an nn.Module, assigning a tensor to a registered buffer's name replaces the buffer and keeps its
+        persistence, so buffers need no special case.
+        """
+        self._log.append((obj, name, _current(obj, name)))
+        setattr(obj, name, value)
+
+    def delete(self, obj, name: str) -> None:
+        """delattr(obj, name) if it exists, remembering the value."""
+        old = _current(obj, name)
+        if old is _MISSING:
+            return
+        self._log.append((obj, name, old))
+        delattr(obj, name)
+
+    def swap_class(self, obj, cls: type) -> None:
+        """Give one instance a new class (a subclass of its own), so that class-level machinery such as
+        gradient checkpointing keeps wrapping the new forward (replacing `obj.forward` would bypass it)."""
+        if not issubclass(cls, type(obj)):
+            raise TypeError(f"{cls.__name__} must subclass {type(obj).__name__}")
+        self._log.append((obj, "__class__", type(obj)))
+        obj.__class__ = cls
+
+    def original(self, obj, name: str, default=_MISSING):
+        """The value `obj.name` had before the first edit in this log touched it (the current one if untouched)."""
+        for target, attr, old in self._log:
+            if target is obj and attr == name:
+                return old
+        return _current(obj, name) if default is _MISSING else default
+
+    def touched(self, obj) -> dict[str, object]:
+        """{attribute: original value} for every attribute of `obj` this log changed (first value wins)."""
+        out: dict[str, object] = {}
+        for target, attr, old in self._log:
+            if target is obj and attr not in out:
+                out[attr] = old
+        return out
+
+    def undo(self) -> None:
+        """Revert every change, newest first. The log is empty afterwards."""
+        while self._log:
+            obj, name, old = self._log.pop()
+            if name == "__class__":
+                obj.__class__ = old
+            elif old is _MISSING:
+                if _current(obj, name) is not _MISSING:
+                    delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
+def _current(obj, name):
+    # Read instance state only: a class attribute or property is not something we replaced.
+    if name in getattr(obj, "_buffers", {}):
+        return obj._buffers[name]
+    if name in getattr(obj, "_modules", {}):
+        return obj._modules[name]
+    if name in getattr(obj, "_parameters", {}):
+        return obj._parameters[name]
+    d = getattr(obj, "__dict__", {})
+    # PretrainedConfig maps legacy names (e.g. GPT-2's n_positions) through attribute_map.
+    amap = d.get("attribute_map") or getattr(type(obj), "attribute_map", {}) or {}
+    name = amap.get(name, name)
+    return d.get(name, _MISSING)

@@ -1,0 +1,102 @@
+"""Saving and reloading patched models.
+
+`save_pretrained` writes what `model.save_pretrained` writes; the config carries an "hfpatch" section (the spec and
+the config values the patch replaced). RoPE patches that transformers can express are also in the config's own
+`rope_parameters`, so plain `AutoModelForCausalLM.from_pretrained` reloads them; the others (dynamic-yarn, or a
+scheme the family's config class refuses, e.g. yarn on phi3) reload through `hfpatch.from_pretrained` only.
+
+`from_pretrained` restores the original config values, lets transformers build and load the original model, and
+applies the recorded spec again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from . import spec as specs
+from .apply import patch, state_of, unwrap
+
+
+@contextlib.contextmanager
+def _serializable(model):
+    """Let transformers save a model loaded from GGUF.
+
+    A GGUF checkpoint loaded by transformers' dequantizing loader holds plain float weights but keeps its quantizer,
+    whose `is_serializable()` is False, and a `quantization_config` that would make the saved folder look like a
+    GGUF file to the next loader. Both are detached for the duration of the save.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is None or str(getattr(method, "value", method)) != "gguf":
+        yield
+        return
+    packed = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.lower().startswith("gguf")})
+    if packed:
+        raise ValueError(
+            f"this GGUF model keeps its weights packed ({', '.join(packed)}); load it dequantized to save it "
+            "(from_pretrained(..., gguf_file=..., quantization_config=GgufConfig(dequantize=True)))"
+        )
+    config = model.config
+    had_qc = "quantization_config" in config.__dict__
+    qc = config.__dict__.pop("quantization_config", None)
+    model.hf_quantizer = None
+    try:
+        yield
+    finally:
+        model.hf_quantizer = quantizer
+        if had_qc:
+            config.quantization_config = qc
+
+
+def save_pretrained(model, path, tokenizer=None, **kwargs):
+    """Weights + config (with its "hfpatch" section) + the tokenizer if given. kwargs go to transformers."""
+    target = unwrap(model)
+    state = state_of(target)
+    if state and "position" in state.spec and not _native(target):
+        warnings.warn(
+            f"position={state.spec['position']['scheme']!r} has no rope_parameters form that {type(target.config).__name__} "
+            "accepts: hfpatch.from_pretrained reloads the patch, plain transformers loads the unpatched RoPE.",
+            stacklevel=2,
+        )
+    with _serializable(target):
+        target.save_pretrained(path, **kwargs)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def _native(model) -> bool:
+    from .apply import describe
+
+    return describe(model)["position"].get("native", True)
+
+
+def _model_class(config):
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return AutoModelForCausalLM
+
+
+def from_pretrained(path, **kwargs):
+    """Rebuild a model saved by `save_pretrained` (patched or not); kwargs go to transformers' from_pretrained."""
+    config_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "revision", "token", "gguf_file") if k in kwargs}
+    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    record = getattr(config, "hfpatch", None)
+    if record is None:
+        return _model_class(config).from_pretrained(path, config=config, **kwargs)
+    if not isinstance(record, dict) or record.get("version") != 1:
+        raise ValueError(f"{path}: unreadable hfpatch section in config.json (expected version 1): {record!r}")
+    for key, value in record.get("original_config", {}).items():
+        setattr(config, key, value)
+    for key in record.get("added_config", []):
+        if key in config.__dict__:
+            delattr(config, key)
+    del config.hfpatch
+    model = _model_class(config).from_pretrained(path, config=config, **kwargs)
+    return patch(model, **specs.to_kwargs(record["spec"]))

@@ -1,0 +1,149 @@
+"""RoPE schemes as small pure functions over plain data.
+
+Each builder takes the model's original RoPE parameters for one layer type (`base`: a transformers
+`rope_parameters` dict with at least `rope_theta`), the trained window and the user's options, and returns the
+`rope_parameters` dict that describes the scheme in transformers' own vocabulary. The inverse frequencies themselves
+are then computed by transformers' `ROPE_INIT_FUNCTIONS` (or the rotary class's default), exactly as a natively
+configured model computes them: we do not re-implement what transformers already does.
+
+Two schemes have no native rope_type:
+- `ntk` (NTK-aware, static): the base change b' = b * s^(d/(d-2)) *is* plain RoPE with another theta, so it is
+  written as `rope_type="default"` with the new theta, and stays native;
+- `dynamic-yarn`: YaRN whose scale follows the current length, s = max(1, L / L_orig). It is recomputed by
+  `position.rotary.DynamicYarnRotary` through `yarn_parameters_at`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+# Keys of the original parameters that describe the model rather than a scaling scheme; they carry over.
+_CARRIED = ("rope_theta", "partial_rotary_factor")
+
+YARN_OPTIONS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+
+
+def _carry(base: dict) -> dict:
+    return {k: base[k] for k in _CARRIED if k in base}
+
+
+def rotary_dim(head_dim: int, base: dict) -> int:
+    """Number of rotated channels per head (gpt_neox rotates only a fraction)."""
+    return int(head_dim * base.get("partial_rotary_factor", 1.0))
+
+
+def plain(base: dict, window: int, opts: dict, dim: int) -> dict:
+    return {"rope_type": "default", **_carry(base)}
+
+
+def linear(base: dict, window: int, opts: dict, dim: int) -> dict:
+    """Position interpolation (Chen et al. 2023): positions divided by s."""
+    return {"rope_type": "linear", **_carry(base), "factor": opts["factor"]}
+
+
+def ntk_theta(theta: float, factor: float, dim: int) -> float:
+    """NTK-aware base change (bloc97, 2023): b' = b * s^(d / (d - 2)), d = rotated channels."""
+    return theta * factor ** (dim / (dim - 2))
+
+
+def ntk(base: dict, window: int, opts: dict, dim: int) -> dict:
+    out = {"rope_type": "default", **_carry(base)}
+    out["rope_theta"] = ntk_theta(base["rope_theta"], opts["factor"], dim)
+    return out
+
+
+def dynamic(base: dict, window: int, opts: dict, dim: int) -> dict:
+    """Dynamic NTK (emozilla): b' = b * (s*L/L_orig - (s-1))^(d/(d-2)) once L > L_orig. Without a factor, s = 1:
+    the base grows exactly as NTK-aware scaling by L/L_orig."""
+    return {"rope_type": "dynamic", **_carry(base), "factor": float(opts.get("factor", 1.0))}
+
+
+def yarn(base: dict, window: int, opts: dict, dim: int) -> dict:
+    out = {"rope_type": "yarn", **_carry(base), "factor": opts["factor"], "original_max_position_embeddings": window}
+    out.update({k: opts[k] for k in YARN_OPTIONS if k in opts})
+    return out
+
+
+def llama3(base: dict, window: int, opts: dict, dim: int) -> dict:
+    return {
+        "rope_type": "llama3",
+        **_carry(base),
+        "factor": opts["factor"],
+        "original_max_position_embeddings": window,
+        # Llama 3.1's published values.
+        "low_freq_factor": opts.get("low_freq_factor", 1.0),
+        "high_freq_factor": opts.get("high_freq_factor", 4.0),
+    }
+
+
+def longrope(base: dict, window: int, opts: dict, dim: int) -> dict:
+    out = {
+        "rope_type": "longrope",
+        **_carry(base),
+        "factor": opts["factor"],
+        "original_max_position_embeddings": window,
+        "short_factor": [float(x) for x in opts["short_factor"]],
+        "long_factor": [float(x) for x in opts["long_factor"]],
+    }
+    if "attention_factor" in opts:
+        out["attention_factor"] = opts["attention_factor"]
+    return out
+
+
+def dynamic_yarn_scale(seq_len: int, window: int, cap: float | None = None) -> float:
+    """YaRN paper §3.3, dynamic scaling: s = max(1, L / L_orig), optionally capped at `cap`."""
+    s = max(1.0, seq_len / window)
+    return min(s, cap) if cap is not None else s
+
+
+def dynamic_yarn(base: dict, window: int, opts: dict, dim: int) -> dict:
+    """The parameters at the start (L <= L_orig): plain RoPE. `yarn_parameters_at` gives those for a length."""
+    return plain(base, window, opts, dim)
+
+
+def yarn_parameters_at(base: dict, window: int, opts: dict, seq_len: int) -> dict:
+    """rope_parameters of dynamic YaRN for a sequence of `seq_len` tokens (plain RoPE while s == 1: the paper's
+    formula reduces to it, and using it avoids a rounding difference)."""
+    s = dynamic_yarn_scale(seq_len, window, opts.get("factor"))
+    if s == 1.0:
+        return plain(base, window, opts, 0)
+    return yarn(base, window, {**opts, "factor": s}, 0)
+
+
+@dataclass(frozen=True)
+class RopeScheme:
+    build: Callable[[dict, int, dict, int], dict]
+    factor: str  # "required" | "optional" | "none"
+    options: tuple[str, ...] = ()
+    dynamic: bool = False  # recomputed from the sequence length at run time
+    # How the scheme sets config.max_position_embeddings: "extended" (window * factor) or "window" (transformers'
+    # dynamic NTK reads max_position_embeddings as the *original* window).
+    max_positions: str = "extended"
+
+
+ROPE_SCHEMES: dict[str, RopeScheme] = {
+    "rope": RopeScheme(plain, factor="none", max_positions="window"),
+    "linear": RopeScheme(linear, factor="required"),
+    "ntk": RopeScheme(ntk, factor="required"),
+    "dynamic": RopeScheme(dynamic, factor="optional", dynamic=True, max_positions="window"),
+    "yarn": RopeScheme(yarn, factor="required", options=YARN_OPTIONS),
+    "dynamic-yarn": RopeScheme(
+        dynamic_yarn, factor="optional", options=("attention_factor", "beta_fast", "beta_slow", "truncate"),
+        dynamic=True,
+    ),
+    "llama3": RopeScheme(llama3, factor="required", options=("low_freq_factor", "high_freq_factor")),
+    "longrope": RopeScheme(longrope, factor="required", options=("short_factor", "long_factor", "attention_factor")),
+}
+
+# Options every RoPE scheme takes.
+COMMON_OPTIONS = ("original_max_position_embeddings", "layer_types")
+
+
+def max_positions(scheme: str, window: int, opts: dict) -> int:
+    """config.max_position_embeddings after the patch."""
+    factor = opts.get("factor")
+    if ROPE_SCHEMES[scheme].max_positions == "window" or factor is None:
+        return window
+    return int(math.ceil(window * factor))

@@ -1,0 +1,115 @@
+"""Putting RoPE parameters into a live rotary module.
+
+Transformers' rotary classes are per-family copies with one interface: a flat layout (`inv_freq`,
+`original_inv_freq`, `attention_scaling`, `rope_type`) or, when `config.rope_parameters` is nested per layer type
+(gemma3), one `{layer_type}_*` set per type. `rebuild` redoes what the class's `__init__` does from a config, so the
+result is the module a natively configured model would have built (logits identical, diff 0.0).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from ..edits import Edits
+from .rope import dynamic_yarn_scale, yarn_parameters_at
+
+
+def layer_types(config) -> list:
+    """[None] for a flat rope_parameters dict, else the layer types it is nested by."""
+    return config.nested_rope_parameter_keys(config.rope_parameters) or [None]
+
+
+def params_of(config, layer_type):
+    return config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+
+
+def compute(rotary, config, layer_type):
+    """(inv_freq, attention_scaling) for one layer type, by transformers' own functions."""
+    rope_type = params_of(config, layer_type)["rope_type"]
+    fn = rotary.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    return fn(config, device=None, **kwargs)
+
+
+def _prefix(layer_type):
+    return "" if layer_type is None else f"{layer_type}_"
+
+
+def _put(rotary, layer_type, inv_freq, scaling, set_attr):
+    """Write inv_freq/attention_scaling where the class reads them, on the device and dtype the old buffer had."""
+    p = _prefix(layer_type)
+    old = getattr(rotary, f"{p}inv_freq")
+    set_attr(rotary, f"{p}inv_freq", inv_freq.to(device=old.device, dtype=old.dtype))
+    set_attr(rotary, f"{p}attention_scaling", scaling)
+
+
+def rebuild(rotary, config, edits: Edits) -> None:
+    """Recompute every rotary buffer and attribute from `config`, as the rotary class's __init__ would."""
+    edits.set(rotary, "max_seq_len_cached", config.max_position_embeddings)
+    edits.set(rotary, "original_max_seq_len", config.max_position_embeddings)
+    types = layer_types(config)
+    rope_type = {}
+    for lt in types:
+        params = params_of(config, lt)
+        if params is None:  # a layer type without RoPE
+            continue
+        inv_freq, scaling = compute(rotary, config, lt)
+        _put(rotary, lt, inv_freq, scaling, edits.set)
+        p = _prefix(lt)
+        edits.set(rotary, f"{p}original_inv_freq", getattr(rotary, f"{p}inv_freq").clone())
+        # caches that transformers' dynamic/longrope updates leave behind
+        edits.delete(rotary, f"{p}long_inv_freq")
+        if lt is not None:
+            edits.delete(rotary, f"{lt}_max_seq_len_cached")
+        rope_type[lt] = params["rope_type"]
+    edits.set(rotary, "rope_type", rope_type[None] if types == [None] else rope_type)
+
+
+class DynamicYarnRotary:
+    """Mixed into a family's rotary class for position="dynamic-yarn": before each forward, the YaRN scale is set
+    from the sequence length, s = max(1, L / L_orig) (YaRN paper §3.3), and inv_freq / attention scaling are
+    recomputed when s changes, in either direction (so a short sequence after a long one is plain RoPE again).
+
+    The module's rope_type stays "default", which keeps transformers' own `dynamic_rope_update` inert here.
+    """
+
+    # set by `make_dynamic_yarn`: {"base": {layer_type: params}, "window": int, "opts": dict, "scale": float}
+    hfpatch_dynamic_yarn: dict
+
+    def forward(self, x, position_ids, *args, **kwargs):
+        refresh_dynamic_yarn(self, int(position_ids.max()) + 1)
+        return super().forward(x, position_ids, *args, **kwargs)
+
+
+def refresh_dynamic_yarn(rotary, seq_len: int) -> None:
+    state = rotary.hfpatch_dynamic_yarn
+    s = dynamic_yarn_scale(seq_len, state["window"], state["opts"].get("factor"))
+    if s == state["scale"]:
+        return
+    cfg = copy.copy(rotary.config)
+    for lt, base in state["base"].items():
+        params = yarn_parameters_at(base, state["window"], state["opts"], seq_len)
+        cfg.rope_parameters = params if lt is None else {**cfg.rope_parameters, lt: params}
+        inv_freq, scaling = compute(rotary, cfg, lt)
+        _put(rotary, lt, inv_freq, scaling, setattr)
+    state["scale"] = s
+
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def with_mixin(cls: type, mixin: type) -> type:
+    """A subclass of `cls` with `mixin`'s methods first (one class per pair, reused across patches)."""
+    key = (cls, mixin)
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(f"{mixin.__name__}_{cls.__name__}", (mixin, cls), {"__module__": mixin.__module__})
+    return _SUBCLASSES[key]
+
+
+def make_dynamic_yarn(rotary, base: dict, window: int, opts: dict, edits: Edits) -> None:
+    edits.swap_class(rotary, with_mixin(type(rotary), DynamicYarnRotary))
+    edits.set(rotary, "hfpatch_dynamic_yarn", {"base": base, "window": window, "opts": dict(opts), "scale": 1.0})
+
+

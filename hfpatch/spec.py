@@ -1,0 +1,176 @@
+"""The patch spec: what the user asked for, as plain data, validated before any model is touched.
+
+A spec is a dict with one entry per axis that is patched:
+    {"position": {"scheme": "yarn", "factor": 4.0, "beta_fast": 32}, ...}
+Only options the user gave are stored, so two specs are equal when the requests are.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from .position.rope import COMMON_OPTIONS, ROPE_SCHEMES
+
+# Position schemes of the SPEC that this version does not implement yet: a clear error rather than a silent no-op.
+PLANNED_POSITION = ("alibi", "nope", "sinusoidal", "interpolate")
+AXES = ("position", "norm", "placement")
+
+
+def position_schemes() -> list[str]:
+    return list(ROPE_SCHEMES)
+
+
+def _number(name: str, value, *, positive=True, above_one=False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if above_one and value <= 1.0:
+        raise ValueError(f"{name} must be > 1 (it is the context extension ratio), got {value:g}")
+    if positive and value <= 0.0:
+        raise ValueError(f"{name} must be > 0, got {value:g}")
+    return value
+
+
+def _check_option(name: str, value):
+    """Type/range checks that need no model. Model-dependent ones (list lengths, layer types) are in apply.py."""
+    if name == "factor":
+        return _number("factor", value, above_one=True)
+    if name == "original_max_position_embeddings":
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+            raise ValueError(f"original_max_position_embeddings must be a positive integer, got {value!r}")
+        return int(value)
+    if name in ("short_factor", "long_factor"):
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+            raise ValueError(f"{name} must be a list of numbers (one per rotary frequency), got {value!r}")
+        return [_number(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    if name == "truncate":
+        if not isinstance(value, bool):
+            raise ValueError(f"truncate must be True or False, got {value!r}")
+        return value
+    if name == "layer_types":
+        if isinstance(value, str):
+            value = [value]
+        if not value or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"layer_types must be a non-empty list of layer type names, got {value!r}")
+        return sorted(set(value))
+    if name in ("mscale", "mscale_all_dim"):
+        return _number(name, value, positive=False)
+    return _number(name, value)  # attention_factor, beta_*, *_freq_factor: positive numbers
+
+
+def position_request(scheme, options: dict) -> dict:
+    """Validate a position request: {"scheme": ..., **options} or ValueError/TypeError saying what is accepted."""
+    if not isinstance(scheme, str):
+        raise TypeError(f"position must be a string, one of {', '.join(position_schemes())}; got {scheme!r}")
+    name = scheme.strip().lower().replace("_", "-")
+    if name in PLANNED_POSITION:
+        raise ValueError(
+            f"position={scheme!r} is not available in this version of hfpatch; "
+            f"available: {', '.join(position_schemes())}"
+        )
+    if name not in ROPE_SCHEMES:
+        raise ValueError(f"unknown position scheme {scheme!r}; valid: {', '.join(position_schemes())}")
+    info = ROPE_SCHEMES[name]
+    allowed = set(info.options) | set(COMMON_OPTIONS) | ({"factor"} if info.factor != "none" else set())
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(
+            f"position={name!r} does not take {', '.join(unknown)}; it accepts: {', '.join(sorted(allowed)) or 'no options'}"
+        )
+    if info.factor == "required" and options.get("factor") is None:
+        raise ValueError(f"position={name!r} needs factor= (a finite number > 1, the context extension ratio)")
+    out = {"scheme": name}
+    for key in sorted(options):
+        if options[key] is not None:
+            out[key] = _check_option(key, options[key])
+    if name in ("yarn", "dynamic-yarn") and "beta_fast" in out and "beta_slow" in out:
+        if out["beta_fast"] <= out["beta_slow"]:
+            raise ValueError(f"beta_fast must be greater than beta_slow, got {out['beta_fast']} <= {out['beta_slow']}")
+    if name == "llama3":
+        lo, hi = out.get("low_freq_factor", 1.0), out.get("high_freq_factor", 4.0)
+        if hi <= lo:
+            raise ValueError(f"high_freq_factor must be greater than low_freq_factor, got {hi} <= {lo}")
+    if name == "longrope":
+        missing = [k for k in ("short_factor", "long_factor") if k not in out]
+        if missing:
+            raise ValueError(
+                f"position='longrope' needs {' and '.join(missing)}: lists of per-frequency scale factors "
+                "(rotary_dim / 2 numbers each)"
+            )
+    return out
+
+
+def request(position=None, factor=None, norm=None, placement=None, exact=True, **options) -> dict:
+    """The keyword form of `hfpatch.patch`, validated into a partial spec (only the axes the call names)."""
+    out: dict = {}
+    if norm is not None or placement is not None:
+        raise ValueError(
+            "norm= and placement= patches are not available in this version of hfpatch yet; "
+            f"available now: position= with one of {', '.join(position_schemes())}"
+        )
+    if exact is not True:
+        raise ValueError("exact= only applies together with norm=")
+    if position is None:
+        given = sorted(k for k, v in {"factor": factor, **options}.items() if v is not None)
+        if given:
+            raise ValueError(f"{', '.join(given)} given without position=; name the scheme they belong to")
+        return out
+    out["position"] = position_request(position, {"factor": factor, **options})
+    return out
+
+
+def merge(current: dict, new: dict) -> dict:
+    """A new request replaces whole axes and keeps the others: yarn then ntk gives ntk, not both stacked."""
+    return {**current, **new}
+
+
+def parse(text: str) -> dict:
+    """The string form used on command lines: "yarn:4", "dynamic", "longrope:4:short_factor=[1,1]",
+    "yarn:4:beta_fast=16". "none" (or "") is the empty spec. Returns `request` keyword arguments."""
+    import json
+
+    text = text.strip()
+    if text.lower() in ("", "none"):
+        return {}
+    head, *rest = text.split(":")
+    kwargs: dict = {"position": head}
+    for i, part in enumerate(rest):
+        if "=" in part:
+            key, _, raw = part.partition("=")
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError:
+                value = raw
+            kwargs[key.strip()] = value
+        elif i == 0:
+            try:
+                kwargs["factor"] = float(part)
+            except ValueError:
+                raise ValueError(f"in patch spec {text!r}: factor {part!r} is not a number") from None
+        else:
+            raise ValueError(f"in patch spec {text!r}: expected key=value after the factor, got {part!r}")
+    return kwargs
+
+
+def to_kwargs(spec: dict) -> dict:
+    """Inverse of `request`: the keyword arguments that rebuild a spec (used when reloading a saved model)."""
+    kwargs: dict = {}
+    if "position" in spec:
+        pos = dict(spec["position"])
+        kwargs["position"] = pos.pop("scheme")
+        kwargs.update(pos)
+    return kwargs
+
+
+def describe_string(spec: dict) -> str:
+    """"yarn:4" style summary of a spec."""
+    if not spec:
+        return "none"
+    pos = spec.get("position", {})
+    s = pos.get("scheme", "")
+    if "factor" in pos:
+        s += f":{pos['factor']:g}"
+    return s
