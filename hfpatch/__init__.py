@@ -1,5 +1,6 @@
 """hfpatch: change how a pretrained transformers model normalizes and encodes position, in one call."""
 
+from . import spec
 from .apply import describe, patch, supported, unpatch
 from .io import from_pretrained, save_pretrained
 

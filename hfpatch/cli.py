@@ -1,0 +1,110 @@
+"""The `hfpatch` command.
+
+    hfpatch describe MODEL
+    hfpatch patch MODEL --position yarn --factor 4 --out DIR
+    hfpatch supported
+
+MODEL: a hub id, a local folder, a .gguf file, or "smollm2" (the embedded default). Bad input: one line on stderr
+and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints the whole usage by default)
+        raise _UsageError(f"{self.prog}: {message}")
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _key_value(text: str):
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(raw)
+    except json.JSONDecodeError:
+        return key.strip(), raw
+
+
+# Scheme options with a flag of their own; anything else goes through --opt KEY=VALUE (JSON values).
+_FLOAT_OPTIONS = ("beta_fast", "beta_slow", "attention_factor", "low_freq_factor", "high_freq_factor")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hfpatch", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    d = sub.add_parser("describe", help="what the model is and what can be patched (JSON)")
+    d.add_argument("model")
+
+    s = sub.add_parser("patch", help="patch a model and save it")
+    s.add_argument("model")
+    s.add_argument("--out", required=True, help="folder to save the patched model (and tokenizer) to")
+    s.add_argument("--position", help="position scheme, e.g. yarn, ntk, linear, dynamic, dynamic-yarn, llama3, longrope, rope")
+    s.add_argument("--factor", type=float, help="context extension ratio (> 1)")
+    s.add_argument("--norm", choices=["rmsnorm", "layernorm"])
+    s.add_argument("--placement", choices=["pre", "post"])
+    s.add_argument("--original-max-position-embeddings", type=int, dest="original_max_position_embeddings")
+    for name in _FLOAT_OPTIONS:
+        s.add_argument("--" + name.replace("_", "-"), type=float, dest=name)
+    s.add_argument("--layer-types", nargs="+", dest="layer_types", help="per-layer-type RoPE (gemma3) to scale")
+    s.add_argument("--opt", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
+                   help="any other scheme option, value as JSON (e.g. --opt 'short_factor=[1,1,1,1]')")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="load the model in this dtype")
+
+    sub.add_parser("supported", help="families and the patches each accepts (JSON)")
+    return p
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return _run(args)
+    except _UsageError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        print(f"hfpatch: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    import hfpatch
+    from hfpatch.models import load
+
+    if args.command == "supported":
+        print(json.dumps(hfpatch.supported(), indent=2))
+        return 0
+    if args.command == "describe":
+        model, _ = load(args.model, tokenizer=False)
+        print(json.dumps(hfpatch.describe(model), indent=2, default=str))
+        return 0
+    # patch: validate the request before spending time loading the model
+    kwargs = {k: getattr(args, k) for k in ("position", "factor", "norm", "placement", "original_max_position_embeddings",
+                                            "layer_types", *_FLOAT_OPTIONS)}
+    kwargs.update(dict(args.opt))
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    hfpatch.spec.request(**kwargs)
+    dtype = None
+    if args.dtype:
+        import torch
+
+        dtype = getattr(torch, args.dtype)
+    model, tok = load(args.model, dtype=dtype)
+    hfpatch.patch(model, **kwargs)
+    hfpatch.save_pretrained(model, args.out, tokenizer=tok)
+    info = hfpatch.describe(model)
+    print(f"saved {info['family']} with {hfpatch.spec.describe_string(info['applied'])} to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,7 @@ an `Edits` log that remembers what was there before. That gives us, for free:
 from __future__ import annotations
 
 _MISSING = object()
+_KEYS = object()  # log marker: the set of attribute names an object had
 
 
 class Edits:
@@ -45,18 +46,16 @@ class Edits:
         self._log.append((obj, "__class__", type(obj)))
         obj.__class__ = cls
 
-    def original(self, obj, name: str, default=_MISSING):
-        """The value `obj.name` had before the first edit in this log touched it (the current one if untouched)."""
-        for target, attr, old in self._log:
-            if target is obj and attr == name:
-                return old
-        return _current(obj, name) if default is _MISSING else default
+    def track_new_attributes(self, obj) -> None:
+        """On undo, also drop attributes and buffers that appear on `obj` after this point, e.g. the caches
+        transformers' dynamic RoPE update adds while the patched model runs."""
+        self._log.append((obj, _KEYS, _keys(obj)))
 
     def touched(self, obj) -> dict[str, object]:
         """{attribute: original value} for every attribute of `obj` this log changed (first value wins)."""
         out: dict[str, object] = {}
         for target, attr, old in self._log:
-            if target is obj and attr not in out:
+            if target is obj and attr is not _KEYS and attr not in out:
                 out[attr] = old
         return out
 
@@ -66,6 +65,9 @@ class Edits:
             obj, name, old = self._log.pop()
             if name == "__class__":
                 obj.__class__ = old
+            elif name is _KEYS:
+                for extra in _keys(obj) - old:
+                    delattr(obj, extra)
             elif old is _MISSING:
                 if _current(obj, name) is not _MISSING:
                     delattr(obj, name)
@@ -86,3 +88,7 @@ def _current(obj, name):
     amap = d.get("attribute_map") or getattr(type(obj), "attribute_map", {}) or {}
     name = amap.get(name, name)
     return d.get(name, _MISSING)
+
+
+def _keys(obj) -> frozenset:
+    return frozenset(getattr(obj, "__dict__", {})) | frozenset(getattr(obj, "_buffers", {}))

@@ -74,6 +74,7 @@ def position_request(scheme, options: dict) -> dict:
     if name not in ROPE_SCHEMES:
         raise ValueError(f"unknown position scheme {scheme!r}; valid: {', '.join(position_schemes())}")
     info = ROPE_SCHEMES[name]
+    options = {k: v for k, v in options.items() if v is not None}
     allowed = set(info.options) | set(COMMON_OPTIONS) | ({"factor"} if info.factor != "none" else set())
     unknown = sorted(set(options) - allowed)
     if unknown:
@@ -84,8 +85,7 @@ def position_request(scheme, options: dict) -> dict:
         raise ValueError(f"position={name!r} needs factor= (a finite number > 1, the context extension ratio)")
     out = {"scheme": name}
     for key in sorted(options):
-        if options[key] is not None:
-            out[key] = _check_option(key, options[key])
+        out[key] = _check_option(key, options[key])
     if name in ("yarn", "dynamic-yarn") and "beta_fast" in out and "beta_slow" in out:
         if out["beta_fast"] <= out["beta_slow"]:
             raise ValueError(f"beta_fast must be greater than beta_slow, got {out['beta_fast']} <= {out['beta_slow']}")

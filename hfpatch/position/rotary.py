@@ -47,6 +47,7 @@ def _put(rotary, layer_type, inv_freq, scaling, set_attr):
 
 def rebuild(rotary, config, edits: Edits) -> None:
     """Recompute every rotary buffer and attribute from `config`, as the rotary class's __init__ would."""
+    edits.track_new_attributes(rotary)
     edits.set(rotary, "max_seq_len_cached", config.max_position_embeddings)
     edits.set(rotary, "original_max_seq_len", config.max_position_embeddings)
     types = layer_types(config)
