@@ -72,7 +72,7 @@ class Edits:
                 if _current(obj, name) is not _MISSING:
                     delattr(obj, name)
             else:
-                setattr(obj, name, old)
+                setattr(obj, name, _like(old, _current(obj, name)))
 
 
 def _current(obj, name):
@@ -88,6 +88,19 @@ def _current(obj, name):
     amap = d.get("attribute_map") or getattr(type(obj), "attribute_map", {}) or {}
     name = amap.get(name, name)
     return d.get(name, _MISSING)
+
+
+def _like(old, now):
+    """The saved tensor, moved to the device and dtype its replacement has now: the model may have been moved
+    (`model.to("cuda")`, `model.bfloat16()`) between patch and unpatch."""
+    import torch
+
+    if not (isinstance(old, torch.Tensor) and isinstance(now, torch.Tensor)):
+        return old
+    if old.device == now.device and (old.dtype == now.dtype or not now.is_floating_point()):
+        return old
+    moved = old.to(device=now.device, dtype=now.dtype if now.is_floating_point() else old.dtype)
+    return torch.nn.Parameter(moved, requires_grad=old.requires_grad) if isinstance(old, torch.nn.Parameter) else moved
 
 
 def _keys(obj) -> frozenset:

@@ -208,3 +208,29 @@ def test_peft_model_is_patched_through_its_base_model():
         assert max_diff(lora(x).logits, reference(x).logits) <= 1e-6
     hfpatch.unpatch(lora)
     assert hfpatch.describe(lora)["applied"] == {}
+
+
+def test_unpatch_after_the_model_moved_dtype():
+    """Buffers come back in the dtype (and device) the model has now, not the one it had when patched."""
+    model = tiny_model("llama")
+    x = tokens(100)
+    hfpatch.patch(model, position="yarn", factor=4)
+    model.double()
+    hfpatch.unpatch(model)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float64
+    reference = tiny_model("llama").double()
+    assert max_diff(logits(model, x), logits(reference, x)) == 0.0
+
+
+def test_spec_string_form():
+    from hfpatch import spec
+
+    assert spec.parse("yarn:4") == {"position": "yarn", "factor": 4.0}
+    assert spec.parse("none") == {} and spec.parse("dynamic") == {"position": "dynamic"}
+    assert spec.parse("yarn:4:beta_fast=16") == {"position": "yarn", "factor": 4.0, "beta_fast": 16}
+    assert spec.parse("longrope:2:short_factor=[1,2]") == {"position": "longrope", "factor": 2.0, "short_factor": [1, 2]}
+    with pytest.raises(ValueError, match="factor 'x' is not a number"):
+        spec.parse("yarn:x")
+    model = tiny_model("llama")
+    hfpatch.patch(model, **spec.parse("ntk:2"))
+    assert spec.describe_string(hfpatch.describe(model)["applied"]) == "ntk:2"
