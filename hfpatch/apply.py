@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedModel
 
 from . import spec as specs
-from .adapters import ADAPTERS, Adapter, adapter_for
+from .adapters import ADAPTERS, Adapter, adapter_for, get_path
 from .edits import Edits
+from .norm import convert as norms
+from .norm.placement import MIXINS, apply_placement
 from .position import rotary as rot
 from .position.rope import ROPE_SCHEMES, max_positions
 
@@ -25,8 +27,15 @@ _STATE = "_hfpatch_state"  # attribute on the transformers model that holds the 
 
 @dataclass
 class PatchState:
-    spec: dict
+    spec: dict  # the live patch: undone by unpatch, replaced axis by axis by later patches
     edits: Edits = field(default_factory=Edits)
+    facts: dict = field(default_factory=dict)  # what applying found, per axis (e.g. {"norm": {"exact": False}})
+    # Axes a checkpoint was saved with and that reloaded as part of the model (norm swaps change which weights
+    # exist, so from_pretrained loads them already applied); unpatch keeps them. Their spec, facts and the
+    # original config values from the saved record.
+    baked: dict = field(default_factory=dict)
+    baked_facts: dict = field(default_factory=dict)
+    baked_config: dict = field(default_factory=dict)
 
 
 def unwrap(model) -> PreTrainedModel:
@@ -39,12 +48,6 @@ def unwrap(model) -> PreTrainedModel:
             f"hfpatch patches a transformers PreTrainedModel (or a peft PeftModel around one), got {type(model).__name__}"
         )
     return target
-
-
-def get_path(root, path: str):
-    for part in path.split("."):
-        root = getattr(root, part)
-    return root
 
 
 def state_of(model) -> PatchState | None:
@@ -135,27 +138,38 @@ def _apply_position(model: PreTrainedModel, adapter: Adapter, req: dict, edits: 
 # patch / unpatch
 
 
-def _apply(model: PreTrainedModel, adapter: Adapter, spec: dict, edits: Edits) -> None:
+def _apply(model: PreTrainedModel, adapter: Adapter, spec: dict, edits: Edits, state: PatchState | None) -> dict:
+    """Apply a whole spec to the (original or baked) model; returns the facts. Norms first: the exact conversion
+    needs the blocks as they were built; placement next; position last."""
+    facts = {}
+    if "norm" in spec:
+        facts["norm"] = norms.apply_norm(model, adapter, spec["norm"], adapter.placement_of(model.config), edits)
+    if "placement" in spec:
+        facts["placement"] = apply_placement(model, adapter, spec["placement"], edits)
     if "position" in spec:
         _apply_position(model, adapter, spec["position"], edits)
     # The record that save_pretrained writes (and that model.save_pretrained writes too, as part of the config):
     # the spec, and the config values the patch replaced, so that from_pretrained can rebuild the original first.
-    touched = edits.touched(model.config)
-    edits.set(model.config, "hfpatch", _record(spec, model.config, touched))
+    baked = state.baked if state else {}
+    touched = {**(state.baked_config if state else {}), **edits.touched(model.config)}
+    all_facts = {**(state.baked_facts if state else {}), **facts}
+    edits.set(model.config, "hfpatch", _record({**baked, **spec}, touched, all_facts))
+    return facts
 
 
-def _record(spec: dict, config, touched: dict) -> dict:
+def _record(spec: dict, touched: dict, facts: dict) -> dict:
     from .edits import _MISSING
 
     return {
         "version": RECORD_VERSION,
         "spec": copy.deepcopy(spec),
-        "original_config": {k: copy.deepcopy(v) for k, v in touched.items() if v is not _MISSING},
-        "added_config": sorted(k for k, v in touched.items() if v is _MISSING),
+        "facts": copy.deepcopy(facts),
+        "original_config": {k: copy.deepcopy(v) for k, v in touched.items() if v is not _MISSING and k != "hfpatch"},
+        "added_config": sorted(k for k, v in touched.items() if v is _MISSING and k != "hfpatch"),
     }
 
 
-def patch(model, position=None, factor=None, norm=None, placement=None, exact=True, **options):
+def patch(model, position=None, factor=None, norm=None, placement=None, exact=None, **options):
     """Patch `model` in place (and return it). See the README for every scheme and option."""
     target = unwrap(model)
     adapter = adapter_for(target.config)
@@ -169,24 +183,36 @@ def patch(model, position=None, factor=None, norm=None, placement=None, exact=Tr
         state.edits.undo()
     edits = Edits()
     try:
-        _apply(target, adapter, new, edits)
+        facts = _apply(target, adapter, new, edits, state)
     except BaseException:
         edits.undo()
         if state:  # put the previous patch back; it applied cleanly before
-            _apply(target, adapter, current, state.edits)
+            _apply(target, adapter, current, state.edits, state)
         raise
-    object.__setattr__(target, _STATE, PatchState(spec=new, edits=edits))
+    kept = {k: getattr(state, k) for k in ("baked", "baked_facts", "baked_config")} if state else {}
+    object.__setattr__(target, _STATE, PatchState(spec=new, edits=edits, facts=facts, **kept))
     return model
 
 
 def unpatch(model):
-    """Undo every patch: the original modules, buffers, classes and config values come back themselves."""
+    """Undo every patch: the original modules, buffers, classes and config values come back themselves. Axes that
+    a checkpoint was saved with (see PatchState.baked) are part of the reloaded model and stay."""
     target = unwrap(model)
     state = getattr(target, _STATE, None)
     if state is not None:
         state.edits.undo()
         object.__delattr__(target, _STATE)
+        if state.baked:
+            bake(target, state.baked, state.baked_facts, state.baked_config)
     return model
+
+
+def bake(model, spec: dict, facts: dict, original_config: dict) -> None:
+    """Declare `spec` part of the model as it is now (used by from_pretrained after loading weights that already
+    carry those patches)."""
+    state = PatchState(spec={}, baked=spec, baked_facts=facts, baked_config=original_config)
+    model.config.hfpatch = _record(spec, original_config, facts)
+    object.__setattr__(model, _STATE, state)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,14 +245,21 @@ def describe(model) -> dict:
     target = unwrap(model)
     adapter = adapter_for(target.config)
     state = getattr(target, _STATE, None)
+    applied = {**state.baked, **state.spec} if state else {}
+    facts = {**state.baked_facts, **state.facts} if state else {}
+    norm = {"kind": norms.current_kind(target, adapter),
+            "scale": "1 + weight" if adapter.norm_offset else "weight"}
+    if "norm" in applied:
+        norm.update(facts.get("norm", {}))
     return {
         "family": adapter.model_type,
         "class": type(target).__name__,
-        "norm": adapter.norm,
-        "placement": adapter.placement_of(target.config),
+        "norm": norm,
+        "placement": applied.get("placement", {}).get("kind") or adapter.placement_of(target.config),
         "position": _position(target, adapter, state),
         "max_position_embeddings": target.config.max_position_embeddings,
-        "applied": copy.deepcopy(state.spec) if state else {},
+        "applied": copy.deepcopy(applied),
+        "baked": sorted(state.baked) if state else [],
         "patches": _available(adapter),
     }
 
@@ -234,8 +267,10 @@ def describe(model) -> dict:
 def _available(adapter: Adapter) -> dict:
     return {
         "position": list(ROPE_SCHEMES) if adapter.has_rope else [],
-        "norm": [],  # not in this version yet
-        "placement": [],
+        "norm": list(specs.NORMS),
+        "exact_layernorm_to_rmsnorm": bool(adapter.residual_readers) and adapter.placement != "post",
+        "placement": sorted({want for (layout, want) in MIXINS if layout == adapter.placement_layout}
+                            | ({adapter.placement} if isinstance(adapter.placement, str) and adapter.placement_layout else set())),
     }
 
 

@@ -46,6 +46,10 @@ class Edits:
         self._log.append((obj, "__class__", type(obj)))
         obj.__class__ = cls
 
+    def mix_in(self, obj, mixin: type) -> None:
+        """swap_class to a subclass of obj's class with `mixin`'s methods first."""
+        self.swap_class(obj, with_mixin(type(obj), mixin))
+
     def track_new_attributes(self, obj) -> None:
         """On undo, also drop attributes and buffers that appear on `obj` after this point, e.g. the caches
         transformers' dynamic RoPE update adds while the patched model runs."""
@@ -88,6 +92,18 @@ def _current(obj, name):
     amap = d.get("attribute_map") or getattr(type(obj), "attribute_map", {}) or {}
     name = amap.get(name, name)
     return d.get(name, _MISSING)
+
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def with_mixin(cls: type, mixin: type) -> type:
+    """A subclass of `cls` with `mixin`'s methods first; one class per pair, reused across patches (so that a
+    class created for one layer is the class of every patched layer of that type)."""
+    key = (cls, mixin)
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(f"{mixin.__name__}_{cls.__name__}", (mixin, cls), {"__module__": mixin.__module__})
+    return _SUBCLASSES[key]
 
 
 def _like(old, now):

@@ -18,7 +18,9 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from . import spec as specs
-from .apply import patch, state_of, unwrap
+from .adapters import adapter_for
+from .apply import _apply, bake, patch, state_of, unwrap
+from .edits import Edits
 
 
 @contextlib.contextmanager
@@ -83,6 +85,11 @@ def _model_class(config):
     return AutoModelForCausalLM
 
 
+# Patches that change which weights exist (norm swaps add or drop biases, untie the LM head, replace norm modules):
+# reloading them means loading the saved weights into the patched structure. The others are applied again.
+WEIGHT_AXES = ("norm",)
+
+
 def from_pretrained(path, **kwargs):
     """Rebuild a model saved by `save_pretrained` (patched or not); kwargs go to transformers' from_pretrained."""
     config_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "revision", "token", "gguf_file") if k in kwargs}
@@ -98,5 +105,30 @@ def from_pretrained(path, **kwargs):
         if key in config.__dict__:
             delattr(config, key)
     del config.hfpatch
-    model = _model_class(config).from_pretrained(path, config=config, **kwargs)
-    return patch(model, **specs.to_kwargs(record["spec"]))
+    spec = record["spec"]
+    weight_spec = {k: v for k, v in spec.items() if k in WEIGHT_AXES}
+    if not weight_spec:
+        model = _model_class(config).from_pretrained(path, config=config, **kwargs)
+        return patch(model, **specs.to_kwargs(spec))
+    # transformers builds the model through a subclass whose __init__ applies those patches (by the same code that
+    # patched the saved model), then loads the checkpoint into it with its own loader (key renames, tied weights,
+    # dtype, device_map), so every saved tensor finds its place.
+    cls = _model_class(config)
+    adapter = adapter_for(config)
+    built = {}
+
+    def __init__(self, config, *args, **kw):
+        cls.__init__(self, config, *args, **kw)
+        edits = Edits()
+        with warnings.catch_warnings():  # the plain-swap warning was given when the patch was made
+            warnings.simplefilter("ignore")
+            built["facts"] = _apply(self, adapter, weight_spec, edits, None)
+        built["config"] = {k: v for k, v in edits.touched(self.config).items() if k != "hfpatch"}
+
+    structured = type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
+    model = structured.from_pretrained(path, config=config, **kwargs)
+    model.__class__ = cls
+    # The reloaded structure is the model now: unpatch cannot bring back weights that are not in the folder.
+    bake(model, weight_spec, built["facts"], built["config"])
+    live = {k: v for k, v in spec.items() if k not in WEIGHT_AXES}
+    return patch(model, **specs.to_kwargs(live)) if live else model

@@ -103,16 +103,27 @@ def position_request(scheme, options: dict) -> dict:
     return out
 
 
-def request(position=None, factor=None, norm=None, placement=None, exact=True, **options) -> dict:
+NORMS = ("rmsnorm", "layernorm")
+PLACEMENTS = ("pre", "post")
+
+
+def _choice(name: str, value, choices) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+    return value.strip().lower()
+
+
+def request(position=None, factor=None, norm=None, placement=None, exact=None, **options) -> dict:
     """The keyword form of `hfpatch.patch`, validated into a partial spec (only the axes the call names)."""
     out: dict = {}
-    if norm is not None or placement is not None:
-        raise ValueError(
-            "norm= and placement= patches are not available in this version of hfpatch yet; "
-            f"available now: position= with one of {', '.join(position_schemes())}"
-        )
-    if exact is not True:
+    if norm is not None:
+        if exact is not None and not isinstance(exact, bool):
+            raise ValueError(f"exact must be True or False, got {exact!r}")
+        out["norm"] = {"kind": _choice("norm", norm, NORMS), "exact": True if exact is None else exact}
+    elif exact is not None:
         raise ValueError("exact= only applies together with norm=")
+    if placement is not None:
+        out["placement"] = {"kind": _choice("placement", placement, PLACEMENTS)}
     if position is None:
         given = sorted(k for k, v in {"factor": factor, **options}.items() if v is not None)
         if given:
@@ -129,13 +140,25 @@ def merge(current: dict, new: dict) -> dict:
 
 def parse(text: str) -> dict:
     """The string form used on command lines: "yarn:4", "dynamic", "longrope:4:short_factor=[1,1]",
-    "yarn:4:beta_fast=16". "none" (or "") is the empty spec. Returns `request` keyword arguments."""
-    import json
-
+    "yarn:4:beta_fast=16", "norm=rmsnorm", "yarn:2+norm=layernorm+placement=post". "none" (or "") is the empty
+    spec. Returns `request` keyword arguments."""
     text = text.strip()
     if text.lower() in ("", "none"):
         return {}
-    head, *rest = text.split(":")
+    kwargs: dict = {}
+    for item in text.split("+"):
+        key, sep, value = item.partition("=")
+        if sep and key.strip() in ("norm", "placement", "exact") and ":" not in key:
+            kwargs[key.strip()] = {"true": True, "false": False}.get(value.strip().lower(), value.strip())
+        else:
+            kwargs.update(_parse_position(item.strip(), text))
+    return kwargs
+
+
+def _parse_position(item: str, text: str) -> dict:
+    import json
+
+    head, *rest = item.split(":")
     kwargs: dict = {"position": head}
     for i, part in enumerate(rest):
         if "=" in part:
@@ -158,6 +181,10 @@ def parse(text: str) -> dict:
 def to_kwargs(spec: dict) -> dict:
     """Inverse of `request`: the keyword arguments that rebuild a spec (used when reloading a saved model)."""
     kwargs: dict = {}
+    if "norm" in spec:
+        kwargs.update(norm=spec["norm"]["kind"], exact=spec["norm"]["exact"])
+    if "placement" in spec:
+        kwargs["placement"] = spec["placement"]["kind"]
     if "position" in spec:
         pos = dict(spec["position"])
         kwargs["position"] = pos.pop("scheme")
@@ -167,10 +194,12 @@ def to_kwargs(spec: dict) -> dict:
 
 def describe_string(spec: dict) -> str:
     """"yarn:4" style summary of a spec."""
-    if not spec:
-        return "none"
-    pos = spec.get("position", {})
-    s = pos.get("scheme", "")
-    if "factor" in pos:
-        s += f":{pos['factor']:g}"
-    return s
+    parts = []
+    if "position" in spec:
+        pos = spec["position"]
+        parts.append(pos["scheme"] + (f":{pos['factor']:g}" if "factor" in pos else ""))
+    if "norm" in spec:
+        parts.append(f"norm={spec['norm']['kind']}" + ("" if spec["norm"]["exact"] else ":inexact"))
+    if "placement" in spec:
+        parts.append(f"placement={spec['placement']['kind']}")
+    return "+".join(parts) or "none"

@@ -68,7 +68,7 @@ def test_patch_returns_the_same_object_and_describe_reports():
     model = tiny_model("llama")
     assert hfpatch.patch(model, position="yarn", factor=2) is model
     info = hfpatch.describe(model)
-    assert info["family"] == "llama" and info["norm"] == "rmsnorm" and info["placement"] == "pre"
+    assert info["family"] == "llama" and info["norm"]["kind"] == "rmsnorm" and info["placement"] == "pre"
     assert info["position"]["scheme"] == "yarn" and info["position"]["factor"] == 2.0
     assert info["position"]["rope_parameters"]["rope_type"] == "yarn"
     assert info["position"]["native"] is True
@@ -79,7 +79,8 @@ def test_patch_returns_the_same_object_and_describe_reports():
 def test_describe_unpatched_models():
     assert hfpatch.describe(tiny_model("gpt2"))["position"]["scheme"] == "learned"
     assert hfpatch.describe(tiny_model("bert"))["placement"] == "post"
-    assert hfpatch.describe(tiny_model("gemma"))["norm"] == "gemma_rmsnorm"
+    assert hfpatch.describe(tiny_model("gemma"))["norm"] == {"kind": "rmsnorm", "scale": "1 + weight"}
+    assert hfpatch.describe(tiny_model("gpt2"))["norm"]["kind"] == "layernorm"
     assert hfpatch.describe(tiny_model("llama"))["position"]["scheme"] == "rope"
     scaled = tiny_model("llama", rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
                                                  "original_max_position_embeddings": WINDOW})
@@ -132,7 +133,10 @@ BAD = [
     (dict(position="yarn", factor=2, original_max_position_embeddings=0), ValueError, "positive integer"),
     (dict(position=3), TypeError, "position must be a string"),
     (dict(position="alibi"), ValueError, "not available in this version"),
-    (dict(norm="rmsnorm"), ValueError, "not available in this version"),
+    (dict(norm="batchnorm"), ValueError, "norm must be one of 'rmsnorm', 'layernorm'"),
+    (dict(placement="sandwich"), ValueError, "placement must be one of 'pre', 'post'"),
+    (dict(norm="rmsnorm", exact="yes"), ValueError, "exact must be True or False"),
+    (dict(exact=False), ValueError, "exact= only applies together with norm="),
 ]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import Adapter
+from .base import Adapter, get_path
 
 ADAPTERS: dict[str, Adapter] = {}
 for _info in pkgutil.iter_modules(__path__):
@@ -27,4 +27,4 @@ def adapter_for(config) -> Adapter:
     return ADAPTERS[model_type]
 
 
-__all__ = ["ADAPTERS", "Adapter", "adapter_for"]
+__all__ = ["ADAPTERS", "Adapter", "adapter_for", "get_path"]

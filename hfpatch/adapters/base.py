@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
+def get_path(root, path: str):
+    """root.a.b.c for path "a.b.c" (list indices are attributes of nn.ModuleList too)."""
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
 @dataclass(frozen=True)
 class Adapter:
     model_type: str
@@ -20,10 +27,20 @@ class Adapter:
     final_norm: str | None = None
     embedding_norm: str | None = None  # BERT normalizes the embeddings
     qk_norms: tuple[str, ...] = ()  # per-head norms on queries/keys (qwen3, gemma3, olmo2), relative to a block
-    norm: str = "rmsnorm"  # "rmsnorm" | "gemma_rmsnorm" (output * (1 + w)) | "layernorm"
+    norm: str = "rmsnorm"  # "rmsnorm" | "layernorm"
+    norm_offset: float = 0.0  # Gemma's norms scale by 1 + weight
     # "pre": x + f(norm(x)); "post": norm(x + f(x)); "sandwich": pre and post norms around each sublayer (gemma2/3);
     # "post_sublayer": x + norm(f(x)) (olmo2). A callable reads it from the config (OPT can be either).
     placement: str | Callable = "pre"
+    # The residual stream, for the exact LayerNorm -> RMSNorm conversion (empty: no exact conversion):
+    residual_readers: dict = field(default_factory=dict)  # block norm -> the linears it feeds (block-relative)
+    residual_writers: tuple[str, ...] = ()  # linears whose output is added to the stream (block-relative)
+    # modules whose outputs start the stream (base-relative); "a|b": a if the model has it (not None), else b
+    embedding_writers: tuple[str, ...] = ()
+    # what reads the final norm, if not the LM head (base-relative, first one present wins)
+    final_readers: tuple[str, ...] = ()
+    # Which pre/post forward pair the blocks follow ("llama", "gpt2", "gpt_neox", "bert"); None: no placement swap
+    placement_layout: str | None = None
     rotary: str | None = None  # the rotary module; None = the family has no RoPE
     position_table: str | None = None  # learned absolute position embeddings
     causal: bool = True

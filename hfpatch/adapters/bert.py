@@ -8,6 +8,7 @@ ADAPTER = Adapter(
     embedding_norm="embeddings.LayerNorm",
     norm="layernorm",
     placement="post",
+    placement_layout="bert",
     position_table="embeddings.position_embeddings",
     causal=False,
 )

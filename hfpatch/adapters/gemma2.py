@@ -6,7 +6,7 @@ ADAPTER = Adapter(
     attention="self_attn",
     norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
     final_norm="norm",
-    norm="gemma_rmsnorm",
+    norm_offset=1.0,
     placement="sandwich",
     rotary="rotary_emb",
 )

@@ -98,19 +98,8 @@ def refresh_dynamic_yarn(rotary, seq_len: int) -> None:
     state["scale"] = s
 
 
-_SUBCLASSES: dict[tuple[type, type], type] = {}
-
-
-def with_mixin(cls: type, mixin: type) -> type:
-    """A subclass of `cls` with `mixin`'s methods first (one class per pair, reused across patches)."""
-    key = (cls, mixin)
-    if key not in _SUBCLASSES:
-        _SUBCLASSES[key] = type(f"{mixin.__name__}_{cls.__name__}", (mixin, cls), {"__module__": mixin.__module__})
-    return _SUBCLASSES[key]
-
-
 def make_dynamic_yarn(rotary, base: dict, window: int, opts: dict, edits: Edits) -> None:
-    edits.swap_class(rotary, with_mixin(type(rotary), DynamicYarnRotary))
+    edits.mix_in(rotary, DynamicYarnRotary)
     edits.set(rotary, "hfpatch_dynamic_yarn", {"base": base, "window": window, "opts": dict(opts), "scale": 1.0})
 
 

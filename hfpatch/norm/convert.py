@@ -1,0 +1,180 @@
+"""norm="rmsnorm" | "layernorm": swap every norm of the model, exactly where the math allows it.
+
+Every change goes through `Edits`, so a failure half-way is undone and `unpatch` restores the original modules and
+parameters themselves.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from ..adapters import Adapter, get_path
+from ..edits import Edits
+from . import exact as ex
+from .modules import build, read
+
+
+def _parent(root, path: str):
+    head, _, name = path.rpartition(".")
+    return (get_path(root, head) if head else root), name
+
+
+def norm_sites(model, adapter: Adapter) -> list[tuple[str, nn.Module]]:
+    """(base-relative path, module) of every norm: per block, QK norms, the final and the embedding norm."""
+    base = model.base_model
+    paths = []
+    for i in range(len(get_path(base, adapter.layers))):
+        paths += [f"{adapter.layers}.{i}.{n}" for n in adapter.norms + adapter.qk_norms]
+    paths += [p for p in (adapter.embedding_norm, adapter.final_norm) if p]
+    sites = [(p, get_path(base, p)) for p in paths]
+    return [(p, m) for p, m in sites if m is not None]  # OPT without a final norm
+
+
+def current_kind(model, adapter: Adapter) -> str:
+    kinds = {read(m, adapter.norm_offset).kind for _, m in norm_sites(model, adapter)}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def exact_blocker(model, adapter: Adapter, placement: str) -> str | None:
+    """Why LayerNorm -> RMSNorm cannot be function-preserving on this model (None: it can)."""
+    if placement != "pre":
+        return {
+            "post": "norms after the residual add (post-norm) see the raw stream, whose mean cannot be removed",
+            "sandwich": "the post-sublayer norms write their output into the residual stream, which cannot be centred",
+            "post_sublayer": "the norms after each sublayer write into the residual stream, which cannot be centred",
+        }.get(placement, f"placement {placement!r}")
+    if not adapter.residual_readers:
+        return f"no residual-stream description for {adapter.model_type}"
+    return None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str):
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def apply_norm(model, adapter: Adapter, req: dict, placement: str, edits: Edits) -> dict:
+    """Swap the norms; returns facts for describe(): {"exact": bool, "reason": str (when not exact)}."""
+    kind, want_exact = req["kind"], req.get("exact", True)
+    sites = [(p, m) for p, m in norm_sites(model, adapter) if read(m, adapter.norm_offset).kind != kind]
+    if not sites:
+        return {"exact": True}
+    if kind == "rmsnorm" and want_exact:
+        reason = exact_blocker(model, adapter, placement)
+        if reason is None:
+            _exact_to_rmsnorm(model, adapter, edits)
+            return {"exact": True}
+    elif kind == "layernorm":
+        reason = "RMSNorm -> LayerNorm cannot preserve the function: LayerNorm removes the mean, RMSNorm keeps it"
+    else:
+        reason = "exact=False was asked for"
+    if want_exact:
+        _warn_once(f"hfpatch: norm={kind!r} on {adapter.model_type} is a plain swap, not function-preserving: {reason}")
+    for path, module in sites:
+        _plain_swap(model, path, module, kind, adapter, edits)
+    return {"exact": False, "reason": reason}
+
+
+def _plain_swap(model, path, module, kind, adapter, edits):
+    """Same weight (and offset), same eps: LayerNorm -> RMSNorm keeps β as a bias; RMSNorm -> LayerNorm gets a
+    zero bias, like any LayerNorm."""
+    p = read(module, adapter.norm_offset)
+    like = p.weight if p.weight is not None else p.bias
+    bias = p.bias if kind == "rmsnorm" else (p.bias if p.bias is not None else torch.zeros_like(p.weight))
+    new = build(kind, like.shape, p.eps, p.offset, p.weight, bias, like)
+    parent, name = _parent(model.base_model, path)
+    edits.set(parent, name, new)
+
+
+# ------------------------------------------------------------------------------------------------- exact conversion
+
+
+def _linear(module):
+    """(weight, bias, conv1d?) of nn.Linear or GPT-2's Conv1D."""
+    if isinstance(module, Conv1D):
+        return module.weight, module.bias, True
+    if isinstance(module, nn.Linear):
+        return module.weight, module.bias, False
+    raise ValueError(f"expected a linear layer, got {type(module).__name__}")
+
+
+def _param(t: torch.Tensor, like: nn.Parameter | None) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=True if like is None else like.requires_grad)
+
+
+def _find(base, path: str):
+    """The module at `path` ("a|b": the first alternative the model has and that is not None), or None."""
+    for alt in path.split("|"):
+        try:
+            m = get_path(base, alt)
+        except AttributeError:
+            continue
+        if m is not None:
+            return m
+    return None
+
+
+def _centre_writer(m, edits):
+    if isinstance(m, nn.Embedding):
+        edits.set(m, "weight", _param(ex.centre_rows(m.weight), m.weight))
+        return
+    w, b, conv = _linear(m)
+    w2, b2 = ex.centre_output(w, b, conv)
+    edits.set(m, "weight", _param(w2, m.weight))
+    if b is not None:
+        edits.set(m, "bias", _param(b2, m.bias))
+
+
+@torch.no_grad()
+def _exact_to_rmsnorm(model, adapter: Adapter, edits: Edits):
+    base = model.base_model
+    head = model.get_output_embeddings() if model is not base else None
+    tied = head is not None and head.weight is base.get_input_embeddings().weight
+    # 1. centre everything that writes to the residual stream
+    for path in adapter.embedding_writers:
+        _centre_writer(_find(base, path), edits)
+    layers = get_path(base, adapter.layers)
+    for layer in layers:
+        for path in adapter.residual_writers:
+            _centre_writer(get_path(layer, path), edits)
+    # 2. fold each block norm's affine into its readers; the norm becomes a unit RMSNorm
+    for i, layer in enumerate(layers):
+        for norm_name, readers in adapter.residual_readers.items():
+            _fold_norm(model, f"{adapter.layers}.{i}.{norm_name}", [get_path(layer, r) for r in readers], adapter,
+                       edits)
+    # 3. the final norm folds into what reads it: OPT's project_out, else the LM head
+    if adapter.final_norm and get_path(base, adapter.final_norm) is not None:
+        reader = next((m for m in (_find(base, p) for p in adapter.final_readers) if m is not None), head)
+        _fold_norm(model, adapter.final_norm, [reader] if reader is not None else [], adapter, edits)
+    # The head kept the original embedding matrix (times γ) while the input embedding was centred: untie them for
+    # good, or transformers would tie them again on save/reload.
+    if tied and head.weight is not base.get_input_embeddings().weight:
+        edits.set(model.config, "tie_word_embeddings", False)
+
+
+def _fold_norm(model, path, readers, adapter, edits):
+    norm = get_path(model.base_model, path)
+    p = read(norm, adapter.norm_offset)
+    gamma, beta = p.scale(), p.bias
+    like = readers[0].weight if readers else (p.weight if p.weight is not None else p.bias)
+    shape = tuple(getattr(norm, "normalized_shape", None) or p.weight.shape)
+    if readers:
+        for r in readers:
+            w, b, conv = _linear(r)
+            w2, b2 = ex.fold_affine(w, b, gamma, beta, conv)
+            edits.set(r, "weight", _param(w2, r.weight))
+            edits.set(r, "bias", _param(b2, r.bias))
+        unit = None if p.weight is None else torch.ones(shape)
+        new = build("rmsnorm", shape, p.eps, 0.0, unit, None, like)
+    else:  # nothing to fold into (a bare base model): the RMSNorm keeps γ and β, exact on the centred stream
+        new = build("rmsnorm", shape, p.eps, 0.0, gamma, beta, like)
+    parent, name = _parent(model.base_model, path)
+    edits.set(parent, name, new)

@@ -1,0 +1,97 @@
+"""hfpatch's own norm modules, and a reader for the norm modules of every supported family.
+
+Both modules compute their statistics and the affine in float32 and cast the result back to the input dtype (as
+every RMSNorm of the supported families does, and as torch's LayerNorm kernels accumulate). `offset` keeps Gemma's
+parametrization: the scale is `offset + weight` (Gemma stores w and multiplies by 1 + w).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class _Norm(nn.Module):
+    def __init__(self, shape, eps, offset=0.0, bias=False, affine=True, dtype=None, device=None):
+        super().__init__()
+        shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
+        self.normalized_shape = shape
+        self.eps = float(eps)
+        self.offset = float(offset)
+        init = 0.0 if offset else 1.0
+        self.weight = nn.Parameter(torch.full(shape, init, dtype=dtype, device=device)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device)) if bias else None
+
+    def _affine(self, x):
+        if self.weight is not None:
+            x = x * (self.offset + self.weight.float())
+        if self.bias is not None:
+            x = x + self.bias.float()
+        return x
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, eps={self.eps}, offset={self.offset}, bias={self.bias is not None}"
+
+
+class RMSNorm(_Norm):
+    """x / sqrt(mean(x²) + eps) · (offset + weight) [+ bias]."""
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self._affine(h).to(x.dtype)
+
+
+class LayerNorm(_Norm):
+    """(x − mean) / sqrt(var + eps) · (offset + weight) [+ bias]."""
+
+    def forward(self, x):
+        h = x.float()
+        h = h - h.mean(-1, keepdim=True)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self._affine(h).to(x.dtype)
+
+
+@dataclass
+class NormParams:
+    kind: str  # "rmsnorm" | "layernorm"
+    weight: torch.Tensor | None  # stored weight (the scale is offset + weight)
+    bias: torch.Tensor | None
+    eps: float
+    offset: float
+
+    def scale(self) -> torch.Tensor | None:
+        """The effective elementwise scale, γ."""
+        return None if self.weight is None else self.weight + self.offset
+
+
+def read(module: nn.Module, family_offset: float = 0.0) -> NormParams:
+    """What a norm module computes, whatever its class: nn.LayerNorm, a family's RMSNorm (Llama-style
+    `variance_epsilon`, Gemma-style `eps` with scale 1 + w), or ours."""
+    if isinstance(module, _Norm):
+        kind = "rmsnorm" if isinstance(module, RMSNorm) else "layernorm"
+        return NormParams(kind, module.weight, module.bias, module.eps, module.offset)
+    if isinstance(module, nn.LayerNorm):
+        return NormParams("layernorm", module.weight, module.bias, module.eps, 0.0)
+    if "rmsnorm" in type(module).__name__.lower():
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if eps is None:
+            raise ValueError(f"cannot read eps of {type(module).__name__}")
+        return NormParams("rmsnorm", module.weight, getattr(module, "bias", None), float(eps), family_offset)
+    raise ValueError(f"{type(module).__name__} is not a norm hfpatch knows how to read")
+
+
+def build(kind: str, shape, eps: float, offset: float, weight, bias, like: torch.Tensor) -> _Norm:
+    """A new norm module of `kind` ("rmsnorm" | "layernorm") on `like`'s dtype and device, holding copies of
+    `weight` / `bias` (None: no such parameter)."""
+    cls = RMSNorm if kind == "rmsnorm" else LayerNorm
+    m = cls(shape, eps, offset=offset, bias=bias is not None, affine=weight is not None, dtype=like.dtype,
+            device=like.device)
+    with torch.no_grad():
+        if weight is not None:
+            m.weight.copy_(weight)
+        if bias is not None:
+            m.bias.copy_(bias)
+    return m
