@@ -30,3 +30,52 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak resident set (Linux: VmHWM), so that a later peak_rss() measures only what follows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss() -> int:
+    """Current resident set size in bytes."""
+    kb = _status_kb("VmRSS")
+    return (kb or 0) * 1024
+
+
+def peak_rss() -> int:
+    """Peak resident set size in bytes since the start (or the last reset_peak_rss)."""
+    kb = _status_kb("VmHWM")
+    if kb is None:
+        import resource
+
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb * 1024
+
+
+def run_worker(argv: list[str]) -> dict:
+    """Run `python <argv>` in a fresh process (its own peak memory) and parse the JSON it prints last."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"worker {argv} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -78,3 +78,15 @@ def test_console_entry_point_exit_code(tmp_path):
                            "nan", "--out", str(tmp_path / "o")], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["hfpatch: error: factor must be finite, got nan"]
+
+
+def test_norm_and_placement_from_the_command_line(tmp_path, capsys):
+    src, out = tmp_path / "gpt2", tmp_path / "rms"
+    hfpatch.save_pretrained(tiny_model("gpt2"), src)
+    assert main(["patch", str(src), "--norm", "rmsnorm", "--placement", "post", "--out", str(out)]) == 0
+    assert "norm=rmsnorm" in capsys.readouterr().out
+    expected = hfpatch.patch(tiny_model("gpt2"), norm="rmsnorm", placement="post")
+    x = tokens(40)
+    assert max_diff(logits(hfpatch.from_pretrained(out), x), logits(expected, x)) == 0.0
+    assert main(["patch", str(src), "--norm", "rmsnorm", "--no-exact", "--out", str(tmp_path / "plain")]) == 0
+    assert hfpatch.describe(hfpatch.from_pretrained(tmp_path / "plain"))["norm"]["exact"] is False

@@ -68,3 +68,31 @@ def test_cli_describes_the_gguf_file(capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["family"] == "llama" and info["max_position_embeddings"] == 8192
     assert info["position"]["rope_parameters"] == {"rope_theta": 100000.0, "rope_type": "default"}
+
+
+def test_exact_layernorm_to_rmsnorm_on_real_weights_and_text(smollm2, books, tmp_path):
+    """A real pretrained-weight LayerNorm model: SmolLM2 with its RMSNorms swapped for LayerNorms (saved, so the
+    LayerNorms are its baseline). The exact conversion back to RMSNorm must give the same perplexity on real text."""
+    import math
+    import warnings
+
+    model, tok = smollm2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hfpatch.patch(model, norm="layernorm")
+    try:
+        hfpatch.save_pretrained(model, tmp_path)
+    finally:
+        hfpatch.unpatch(model)
+    ln_model = hfpatch.from_pretrained(tmp_path).eval()
+    assert hfpatch.describe(ln_model)["norm"]["kind"] == "layernorm"
+    text = (books / "emma.txt").read_text(encoding="utf-8")[20_000:40_000]
+    ids = tok(text, return_tensors="pt").input_ids[:, :1024]
+    with torch.no_grad():
+        ppl_ln = math.exp(ln_model(ids, labels=ids).loss.item())
+        hfpatch.patch(ln_model, norm="rmsnorm")
+        ppl_rms = math.exp(ln_model(ids, labels=ids).loss.item())
+    info = hfpatch.describe(ln_model)["norm"]
+    assert info["kind"] == "rmsnorm" and info["exact"] is True
+    assert abs(ppl_rms - ppl_ln) / ppl_ln <= 1e-4
+    assert ln_model.lm_head.weight is not ln_model.model.embed_tokens.weight  # untied by the conversion
