@@ -3,6 +3,8 @@
     hfpatch describe MODEL
     hfpatch patch MODEL --position yarn --factor 4 --out DIR
     hfpatch supported
+    hfpatch eval ppl ...        (python eval/perplexity.py ...; hfpatch eval ppl --help)
+    hfpatch eval passkey ...    (python eval/passkey.py ...)
 
 MODEL: a hub id, a local folder, a .gguf file, or "smollm2" (the embedded default). Bad input: one line on stderr
 and exit code 2.
@@ -51,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--position", help="position scheme, e.g. yarn, ntk, linear, dynamic, dynamic-yarn, llama3, longrope, rope")
     s.add_argument("--factor", type=float, help="context extension ratio (> 1)")
     s.add_argument("--norm", choices=["rmsnorm", "layernorm"])
+    s.add_argument("--no-exact", dest="exact", action="store_false", default=None,
+                   help="with --norm rmsnorm: plain swap instead of the exact (weight-folding) conversion")
     s.add_argument("--placement", choices=["pre", "post"])
     s.add_argument("--original-max-position-embeddings", type=int, dest="original_max_position_embeddings")
     for name in _FLOAT_OPTIONS:
@@ -61,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="load the model in this dtype")
 
     sub.add_parser("supported", help="families and the patches each accepts (JSON)")
+
+    e = sub.add_parser("eval", help="perplexity at extended lengths (ppl) or passkey retrieval (passkey)")
+    e.add_argument("what", choices=["ppl", "passkey"])
+    e.add_argument("rest", nargs=argparse.REMAINDER, help="the arguments of that evaluation (see hfpatch eval ppl --help)")
     return p
 
 
@@ -80,6 +88,10 @@ def _run(args) -> int:
     import hfpatch
     from hfpatch.models import load
 
+    if args.command == "eval":  # the evaluations parse their own arguments and print their own errors
+        from hfpatch.evaluate import passkey, perplexity
+
+        return (perplexity if args.what == "ppl" else passkey).main(args.rest)
     if args.command == "supported":
         print(json.dumps(hfpatch.supported(), indent=2))
         return 0
@@ -88,7 +100,8 @@ def _run(args) -> int:
         print(json.dumps(hfpatch.describe(model), indent=2, default=str))
         return 0
     # patch: validate the request before spending time loading the model
-    kwargs = {k: getattr(args, k) for k in ("position", "factor", "norm", "placement", "original_max_position_embeddings",
+    kwargs = {k: getattr(args, k) for k in ("position", "factor", "norm", "exact", "placement",
+                                            "original_max_position_embeddings",
                                             "layer_types", *_FLOAT_OPTIONS)}
     kwargs.update(dict(args.opt))
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
