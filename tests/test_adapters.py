@@ -35,12 +35,13 @@ def test_paths_resolve(family):
 def test_adapter_covers_every_norm(family):
     model = tiny_model(family)
     adapter = adapter_for(model.config)
-    base = model.base_model
+    prefix = model.base_model_prefix + "."
     declared = set()
     for i in range(model.config.num_hidden_layers):
-        declared |= {f"{adapter.layers}.{i}.{n}" for n in adapter.norms + adapter.qk_norms}
-    declared |= {p for p in (adapter.final_norm, adapter.embedding_norm) if p}
-    present = {n for n, m in base.named_modules() if "norm" in type(m).__name__.lower()}
+        declared |= {f"{prefix}{adapter.layers}.{i}.{n}" for n in adapter.norms + adapter.qk_norms}
+    declared |= {prefix + p for p in (adapter.final_norm, adapter.embedding_norm) if p}
+    declared |= set(adapter.head_norms)
+    present = {n for n, m in model.named_modules() if "norm" in type(m).__name__.lower()}
     assert present == declared
 
 

@@ -26,6 +26,7 @@ class Adapter:
     norms: tuple[str, ...]  # the norms inside a block, in forward order
     final_norm: str | None = None
     embedding_norm: str | None = None  # BERT normalizes the embeddings
+    head_norms: tuple[str, ...] = ()  # norms in task heads, relative to the *top* model (skipped when absent)
     qk_norms: tuple[str, ...] = ()  # per-head norms on queries/keys (qwen3, gemma3, olmo2), relative to a block
     norm: str = "rmsnorm"  # "rmsnorm" | "layernorm"
     norm_offset: float = 0.0  # Gemma's norms scale by 1 + weight

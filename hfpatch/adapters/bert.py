@@ -6,6 +6,7 @@ ADAPTER = Adapter(
     attention="attention.self",
     norms=("attention.output.LayerNorm", "output.LayerNorm"),
     embedding_norm="embeddings.LayerNorm",
+    head_norms=("cls.predictions.transform.LayerNorm",),  # BertForMaskedLM / BertForPreTraining / BertLMHeadModel
     norm="layernorm",
     placement="post",
     placement_layout="bert",

@@ -24,13 +24,15 @@ def _parent(root, path: str):
 
 
 def norm_sites(model, adapter: Adapter) -> list[tuple[str, nn.Module]]:
-    """(base-relative path, module) of every norm: per block, QK norms, the final and the embedding norm."""
+    """(path from `model`, module) of every norm: per block, QK norms, the embedding and final norms, task heads."""
     base = model.base_model
+    prefix = "" if base is model else model.base_model_prefix + "."
     paths = []
     for i in range(len(get_path(base, adapter.layers))):
-        paths += [f"{adapter.layers}.{i}.{n}" for n in adapter.norms + adapter.qk_norms]
-    paths += [p for p in (adapter.embedding_norm, adapter.final_norm) if p]
-    sites = [(p, get_path(base, p)) for p in paths]
+        paths += [f"{prefix}{adapter.layers}.{i}.{n}" for n in adapter.norms + adapter.qk_norms]
+    paths += [prefix + p for p in (adapter.embedding_norm, adapter.final_norm) if p]
+    paths += [p for p in adapter.head_norms if _find(model, p) is not None]
+    sites = [(p, get_path(model, p)) for p in paths]
     return [(p, m) for p, m in sites if m is not None]  # OPT without a final norm
 
 
@@ -90,7 +92,7 @@ def _plain_swap(model, path, module, kind, adapter, edits):
     like = p.weight if p.weight is not None else p.bias
     bias = p.bias if kind == "rmsnorm" else (p.bias if p.bias is not None else torch.zeros_like(p.weight))
     new = build(kind, like.shape, p.eps, p.offset, p.weight, bias, like)
-    parent, name = _parent(model.base_model, path)
+    parent, name = _parent(model, path)
     edits.set(parent, name, new)
 
 
