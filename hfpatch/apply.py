@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+import torch
 from transformers import PreTrainedModel
 
 from . import spec as specs
@@ -18,6 +19,9 @@ from .adapters import ADAPTERS, Adapter, adapter_for, get_path
 from .edits import Edits
 from .norm import convert as norms
 from .norm.placement import MIXINS, apply_placement
+from .position import SCHEMES
+from .position import absolute as absolute
+from .position import alibi as alibi
 from .position import rotary as rot
 from .position.rope import ROPE_SCHEMES, max_positions
 
@@ -68,6 +72,15 @@ def _trained_window(config, params: dict) -> int:
 
 
 def _apply_position(model: PreTrainedModel, adapter: Adapter, req: dict, edits: Edits) -> None:
+    if req["scheme"] in ROPE_SCHEMES:
+        _apply_rope(model, adapter, req, edits)
+    elif req["scheme"] == "interpolate":
+        _apply_interpolate(model, adapter, req, edits)
+    else:
+        _replace_positions(model, adapter, req, edits)
+
+
+def _apply_rope(model: PreTrainedModel, adapter: Adapter, req: dict, edits: Edits) -> None:
     scheme = req["scheme"]
     config = model.config
     if not adapter.has_rope:
@@ -132,6 +145,68 @@ def _apply_position(model: PreTrainedModel, adapter: Adapter, req: dict, edits: 
     if scheme == "dynamic-yarn":
         base = {lt: rot.params_of(config if native else rope_config, lt) for lt in targets}
         rot.make_dynamic_yarn(rotary, base, window, opts, edits)
+
+
+def _replace_positions(model: PreTrainedModel, adapter: Adapter, req: dict, edits: Edits) -> None:
+    """alibi / nope / sinusoidal: take the model's own position signal out, then put the new one in."""
+    scheme, config, base = req["scheme"], model.config, model.base_model
+    if adapter.has_rope:  # RoPE becomes the identity: cos = 1, sin = 0 at every position
+        rotary = get_path(base, adapter.rotary)
+        edits.track_new_attributes(rotary)
+        types = [lt for lt in rot.layer_types(config) if rot.params_of(config, lt) is not None]
+        for lt in types:
+            p = rot._prefix(lt)
+            edits.set(rotary, f"{p}inv_freq", torch.zeros_like(getattr(rotary, f"{p}inv_freq")))
+            edits.set(rotary, f"{p}original_inv_freq", torch.zeros_like(getattr(rotary, f"{p}inv_freq")))
+            edits.set(rotary, f"{p}attention_scaling", 1.0)
+            edits.delete(rotary, f"{p}long_inv_freq")
+        # "default" keeps transformers' dynamic/longrope updates from recomputing the frequencies
+        edits.set(rotary, "rope_type", "default" if types == [None] else {lt: "default" for lt in types})
+    if adapter.position_table:
+        table = get_path(base, adapter.position_table)
+        lookup = absolute.SinusoidalPositions if scheme == "sinusoidal" else absolute.ZeroPositions
+        edits.mix_in(table, lookup, under=True)
+        if scheme == "sinusoidal":
+            edits.set(table, "hfpatch_offset", adapter.position_offset)
+    elif scheme == "sinusoidal":
+        edits.mix_in(get_path(base, adapter.layers)[0], absolute.SinusoidalInput)
+    if scheme == "alibi":
+        slopes = torch.tensor(alibi.alibi_slopes(config.num_attention_heads, req.get("alibi_max_bias", 8.0)))
+        for layer in get_path(base, adapter.layers):
+            edits.set(get_path(layer, adapter.attention), alibi.SLOPES_ATTR, slopes)
+        eager = config._attn_implementation == "eager"
+        edits.set(config, "_attn_implementation_internal", alibi.EAGER_NAME if eager else alibi.SDPA_NAME)
+
+
+def _apply_interpolate(model: PreTrainedModel, adapter: Adapter, req: dict, edits: Edits) -> None:
+    """A learned position table stretched to factor x its length by linear interpolation of its rows."""
+    if not adapter.position_table:
+        raise ValueError(
+            f"position='interpolate' stretches a learned absolute position table; {adapter.model_type} has "
+            f"{adapter.position_kind()} positions (for RoPE use linear, ntk, yarn, ...); it applies to: "
+            f"{', '.join(sorted(k for k, a in ADAPTERS.items() if a.position_table))}"
+        )
+    base = model.base_model
+    table = get_path(base, adapter.position_table)
+    new = absolute.interpolate_rows(table.weight.detach(), req["factor"], keep=adapter.position_offset)
+    n_positions = new.shape[0] - adapter.position_offset
+    edits.set(table, "weight", torch.nn.Parameter(new, requires_grad=table.weight.requires_grad))
+    edits.set(table, "num_embeddings", new.shape[0])
+    edits.set(model.config, "max_position_embeddings", n_positions)
+    # BERT keeps position_ids / token_type_ids buffers of the table's length
+    owner = get_path(base, adapter.position_table.rpartition(".")[0]) if "." in adapter.position_table else base
+    for name, fill in (("position_ids", "arange"), ("token_type_ids", "zeros")):
+        buf = getattr(owner, "_buffers", {}).get(name)
+        if buf is not None:
+            grown = torch.arange(n_positions, dtype=buf.dtype, device=buf.device) if fill == "arange" else \
+                torch.zeros(n_positions, dtype=buf.dtype, device=buf.device)
+            edits.set(owner, name, grown.expand(*buf.shape[:-1], n_positions))
+
+
+def changes_weights(axis: str, req: dict) -> bool:
+    """Whether a patch changes which weights exist (or their shapes): such patches reload by loading the saved
+    weights into the patched structure (io.from_pretrained); the others are simply applied again."""
+    return axis == "norm" or (axis == "position" and req["scheme"] == "interpolate")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -224,8 +299,11 @@ _RT_TO_SCHEME = {"default": "rope", "linear": "linear", "dynamic": "dynamic", "y
 
 def _position(model, adapter: Adapter, state: PatchState | None) -> dict:
     config = model.config
-    if state and "position" in state.spec:
-        req = state.spec["position"]
+    applied = {**state.baked, **state.spec} if state else {}
+    if "position" in applied:
+        req = applied["position"]
+        if req["scheme"] not in ROPE_SCHEMES:  # a bigger table is still a plain checkpoint; the others are not
+            return {**req, "native": req["scheme"] == "interpolate"}
         rotary = get_path(model.base_model, adapter.rotary)
         return {**req, "rope_parameters": copy.deepcopy(rotary.config.rope_parameters),
                 "native": rotary.config is config}
@@ -266,7 +344,8 @@ def describe(model) -> dict:
 
 def _available(adapter: Adapter) -> dict:
     return {
-        "position": list(ROPE_SCHEMES) if adapter.has_rope else [],
+        "position": [s for s in SCHEMES if (s in ROPE_SCHEMES and adapter.has_rope)
+                     or (s == "interpolate" and adapter.position_table) or s in ("alibi", "nope", "sinusoidal")],
         "norm": list(specs.NORMS),
         "exact_layernorm_to_rmsnorm": bool(adapter.residual_readers) and adapter.placement != "post",
         "placement": sorted({want for (layout, want) in MIXINS if layout == adapter.placement_layout}

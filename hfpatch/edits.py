@@ -46,9 +46,9 @@ class Edits:
         self._log.append((obj, "__class__", type(obj)))
         obj.__class__ = cls
 
-    def mix_in(self, obj, mixin: type) -> None:
-        """swap_class to a subclass of obj's class with `mixin`'s methods first."""
-        self.swap_class(obj, with_mixin(type(obj), mixin))
+    def mix_in(self, obj, mixin: type, under: bool = False) -> None:
+        """swap_class to a subclass of obj's class with `mixin`'s methods first (see `with_mixin` for `under`)."""
+        self.swap_class(obj, with_mixin(type(obj), mixin, under))
 
     def track_new_attributes(self, obj) -> None:
         """On undo, also drop attributes and buffers that appear on `obj` after this point, e.g. the caches
@@ -94,15 +94,21 @@ def _current(obj, name):
     return d.get(name, _MISSING)
 
 
-_SUBCLASSES: dict[tuple[type, type], type] = {}
+_SUBCLASSES: dict[tuple[type, type, bool], type] = {}
 
 
-def with_mixin(cls: type, mixin: type) -> type:
+def with_mixin(cls: type, mixin: type, under: bool = False) -> type:
     """A subclass of `cls` with `mixin`'s methods first; one class per pair, reused across patches (so that a
-    class created for one layer is the class of every patched layer of that type)."""
-    key = (cls, mixin)
+    class created for one layer is the class of every patched layer of that type).
+
+    under=True: `mixin` subclasses one of cls's bases and must come right after cls instead, so that cls's own
+    methods still run and reach the mixin through super() (OPT's position table computes positions, then calls
+    nn.Embedding.forward: a mixin of nn.Embedding placed under it replaces just the lookup)."""
+    key = (cls, mixin, under)
     if key not in _SUBCLASSES:
-        _SUBCLASSES[key] = type(f"{mixin.__name__}_{cls.__name__}", (mixin, cls), {"__module__": mixin.__module__})
+        bases = (mixin, cls) if not under else ((mixin,) if issubclass(mixin, cls) or mixin.__mro__[1] is cls
+                                                 else (cls, mixin))
+        _SUBCLASSES[key] = type(f"{mixin.__name__}_{cls.__name__}", bases, {"__module__": mixin.__module__})
     return _SUBCLASSES[key]
 
 

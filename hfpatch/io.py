@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from . import spec as specs
 from .adapters import adapter_for
-from .apply import _apply, bake, patch, state_of, unwrap
+from .apply import _apply, bake, changes_weights, patch, state_of, unwrap
 from .edits import Edits
 
 
@@ -60,8 +60,9 @@ def save_pretrained(model, path, tokenizer=None, **kwargs):
     state = state_of(target)
     if state and "position" in state.spec and not _native(target):
         warnings.warn(
-            f"position={state.spec['position']['scheme']!r} has no rope_parameters form that {type(target.config).__name__} "
-            "accepts: hfpatch.from_pretrained reloads the patch, plain transformers loads the unpatched RoPE.",
+            f"position={state.spec['position']['scheme']!r} has no form that {type(target.config).__name__} can express: "
+            "hfpatch.from_pretrained reloads the patch, plain transformers loads the model's original position "
+            "encoding.",
             stacklevel=2,
         )
     with _serializable(target):
@@ -85,10 +86,6 @@ def _model_class(config):
     return AutoModelForCausalLM
 
 
-# Patches that change which weights exist (norm swaps add or drop biases, untie the LM head, replace norm modules):
-# reloading them means loading the saved weights into the patched structure. The others are applied again.
-WEIGHT_AXES = ("norm",)
-
 
 def from_pretrained(path, **kwargs):
     """Rebuild a model saved by `save_pretrained` (patched or not); kwargs go to transformers' from_pretrained."""
@@ -106,7 +103,7 @@ def from_pretrained(path, **kwargs):
             delattr(config, key)
     del config.hfpatch
     spec = record["spec"]
-    weight_spec = {k: v for k, v in spec.items() if k in WEIGHT_AXES}
+    weight_spec = {k: v for k, v in spec.items() if changes_weights(k, v)}
     if not weight_spec:
         model = _model_class(config).from_pretrained(path, config=config, **kwargs)
         return patch(model, **specs.to_kwargs(spec))
@@ -130,5 +127,5 @@ def from_pretrained(path, **kwargs):
     model.__class__ = cls
     # The reloaded structure is the model now: unpatch cannot bring back weights that are not in the folder.
     bake(model, weight_spec, built["facts"], built["config"])
-    live = {k: v for k, v in spec.items() if k not in WEIGHT_AXES}
+    live = {k: v for k, v in spec.items() if k not in weight_spec}
     return patch(model, **specs.to_kwargs(live)) if live else model

@@ -10,15 +10,13 @@ from __future__ import annotations
 import math
 import numbers
 
-from .position.rope import COMMON_OPTIONS, ROPE_SCHEMES
+from .position import SCHEMES, options_of
 
-# Position schemes of the SPEC that this version does not implement yet: a clear error rather than a silent no-op.
-PLANNED_POSITION = ("alibi", "nope", "sinusoidal", "interpolate")
 AXES = ("position", "norm", "placement")
 
 
 def position_schemes() -> list[str]:
-    return list(ROPE_SCHEMES)
+    return list(SCHEMES)
 
 
 def _number(name: str, value, *, positive=True, above_one=False) -> float:
@@ -66,16 +64,11 @@ def position_request(scheme, options: dict) -> dict:
     if not isinstance(scheme, str):
         raise TypeError(f"position must be a string, one of {', '.join(position_schemes())}; got {scheme!r}")
     name = scheme.strip().lower().replace("_", "-")
-    if name in PLANNED_POSITION:
-        raise ValueError(
-            f"position={scheme!r} is not available in this version of hfpatch; "
-            f"available: {', '.join(position_schemes())}"
-        )
-    if name not in ROPE_SCHEMES:
+    if name not in SCHEMES:
         raise ValueError(f"unknown position scheme {scheme!r}; valid: {', '.join(position_schemes())}")
-    info = ROPE_SCHEMES[name]
+    info = SCHEMES[name]
     options = {k: v for k, v in options.items() if v is not None}
-    allowed = set(info.options) | set(COMMON_OPTIONS) | ({"factor"} if info.factor != "none" else set())
+    allowed = options_of(name)
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ValueError(

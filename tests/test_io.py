@@ -59,7 +59,7 @@ def test_non_native_schemes_warn_and_reload_through_hfpatch(tmp_path, family, kw
     model = hfpatch.patch(tiny_model(family), **kwargs)
     assert hfpatch.describe(model)["position"]["native"] is False
     x = tokens(160)
-    with pytest.warns(UserWarning, match="plain transformers loads the unpatched RoPE"):
+    with pytest.warns(UserWarning, match="plain transformers loads the model.s original position"):
         hfpatch.save_pretrained(model, tmp_path)
     assert max_diff(logits(hfpatch.from_pretrained(tmp_path), x), logits(model, x)) == 0.0
     plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()

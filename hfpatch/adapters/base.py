@@ -44,6 +44,7 @@ class Adapter:
     placement_layout: str | None = None
     rotary: str | None = None  # the rotary module; None = the family has no RoPE
     position_table: str | None = None  # learned absolute position embeddings
+    position_offset: int = 0  # rows before position 0 in that table (OPT: 2)
     causal: bool = True
     # RoPE types the family's config class accepts and round-trips through config.json (phi3: default/longrope).
     native_rope_types: frozenset = field(

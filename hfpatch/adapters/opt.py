@@ -18,4 +18,5 @@ ADAPTER = Adapter(
     embedding_writers=("decoder.project_in|decoder.embed_tokens", "decoder.embed_positions"),
     final_readers=("decoder.project_out",),
     position_table="decoder.embed_positions",  # OPTLearnedPositionalEmbedding: rows offset by 2
+    position_offset=2,
 )

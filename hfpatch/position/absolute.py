@@ -1,0 +1,70 @@
+"""Absolute position signals: the sinusoidal table, removing a model's own position signal (for alibi, nope,
+sinusoidal), and interpolating a learned position table (position="interpolate").
+
+Learned tables (GPT-2's wpe, OPT's embed_positions, BERT's position_embeddings) are nn.Embedding lookups by position
+(OPT adds an offset of 2 first). A mixin placed just above nn.Embedding in the table's class replaces the lookup:
+zeros (the model no longer adds positions) or the sinusoidal rows. The table's weight stays, unused, so the
+checkpoint layout does not change. RoPE models get the sinusoidal table added to the input of their first block
+(the decoder passes it `position_ids`, which are right with a KV cache too).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def sinusoidal_table(positions: torch.Tensor, dim: int, base: float = 10000.0) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / base^(2i/d)), PE(pos, 2i+1) = cos(pos / base^(2i/d)) (Vaswani et al., 2017).
+    positions: any shape; returns [..., dim] in float32."""
+    i = torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device)
+    angle = positions.to(torch.float64)[..., None] / base ** (i / dim)
+    pe = torch.zeros(*positions.shape, dim, dtype=torch.float64, device=positions.device)
+    pe[..., 0::2] = torch.sin(angle)
+    pe[..., 1::2] = torch.cos(angle[..., : dim // 2])
+    return pe.float()
+
+
+def interpolate_rows(table: torch.Tensor, factor: float, keep: int = 0) -> torch.Tensor:
+    """Position interpolation for a learned table (Chen et al., 2023, applied to the table instead of RoPE): row p'
+    of the new table, p' < ceil(factor·N), is the old table at p'/factor, linearly interpolated (clamped at the last
+    row). The first `keep` rows (OPT's offset rows) are copied as they are."""
+    head, body = table[:keep], table[keep:].double()
+    n = body.shape[0]
+    new_n = int(math.ceil(n * factor))
+    x = torch.arange(new_n, dtype=torch.float64, device=table.device) / factor
+    lo = x.floor().clamp(max=n - 1).long()
+    hi = (lo + 1).clamp(max=n - 1)
+    w = (x - lo.double()).clamp(0, 1)[:, None]
+    rows = (1 - w) * body[lo] + w * body[hi]
+    return torch.cat([head, rows.to(table.dtype)], dim=0)
+
+
+class ZeroPositions(nn.Embedding):
+    """The table lookup returns zeros: the model adds no position embedding (gradients do not reach the table)."""
+
+    def forward(self, input):  # noqa: A002 - nn.Embedding's name
+        return torch.zeros(*input.shape, self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device)
+
+
+class SinusoidalPositions(nn.Embedding):
+    """The table lookup returns the sinusoidal encoding of the position (index minus the table's offset)."""
+
+    hfpatch_offset: int = 0
+
+    def forward(self, input):  # noqa: A002
+        pe = sinusoidal_table(input - self.hfpatch_offset, self.embedding_dim)
+        return pe.to(device=self.weight.device, dtype=self.weight.dtype)
+
+
+class SinusoidalInput:
+    """Mixed into the first block of a RoPE model: adds the sinusoidal table at `position_ids` to its input."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            raise ValueError("position='sinusoidal' needs the decoder to pass position_ids to its first block")
+        pe = sinusoidal_table(position_ids, hidden_states.shape[-1]).to(hidden_states.dtype)
+        return super().forward(hidden_states + pe.to(hidden_states.device), *args, **kwargs)

@@ -1,0 +1,137 @@
+"""ALiBi (Press et al., 2022): no position embedding; each head adds −m_h·(i − j) to its attention scores
+(−m_h·|i − j| in bidirectional encoders).
+
+Two attention functions are registered with transformers (`AttentionInterface`), each with its mask function
+(`AttentionMaskInterface`: without it transformers would hand the function no mask at all):
+
+- "hfpatch_alibi" (models on sdpa or any other implementation): causal attention without softcapping runs as ONE
+  ordinary sdpa call, by factorisation. −m(i − j) = m·j − m·i, and softmax ignores the per-row constant −m·i, so
+  the bias is a dot product: two extra channels carry m/scale on the query side and the key's position on the key
+  side (split as 256·hi + lo, so both are exact even in bf16), padded to a multiple of 8 channels (an odd head size
+  costs the CPU flash kernel ~30%, a multiple of 8 ~10%). Memory stays O(L), like plain sdpa. Key positions are
+  centred on the queries (j − c), which keeps the added term small for the keys that matter. Bidirectional
+  attention (|i − j| does not factorise) and softcapping (gemma2) take the explicit path below, one block of queries
+  at a time, so at most [batch, heads, block, keys] scores exist at once.
+- "hfpatch_alibi_eager" (models loaded with attn_implementation="eager"): the explicit path on all queries at once,
+  returning the attention weights like eager attention does.
+
+Queries are taken to be the last q_len of the key slots (no cache, or a DynamicCache); the factorised path only
+uses key positions, so it also holds for a StaticCache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+SDPA_NAME = "hfpatch_alibi"
+EAGER_NAME = "hfpatch_alibi_eager"
+SLOPES_ATTR = "hfpatch_alibi_slopes"
+BLOCK_ELEMENTS = 1 << 24  # scores per block on the explicit path (64 MB in fp32)
+
+
+def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> list[float]:
+    """The ALiBi paper's slopes: for n a power of two, m_h = 2^(−max_bias·h/n), h = 1..n; otherwise the slopes
+    of the closest smaller power of two p, then every other slope of 2p for the remaining n − p heads."""
+    def power_of_two(n):
+        return [2.0 ** (-max_bias * (h + 1) / n) for h in range(n)]
+
+    p = 2 ** int(math.floor(math.log2(n_heads)))
+    if p == n_heads:
+        return power_of_two(n_heads)
+    return power_of_two(p) + power_of_two(2 * p)[0::2][: n_heads - p]
+
+
+def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, bidirectional: bool) -> torch.Tensor:
+    """[H, q, k] additive bias: −m·(i − j), or −m·|i − j| when bidirectional. (Causal masking is separate.)"""
+    dist = q_pos[:, None] - k_pos[None, :]
+    dist = dist.abs() if bidirectional else dist
+    return -slopes[:, None, None] * dist[None].to(slopes.dtype)
+
+
+def _slopes(module, like):
+    return getattr(module, SLOPES_ATTR).to(device=like.device, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------- factorised path
+
+def factorise(slopes: torch.Tensor, query, key, value, scaling: float, centre: int):
+    """Query/key/value with the ALiBi channels appended: scaling·(q'·k') = scaling·q·k + m·(j − centre)."""
+    b, h, q_len, d = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    extra = 2 + (-(d + 2)) % 8
+    j = torch.arange(kv_len, device=key.device, dtype=torch.float64) - centre
+    hi = torch.floor(j / 256)
+    lo = j - 256 * hi
+    a = (slopes / scaling).to(query.dtype)  # one slope per query head
+    q_cols = torch.zeros(b, h, q_len, extra, dtype=query.dtype, device=query.device)
+    q_cols[..., 0] = (a * 256)[None, :, None]  # exact: a power-of-two multiple
+    q_cols[..., 1] = a[None, :, None]
+    k_cols = torch.zeros(b, kv_heads, kv_len, extra, dtype=key.dtype, device=key.device)
+    k_cols[..., 0] = hi.to(key.dtype)
+    k_cols[..., 1] = lo.to(key.dtype)
+    v_cols = torch.zeros(b, kv_heads, kv_len, extra, dtype=value.dtype, device=value.device)
+    return (torch.cat([query, q_cols], -1), torch.cat([key, k_cols], -1), torch.cat([value, v_cols], -1))
+
+
+def alibi_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if kwargs.get("softcap") is not None or not causal:
+        return explicit(module, query, key, value, attention_mask, scaling, dropout, causal, block=True, **kwargs)
+    q_len, kv_len, d = query.shape[2], key.shape[2], query.shape[-1]
+    q, k, v = factorise(_slopes(module, query), query, key, value, scaling, centre=kv_len - (q_len + 1) // 2)
+    out, _ = sdpa_attention_forward(module, q, k, v, attention_mask, dropout=dropout, scaling=scaling,
+                                    is_causal=is_causal, **kwargs)
+    return out[..., :d].contiguous(), None
+
+
+# --------------------------------------------------------------------------------------------------- explicit path
+
+def explicit(module, query, key, value, attention_mask, scaling, dropout=0.0, causal=True, block=False, **kwargs):
+    """Scores with the bias written out, like eager attention; with `block`, a block of queries at a time."""
+    b, h, q_len, d = query.shape
+    kv_len = key.shape[2]
+    groups = h // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    value = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+    slopes = _slopes(module, query)
+    k_pos = torch.arange(kv_len, device=query.device)
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
+    softcap = kwargs.get("softcap")
+    step = q_len if not block else max(1, min(q_len, BLOCK_ELEMENTS // max(1, b * h * kv_len)))
+    outs, weights = [], []
+    for s in range(0, q_len, step):
+        e = min(q_len, s + step)
+        scores = torch.matmul(query[:, :, s:e], key.transpose(2, 3)) * scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores + alibi_bias(slopes, q_pos[s:e], k_pos, bidirectional=not causal)[None].to(scores.dtype)
+        if attention_mask is not None:
+            m = attention_mask[:, :, s:e, :kv_len]
+            scores = scores.masked_fill(~m, torch.finfo(scores.dtype).min) if m.dtype == torch.bool else scores + m
+        elif causal and q_len > 1:  # transformers skipped the mask, counting on sdpa's is_causal
+            scores = scores.masked_fill(k_pos[None, :] > q_pos[s:e, None], torch.finfo(scores.dtype).min)
+        w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        w = torch.nn.functional.dropout(w, p=dropout, training=module.training)
+        outs.append(torch.matmul(w, value))
+        if not block:
+            weights.append(w)
+    out = torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+    return out, (torch.cat(weights, dim=2) if weights else None)
+
+
+def alibi_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    causal = getattr(module, "is_causal", True)
+    return explicit(module, query, key, value, attention_mask, scaling, dropout, causal, block=False, **kwargs)
+
+
+AttentionInterface.register(SDPA_NAME, alibi_sdpa)
+AttentionInterface.register(EAGER_NAME, alibi_eager)
+AttentionMaskInterface.register(SDPA_NAME, sdpa_mask)
+AttentionMaskInterface.register(EAGER_NAME, eager_mask)
