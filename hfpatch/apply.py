@@ -335,6 +335,7 @@ def describe(model) -> dict:
         "norm": norm,
         "placement": applied.get("placement", {}).get("kind") or adapter.placement_of(target.config),
         "position": _position(target, adapter, state),
+        "attention": target.config._attn_implementation,
         "max_position_embeddings": target.config.max_position_embeddings,
         "applied": copy.deepcopy(applied),
         "baked": sorted(state.baked) if state else [],
