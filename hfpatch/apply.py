@@ -318,6 +318,25 @@ def _position(model, adapter: Adapter, state: PatchState | None) -> dict:
     return {"scheme": "none"}
 
 
+UNBOUNDED_SCHEMES = ("alibi", "nope", "sinusoidal", "dynamic", "dynamic-yarn")
+
+
+def position_limit(model) -> int | None:
+    """The longest sequence the model's position encoding is meant for now: a learned table's rows, RoPE's
+    (scaled) max_position_embeddings; None for schemes without a fixed window (ALiBi, NoPE, sinusoidal, dynamic
+    scaling)."""
+    target = unwrap(model)
+    adapter = adapter_for(target.config)
+    state = getattr(target, _STATE, None)
+    applied = {**state.baked, **state.spec} if state else {}
+    scheme = applied.get("position", {}).get("scheme")
+    if scheme in UNBOUNDED_SCHEMES:
+        return None
+    if adapter.position_table:
+        return get_path(target.base_model, adapter.position_table).num_embeddings - adapter.position_offset
+    return int(target.config.max_position_embeddings)
+
+
 def describe(model) -> dict:
     """What the model is, how it normalizes and encodes position now, and what hfpatch has applied."""
     target = unwrap(model)
@@ -337,6 +356,7 @@ def describe(model) -> dict:
         "position": _position(target, adapter, state),
         "attention": target.config._attn_implementation,
         "max_position_embeddings": target.config.max_position_embeddings,
+        "position_limit": position_limit(target),
         "applied": copy.deepcopy(applied),
         "baked": sorted(state.baked) if state else [],
         "patches": _available(adapter),

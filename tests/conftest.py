@@ -136,3 +136,33 @@ def smollm2():
         pytest.skip(str(e))
     model, tok = load(SMOLLM2)
     return model.eval(), tok
+
+
+def stdlib_text(chars=400_000) -> str:
+    """Real text that every install has: Python standard library sources."""
+    from hfpatch.evaluate.data import default_corpus
+
+    text = ""
+    for doc in default_corpus():
+        text += doc.text
+        if len(text) >= chars:
+            break
+    return text[:chars]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer (vocabulary 384) trained on stdlib text, saved as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([stdlib_text(200_000)], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    path = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(path)
+    return path

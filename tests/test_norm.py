@@ -273,7 +273,7 @@ def test_gradient_checkpointing_still_works_after_a_class_swap(family):
         count = [0]
         norm.register_forward_hook(lambda *a: count.__setitem__(0, count[0] + 1))
         if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable({"use_reentrant": False})
         x = tokens(16)
         out = model(x).logits
         out.float().pow(2).mean().backward()

@@ -1,0 +1,188 @@
+"""Recipe configs: a YAML file, then `key=value` overrides from the command line (dotted keys reach into sections,
+values are parsed as YAML: `lr=3e-4`, `data.text_files=[a.txt,b.txt]`, `patch.position=yarn`).
+
+Every key is checked against the recipe's schema before anything is loaded: an unknown key, a wrong type or a
+missing data path is one clear error (ConfigError), never ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    pass
+
+
+# name: (type or tuple of types, default). A dict default is a section with its own schema.
+COMMON = {
+    "model": ((str, type(None)), None),  # hfpatch.models.load name: folder, .gguf, hub id, "smollm2"
+    "tokenizer": ((str, type(None)), None),  # defaults to the model's
+    "patch": (dict, {}),  # keyword arguments of hfpatch.patch, e.g. {position: yarn, factor: 4}
+    "data": {
+        "text_files": ((list, str, type(None)), None),
+        "dataset": ((str, type(None)), None),
+        "config": ((str, type(None)), None),
+        "split": (str, "train"),
+        "text_field": (str, "text"),
+        "eval_fraction": (float, 0.05),  # share of packed sequences held out for the evaluation loss
+        "max_tokens": ((int, type(None)), None),  # cap on the tokens read (after tokenization)
+    },
+    "seq_len": (int, 512),
+    "batch_size": (int, 1),  # per process
+    "grad_accum": (int, 1),
+    "lr": (float, 1e-4),
+    "weight_decay": (float, 0.0),
+    "warmup_steps": (int, 10),
+    "max_steps": (int, 100),
+    "clip": ((float, type(None)), 1.0),
+    "seed": (int, 0),
+    "precision": (str, "no"),  # accelerate mixed_precision: no | bf16 | fp16
+    "gradient_checkpointing": (bool, False),
+    "lora": {
+        "enabled": (bool, False),
+        "r": (int, 8),
+        "alpha": (int, 16),
+        "dropout": (float, 0.0),
+        "target_modules": ((list, str), "all-linear"),
+    },
+    "eval_every": (int, 50),
+    "eval_batches": (int, 8),
+    "save_every": (int, 100),
+    "output_dir": (str, "runs/recipe"),
+    "log_with": ((list, str, type(None)), None),  # accelerate trackers (tensorboard, wandb, ...)
+    "resume": ((bool, str), False),  # True: the newest checkpoint in output_dir; or a checkpoint folder
+    "stop_after": ((int, type(None)), None),  # stop after this step (as if interrupted; resume continues)
+    "dtype": (str, "float32"),  # weights in memory: float32 | bfloat16
+}
+
+DISTILL = {
+    "distill": {
+        "enabled": (bool, False),
+        "alpha": (float, 0.5),  # loss = (1 - alpha) * CE + alpha * T^2 * KL(teacher || student)
+        "temperature": (float, 1.0),
+        "chunk": (int, 512),  # positions per chunk when scoring against the full vocabulary
+    }
+}
+
+PRETRAIN = {"model_config": (dict, {})}  # model built from a config: {model_type: llama, hidden_size: ...}
+
+SCHEMAS = {
+    "context_extension": COMMON,
+    "heal": {**COMMON, **DISTILL},
+    "pretrain": {**COMMON, **PRETRAIN},
+}
+
+
+class Config(dict):
+    """A nested dict with attribute access (cfg.data.text_files)."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _defaults(schema) -> dict:
+    return {k: _defaults(v) if isinstance(v, dict) else copy.deepcopy(v[1]) for k, v in schema.items()}
+
+
+def _check(schema: dict, values: dict, where: str = "") -> Config:
+    out = Config()
+    for key, value in values.items():
+        name = f"{where}{key}"
+        if key not in schema:
+            raise ConfigError(f"unknown config key {name!r}; valid keys here: {', '.join(sorted(schema))}")
+        spec = schema[key]
+        if isinstance(spec, dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name} must be a section (key: value pairs), got {value!r}")
+            out[key] = _check(spec, {**_defaults(spec), **value}, f"{name}.")
+            continue
+        types, _ = spec
+        types = types if isinstance(types, tuple) else (types,)
+        if float in types and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if float in types and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ConfigError(f"{name} must be {names}, got {value!r} ({type(value).__name__})")
+        out[key] = value
+    return out
+
+
+def _set(tree: dict, dotted: str, value) -> None:
+    *path, last = dotted.split(".")
+    for part in path:
+        tree = tree.setdefault(part, {})
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+    tree[last] = value
+
+
+def load(recipe: str, path: str | None, overrides: list[str]) -> Config:
+    schema = SCHEMAS[recipe]
+    values: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        values = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected key: value pairs at the top level")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        _set(values, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    merged = _defaults(schema)
+    for key, value in values.items():
+        if isinstance(merged.get(key), dict) and isinstance(value, dict) and key != "patch" and key != "model_config":
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    cfg = _check(schema, merged)
+    _validate(cfg, recipe)
+    return cfg
+
+
+def _validate(cfg: Config, recipe: str) -> None:
+    if recipe != "pretrain" and not cfg.model:
+        raise ConfigError("model is required (a folder, a .gguf file, a hub id or 'smollm2')")
+    if recipe == "pretrain" and not cfg.model_config.get("model_type"):
+        raise ConfigError("model_config.model_type is required (e.g. llama), with the model's sizes")
+    if recipe == "pretrain" and not cfg.tokenizer:
+        raise ConfigError("tokenizer is required for pretrain (a folder, a .gguf file or 'smollm2')")
+    for key in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "save_every", "eval_batches"):
+        if cfg[key] <= 0:
+            raise ConfigError(f"{key} must be > 0, got {cfg[key]}")
+    if cfg.warmup_steps < 0 or cfg.lr <= 0:
+        raise ConfigError(f"need warmup_steps >= 0 and lr > 0, got {cfg.warmup_steps} and {cfg.lr}")
+    if cfg.precision not in ("no", "bf16", "fp16"):
+        raise ConfigError(f"precision must be no, bf16 or fp16, got {cfg.precision!r}")
+    if cfg.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
+    if recipe == "pretrain" and cfg.model:
+        raise ConfigError("pretrain builds its model from model_config; remove model (or use context_extension/heal)")
+    files = cfg.data.text_files  # neither files nor a dataset: the default corpus (Python stdlib sources)
+    for f in [files] if isinstance(files, str) else (files or []):
+        if not Path(f).exists():
+            raise ConfigError(f"data path not found: {f}")
+    if "distill" in cfg and cfg.distill.enabled and not 0.0 <= cfg.distill.alpha <= 1.0:
+        raise ConfigError(f"distill.alpha must be in [0, 1], got {cfg.distill.alpha}")
+    try:
+        import hfpatch
+
+        hfpatch.spec.request(**cfg.patch)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"patch: {e}") from None

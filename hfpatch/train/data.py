@@ -1,0 +1,51 @@
+"""Training data: documents (text files, a `datasets` dataset) tokenized once (cached, see hfpatch.evaluate.data),
+joined with the EOS token between documents, packed into fixed-length sequences, and split into a training and a
+held-out set by a seeded shuffle of the packed sequences. The order in which training sequences are visited is a
+pure function of (seed, step), so an interrupted run that resumes sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..evaluate.data import documents, tokenize
+
+
+def packed(cfg, tok) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train [N, seq_len], held-out [M, seq_len]) int64 token ids."""
+    d = cfg.data
+    files = [d.text_files] if isinstance(d.text_files, str) else d.text_files
+    docs = documents(text_files_arg=files, dataset=d.dataset, config=d.config, split=d.split, text_field=d.text_field)
+    eos = tok.eos_token_id
+    parts, total = [], 0
+    for doc in docs:
+        ids = tokenize(tok, doc).ids
+        parts.append(ids)
+        if eos is not None:
+            parts.append(np.asarray([eos], dtype=np.int64))
+        total += len(ids)
+        if d.max_tokens and total >= d.max_tokens:
+            break
+    ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    if d.max_tokens:
+        ids = ids[: d.max_tokens]
+    n = len(ids) // cfg.seq_len
+    if n < 2:
+        raise ValueError(f"the data holds {len(ids)} tokens: fewer than two sequences of seq_len={cfg.seq_len}")
+    seqs = torch.from_numpy(ids[: n * cfg.seq_len].copy()).view(n, cfg.seq_len)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed))
+    n_eval = int(round(n * d.eval_fraction))
+    n_eval = min(max(n_eval, 1 if d.eval_fraction > 0 else 0), n - 1)
+    return seqs[order[n_eval:]], seqs[order[:n_eval]]
+
+
+def batch_indices(n: int, global_batch: int, step: int, seed: int) -> torch.Tensor:
+    """The sequence indices of global batch `step` (0-based): epochs are seeded permutations of range(n), read
+    in order, wrapping into the next epoch."""
+    out, start = [], step * global_batch
+    while len(out) < global_batch:
+        epoch, offset = divmod(start + len(out), n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+        out.extend(perm[offset: offset + global_batch - len(out)].tolist())
+    return torch.tensor(out)

@@ -1,0 +1,24 @@
+"""Healing: after a norm / placement / position swap, fine-tune to recover the original model's quality.
+
+    accelerate launch recipes/heal.py --config recipes/configs/heal_smollm2_layernorm.yaml [key=value ...]
+
+With distill.enabled the loss is (1 - alpha) * CE + alpha * T^2 * KL(original || patched), the KL taken against
+the unpatched model's logits, chunk by chunk (distill.chunk positions at a time), so long sequences fit.
+"""
+
+import copy
+import sys
+
+from hfpatch.train import cli, data, loop, setup
+
+
+def main(cfg):
+    model, tok = setup.load(cfg)
+    teacher = copy.deepcopy(model).eval() if cfg.distill.enabled else None  # the model before the swap
+    setup.apply_patch(model, cfg)
+    train_seqs, eval_seqs = data.packed(cfg, tok)
+    return loop.train(cfg, model, tok, train_seqs, eval_seqs, teacher=teacher)
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run("heal", main))
