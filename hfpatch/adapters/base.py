@@ -67,3 +67,21 @@ class Adapter:
         if self.position_table is not None:
             return "learned"
         return "none"
+
+
+# The block layout of Llama and the families that copy it (mistral, qwen2, qwen3, gemma): two pre-norms, q/k/v/o
+# projections, a gated MLP, one rotary module on the base model.
+LLAMA_STYLE = dict(
+    layers="layers",
+    attention="self_attn",
+    norms=("input_layernorm", "post_attention_layernorm"),
+    final_norm="norm",
+    residual_readers={
+        "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
+    },
+    residual_writers=("self_attn.o_proj", "mlp.down_proj"),
+    embedding_writers=("embed_tokens",),
+    placement_layout="llama",
+    rotary="rotary_emb",
+)

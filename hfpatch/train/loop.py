@@ -82,7 +82,10 @@ def _checkpoints(out: Path) -> list[Path]:
 
 
 def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
-    accelerator = Accelerator(mixed_precision=cfg.precision, log_with=cfg.log_with, project_dir=cfg.output_dir)
+    # cpu=True where there is no GPU: processes started by torchrun (accelerate's multi-process launcher) then
+    # form a gloo group on the CPU instead of failing to find devices
+    accelerator = Accelerator(mixed_precision=cfg.precision, log_with=cfg.log_with, project_dir=cfg.output_dir,
+                              cpu=not torch.cuda.is_available())
     set_seed(cfg.seed)
     out = Path(cfg.output_dir)
     if cfg.gradient_checkpointing:

@@ -8,6 +8,7 @@ import torch
 
 import hfpatch
 
+from ..models import load as load_model
 from .config import ConfigError
 
 
@@ -32,7 +33,7 @@ def tokenizer(name: str):
 def load(cfg):
     """(model, tokenizer) of cfg.model (cfg.tokenizer overrides the tokenizer)."""
     try:
-        model, tok = hfpatch.models.load(cfg.model, dtype=dtype_of(cfg), tokenizer=not cfg.tokenizer)
+        model, tok = load_model(cfg.model, dtype=dtype_of(cfg), tokenizer=not cfg.tokenizer)
     except (ValueError, OSError) as e:
         raise ConfigError(f"model: {e}") from None
     if cfg.tokenizer:
