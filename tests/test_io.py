@@ -4,7 +4,6 @@ transformers."""
 import json
 
 import pytest
-import torch
 from conftest import ROPE_FAMILIES, WINDOW, logits, max_diff, tiny_model, tokens
 from transformers import AutoModelForCausalLM
 

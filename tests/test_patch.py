@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from conftest import FAMILIES, ROPE_FAMILIES, WINDOW, assert_same_fingerprint, fingerprint, logits, max_diff, \
-    native_model, tiny_config, tiny_model, tokens
+    native_model, tiny_model, tokens
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hfpatch
