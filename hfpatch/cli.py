@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="perplexity at extended lengths (ppl) or passkey retrieval (passkey)")
     e.add_argument("what", choices=["ppl", "passkey"])
-    e.add_argument("rest", nargs=argparse.REMAINDER, help="the arguments of that evaluation (see hfpatch eval ppl --help)")
+    e.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="the arguments of that evaluation (see hfpatch eval ppl --help)")
     return p
 
 

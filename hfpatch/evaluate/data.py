@@ -1,0 +1,214 @@
+"""Text for the evaluations: local files and folders, a `datasets` dataset, or the default corpus; tokenized once.
+
+The default corpus is a fixed list of long, pure-Python modules of the standard library of the Python that runs
+hfpatch: every install has them, no download is needed. They are source code, so their perplexities are lower than
+those of prose, and they change a little between Python versions (the version is recorded with the results).
+
+Tokenization is cached (`$HFPATCH_CACHE/tokens`, default `~/.cache/hfpatch/tokens`), keyed by a hash of the
+tokenizer's full definition and of the text, so a changed file or another tokenizer never reads a stale entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+# Long modules present in every CPython >= 3.10, longest first; the default corpus is those found on disk.
+STDLIB_FILES = (
+    "_pydecimal.py", "inspect.py", "typing.py", "tarfile.py", "doctest.py", "pydoc.py", "argparse.py",
+    "email/_header_value_parser.py", "subprocess.py", "difflib.py", "enum.py", "mailbox.py", "_pyio.py",
+    "pickletools.py",
+)
+CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str
+    text: str
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class Tokens:
+    """Token ids of a document and, per token, the UTF-8 byte offset in the text where it ends.
+
+    Token i owns the bytes from the end of token i-1 to its own end (whitespace before a word goes with the word;
+    special tokens own nothing), so the bytes of a run of tokens [a, b) are ends[b-1] - ends[a-1]."""
+
+    ids: np.ndarray  # int64 [n]
+    ends: np.ndarray  # int64 [n], non-decreasing
+    exact_bytes: bool  # False when the tokenizer gave no offsets and bytes came from decoding tokens one by one
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def bytes_between(self, a: int, b: int) -> int:
+        """UTF-8 bytes owned by tokens a..b-1."""
+        return int(self.ends[b - 1] - (self.ends[a - 1] if a > 0 else 0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sources
+
+
+def text_files(paths: Iterable[str]) -> list[Document]:
+    """Files as given; folders contribute their *.txt files (recursively, sorted by path)."""
+    files: list[Path] = []
+    for raw in paths:
+        p = Path(raw).expanduser()
+        if p.is_dir():
+            found = sorted(q for q in p.rglob("*.txt") if q.is_file())
+            if not found:
+                raise ValueError(f"folder {raw} has no .txt files")
+            files += found
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"no such file or folder: {raw}")
+    docs = []
+    for f in files:
+        try:
+            docs.append(Document(str(f), f.read_text(encoding="utf-8")))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{f}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except OSError as e:
+            raise ValueError(f"{f}: cannot read it ({e.strerror})") from None
+    return docs
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def default_corpus() -> list[Document]:
+    root = stdlib_root()
+    docs = [Document(f"stdlib/{name}", (root / name).read_text(encoding="utf-8"))
+            for name in STDLIB_FILES if (root / name).is_file()]
+    if not docs:
+        raise ValueError(f"the default corpus (long modules of the standard library) is not under {root}; "
+                         "give --text-files or --dataset")
+    return docs
+
+
+def dataset_documents(name: str, config: str | None = None, split: str = "test",
+                      text_field: str = "text") -> Iterator[Document]:
+    """Rows of a `datasets` dataset, streamed (a large hub dataset is not downloaded beyond what is used)."""
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, config, split=split, streaming=True)
+        rows = iter(ds)
+        first = next(rows, None)
+    except Exception as e:  # the datasets library raises many types for a missing/unknown dataset or split
+        raise ValueError(f"could not load dataset {name!r} (config {config!r}, split {split!r}): "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+    if first is None:
+        raise ValueError(f"dataset {name!r} split {split!r} is empty")
+    if text_field not in first:
+        raise ValueError(f"dataset {name!r} has no field {text_field!r}; its fields: {', '.join(first)} "
+                         "(choose one with --text-field)")
+    i = 0
+    for row in ([first], rows):
+        for r in row:
+            text = r[text_field]
+            if not isinstance(text, str):
+                raise ValueError(f"dataset {name!r} field {text_field!r} holds {type(text).__name__}, not text")
+            yield Document(f"{name}:{split}[{i}]", text)
+            i += 1
+
+
+def describe_source(text_files_arg=None, dataset=None, config=None, split=None, text_field=None) -> dict:
+    if dataset:
+        return {"kind": "dataset", "name": dataset, "config": config, "split": split, "text_field": text_field}
+    if text_files_arg:
+        return {"kind": "files", "paths": [str(p) for p in text_files_arg]}
+    return {"kind": "stdlib", "root": str(stdlib_root()), "python": sys.version.split()[0]}
+
+
+def documents(text_files_arg=None, dataset=None, config=None, split="test", text_field="text") -> Iterable[Document]:
+    if dataset:
+        return dataset_documents(dataset, config, split, text_field)
+    if text_files_arg:
+        return text_files(text_files_arg)
+    return default_corpus()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tokenization (cached)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HFPATCH_CACHE") or Path.home() / ".cache" / "hfpatch")
+
+
+_FINGERPRINTS: dict[int, str] = {}
+
+
+def tokenizer_fingerprint(tok) -> str:
+    """A hash of everything that decides the ids: the full tokenizer definition for fast tokenizers (vocabulary,
+    merges, normalizer, pre-tokenizer, post-processor), else the class, vocabulary and special tokens."""
+    key = id(tok)
+    if key not in _FINGERPRINTS:
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is not None:
+            blob = backend.to_str()
+        else:
+            vocab = sorted(tok.get_vocab().items())
+            blob = repr((type(tok).__name__, vocab, tok.all_special_tokens, getattr(tok, "add_bos_token", None)))
+        _FINGERPRINTS[key] = hashlib.sha256(blob.encode("utf-8")).hexdigest()
+    return _FINGERPRINTS[key]
+
+
+def _byte_offsets(text: str) -> np.ndarray:
+    """char index -> UTF-8 byte offset, for char indices 0..len(text)."""
+    cp = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    nbytes = 1 + (cp >= 0x80).astype(np.int64) + (cp >= 0x800) + (cp >= 0x10000)
+    return np.concatenate([[0], np.cumsum(nbytes)])
+
+
+def _tokenize(tok, text: str) -> Tokens:
+    # The tokenizer's own defaults (a BOS where it adds one), as users of the model would tokenize a document.
+    if getattr(tok, "is_fast", False):
+        enc = tok(text, return_offsets_mapping=True, verbose=False)
+        ids = np.asarray(enc["input_ids"], dtype=np.int64)
+        char_ends = np.asarray([e for _, e in enc["offset_mapping"]], dtype=np.int64)
+        ends = _byte_offsets(text)[char_ends] if len(ids) else np.zeros(0, np.int64)
+        ends = np.maximum.accumulate(ends) if len(ends) else ends  # special tokens report (0, 0)
+        return Tokens(ids, ends, True)
+    ids = np.asarray(tok(text, verbose=False)["input_ids"], dtype=np.int64)
+    special = set(tok.all_special_ids)
+    sizes = [0 if i in special else len(tok.decode([int(i)]).encode("utf-8")) for i in ids]
+    return Tokens(ids, np.cumsum(np.asarray(sizes, dtype=np.int64)), False)
+
+
+def tokenize(tok, doc: Document, use_cache: bool = True) -> Tokens:
+    if not use_cache:
+        return _tokenize(tok, doc.text)
+    key = hashlib.sha256(f"{CACHE_FORMAT}\0{tokenizer_fingerprint(tok)}\0{doc.sha256}".encode()).hexdigest()
+    path = cache_dir() / "tokens" / key[:2] / f"{key}.npz"
+    if path.is_file():
+        try:
+            with np.load(path) as z:
+                return Tokens(z["ids"], z["ends"], bool(z["exact"]))
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged entry: tokenize again and overwrite it
+    out = _tokenize(tok, doc.text)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+        np.savez(tmp, ids=out.ids, ends=out.ends, exact=np.asarray(out.exact_bytes))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the cache is an optimisation only
+    return out

@@ -1,0 +1,145 @@
+"""Markdown tables and PNG plots of evaluation results (read from the results JSON, so they can be redrawn)."""
+
+from __future__ import annotations
+
+from .common import length_label
+
+
+def markdown_table(header: list, rows: list[list]) -> str:
+    lines = ["| " + " | ".join(str(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _fmt(x, digits=2) -> str:
+    if x is None:
+        return "inf"
+    if x >= 1e4:
+        return f"{x:.3g}"
+    return f"{x:.{digits}f}"
+
+
+def _complete(cells):
+    return [c for c in cells if c.get("complete")]
+
+
+def ppl_tables(cells: list[dict], patches: list[str], lengths: list[int], windowings: list[str]) -> str:
+    """One table per windowing and measure: rows = patch spec, columns = length."""
+    done = {(c["patch"], c["windowing"], c["length"]): c for c in _complete(cells)}
+    out = []
+    for w in windowings:
+        for measure, title, digits in (("ppl", "perplexity", 2), ("bpb", "bits per byte", 3)):
+            header = ["patch"] + [length_label(n) for n in lengths]
+            rows = []
+            for p in patches:
+                row = [p]
+                for n in lengths:
+                    c = done.get((p, w, n))
+                    row.append("—" if c is None else _fmt(c[measure], digits))
+                rows.append(row)
+            stride = next((c.get("stride") for c in cells if c["windowing"] == w and c.get("stride")), None)
+            label = w if w == "chunks" else f"{w}, stride {stride}"
+            out.append(f"**{title}** ({label})\n\n" + markdown_table(header, rows))
+    return "\n\n".join(out)
+
+
+def ppl_plot(cells: list[dict], patches: list[str], lengths: list[int], windowings: list[str], path,
+             title: str = "", trained_window: int | None = None) -> None:
+    """Perplexity vs length, one line per patch spec (solid: chunks, dashed: sliding), log-log axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    done = {(c["patch"], c["windowing"], c["length"]): c for c in _complete(cells)}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, p in enumerate(patches):
+        for w in windowings:
+            pts = [(n, done[(p, w, n)]["ppl"]) for n in lengths if (p, w, n) in done and done[(p, w, n)]["ppl"]]
+            if not pts:
+                continue
+            label = p if len(windowings) == 1 else f"{p} ({w})"
+            ax.plot(*zip(*pts), marker="o", color=colors[i % len(colors)],
+                    linestyle="-" if w == "chunks" else "--", label=label)
+    if trained_window:
+        ax.axvline(trained_window, color="gray", linestyle=":", linewidth=1)
+        ax.text(trained_window, 0.98, " trained window", transform=ax.get_xaxis_transform(), color="gray",
+                fontsize=8, va="top")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+    # perplexities of one run span a decade or two: label 1-2-5 steps, not only the powers of ten
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(lengths)
+    ax.set_xticklabels([length_label(n) for n in lengths])
+    ax.minorticks_off()
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("perplexity (log scale)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def passkey_tables(cells: list[dict], patches: list[str], lengths: list[int], depths: list[float]) -> str:
+    """One table per patch spec: rows = depth of the key, columns = length, values = accuracy; plus the mean."""
+    done = {(c["patch"], c["length"], c["depth"]): c for c in _complete(cells)}
+    out = []
+    for p in patches:
+        rows = []
+        for d in depths:
+            rows.append([f"{d:g}"] + [_acc(done.get((p, n, d))) for n in lengths])
+        means = []
+        for n in lengths:
+            cs = [done.get((p, n, d)) for d in depths]
+            means.append("—" if None in cs else f"{sum(c['accuracy'] for c in cs) / len(cs):.2f}")
+        rows.append(["**mean**"] + means)
+        header = ["depth"] + [length_label(n) for n in lengths]
+        out.append(f"**{p}**: passkey accuracy\n\n" + markdown_table(header, rows))
+    return "\n\n".join(out)
+
+
+def _acc(c) -> str:
+    return "—" if c is None else f"{c['accuracy']:.2f}"
+
+
+def passkey_heatmap(cells: list[dict], patches: list[str], lengths: list[int], depths: list[float], path,
+                    title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    done = {(c["patch"], c["length"], c["depth"]): c for c in _complete(cells)}
+    size = (1.8 + 1.1 * len(lengths) * len(patches), 0.5 * len(depths) + 2.0)
+    fig, axes = plt.subplots(1, len(patches), figsize=size, squeeze=False, constrained_layout=True)
+    for k, (ax, p) in enumerate(zip(axes[0], patches)):
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for i, d in enumerate(depths):
+            for j, n in enumerate(lengths):
+                c = done.get((p, n, d))
+                if c is not None:
+                    grid[i, j] = c["accuracy"]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                if not np.isnan(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("length (tokens)")
+        if k == 0:
+            ax.set_ylabel("depth of the key")
+        ax.set_title(p, fontsize=9)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)

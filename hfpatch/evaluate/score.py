@@ -1,0 +1,138 @@
+"""Negative log-likelihood of long token sequences without full-vocabulary logits for the whole sequence.
+
+`model(ids, labels=ids)` builds [L, vocab] logits, an fp32 copy and the log-softmax: 16k tokens x 49k vocab is
+3.2 GB per copy, about 10 GB at peak for SmolLM2-135M. Here the base model (the transformer without its LM head)
+runs once over the window, and its final hidden states go through the LM head `chunk` positions at a time; each
+chunk's logits are reduced to a summed cross-entropy and dropped. Same numbers, memory bounded by the chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..apply import unwrap
+
+
+@dataclass
+class LMParts:
+    base: torch.nn.Module  # transformer body: input_ids -> final (normed) hidden states
+    head: torch.nn.Module  # LM head: hidden -> vocabulary logits
+    softcap: float | None  # gemma2/3 cap their final logits: cap * tanh(logits / cap)
+    input_device: torch.device
+
+
+def _not_causal(name: str, model_type) -> ValueError:
+    return ValueError(
+        f"{name} ({model_type}) is not a causal language model; perplexity and passkey retrieval need a model that "
+        "predicts the next token (a ...ForCausalLM / ...LMHeadModel class)"
+    )
+
+
+def check_causal_config(config) -> None:
+    """The same refusal from a config alone (its `architectures`), before any weights are loaded."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = getattr(config, "architectures", None) or []
+    if archs and not set(archs) & set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        raise _not_causal(archs[0], config.model_type)
+
+
+def causal_lm_parts(model) -> LMParts:
+    """Split a causal LM into its body and head; ValueError for models that do not predict the next token."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from ..adapters import ADAPTERS
+
+    target = unwrap(model)
+    config = target.config
+    name = type(target).__name__
+    causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    adapter = ADAPTERS.get(getattr(config, "model_type", None))
+    encoder = adapter is not None and not adapter.causal and not getattr(config, "is_decoder", False)
+    if name not in causal_classes or encoder:
+        raise _not_causal(name, config.model_type)
+    head = target.get_output_embeddings()
+    base = target.base_model
+    if head is None or base is target:
+        raise ValueError(f"{name}: cannot find its LM head and base model separately")
+    device = target.get_input_embeddings().weight.device
+    if device.type == "meta":  # offloaded by accelerate (device_map): its hooks move the inputs where they run
+        device = torch.device("cpu")
+    return LMParts(base, head, getattr(config, "final_logit_softcapping", None), device)
+
+
+def _logits(parts: LMParts, h: torch.Tensor) -> torch.Tensor:
+    w = getattr(parts.head, "weight", None)
+    if w is not None and w.device.type != "meta" and h.device != w.device:  # sharded by device_map: the last
+        h = h.to(w.device)  # layer and the head may sit on different GPUs
+    logits = parts.head(h).float()  # like transformers' loss: logits in the model's dtype, upcast for the loss
+    if parts.softcap:
+        logits = torch.tanh(logits / parts.softcap) * parts.softcap
+    return logits
+
+
+@torch.no_grad()
+def window_nll(parts: LMParts, ids: torch.Tensor, first: int = 1, chunk: int = 1024) -> tuple[float, int]:
+    """(sum of -log p(ids[t] | ids[:t]) for t in first..len-1, number of terms), from one forward of `ids` [n]."""
+    n = ids.shape[-1]
+    if not 1 <= first < n:
+        raise ValueError(f"first scored position must be in [1, {n}), got {first}")
+    x = ids.reshape(1, n).to(parts.input_device)
+    out = parts.base(input_ids=x, use_cache=False)
+    h = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[0, first - 1 : n - 1]
+    del out
+    targets = x[0, first:n]
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(0, h.shape[0], chunk):
+        logits = _logits(parts, h[i : i + chunk])
+        nll = F.cross_entropy(logits, targets[i : i + chunk].to(logits.device), reduction="sum")
+        total += nll.double().cpu()
+        del logits, nll
+    return float(total), n - first
+
+
+def windows(n_tokens: int, length: int, windowing: str, stride: int | None = None) -> list[tuple[int, int, int]]:
+    """The windows that score a span of n_tokens, as (start, end, first): the model reads ids[start:end] and the
+    tokens at start+first .. end-1 are scored (each given everything before it in the window).
+
+    chunks:  non-overlapping windows of `length` tokens, each scored whole (its first token is context only);
+             a tail shorter than `length` is not scored.
+    sliding: windows of `length` tokens, ending `stride` tokens apart (Press et al.); the first is scored whole,
+             each later one scores only the tokens no earlier window scored. The last window ends at the span's
+             end (it may move less than `stride`), so every token but the first is scored exactly once and every
+             window is `length` tokens long.
+    """
+    if length < 2 or n_tokens < length:
+        raise ValueError(f"a window of {length} tokens does not fit in {n_tokens} tokens")
+    if windowing == "chunks":
+        return [(k * length, (k + 1) * length, 1) for k in range(n_tokens // length)]
+    if windowing != "sliding":
+        raise ValueError(f"windowing must be 'chunks' or 'sliding', got {windowing!r}")
+    if not stride or not 1 <= stride < length:  # stride = length would be chunks, less the first token of each
+        raise ValueError(f"stride must be between 1 and the length - 1 ({length - 1}), got {stride}")
+    ends = list(range(length, n_tokens + 1, stride))
+    if ends[-1] != n_tokens:
+        ends.append(n_tokens)
+    out, scored_to = [], 0
+    for end in ends:
+        start = end - length
+        out.append((start, end, max(1, scored_to - start)))
+        scored_to = end
+    return out
+
+
+def document_nll(parts: LMParts, ids, spans: list[tuple[int, int, int]], chunk: int = 1024, progress=None):
+    """(nll sum, tokens scored, [(a, b)] runs of scored token indices) over the given windows of `ids`."""
+    ids = torch.as_tensor(ids)
+    total, count, runs = 0.0, 0, []
+    for start, end, first in spans:
+        nll, n = window_nll(parts, ids[start:end], first, chunk)
+        total += nll
+        count += n
+        runs.append((start + first, end))
+        if progress is not None:
+            progress.update(1)
+    return total, count, runs

@@ -1,0 +1,356 @@
+"""eval ppl: chunked scoring equals full logits; the tool's perplexity and bits per byte equal hand computations for
+both windowings; resume; data sources; tokenization cache; one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import string
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import FAMILIES, REPO, tiny_model, tokens
+
+import hfpatch
+from hfpatch.cli import main as cli_main
+from hfpatch.evaluate import data, perplexity
+from hfpatch.evaluate.score import causal_lm_parts, window_nll, windows
+
+CAUSAL = [f for f in FAMILIES if f != "bert"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers shared with test_eval_passkey.py
+
+
+def tiny_tokenizer():
+    """A character-level fast tokenizer with exactly the tiny models' 101 ids (pad 0, bos 1, eos 2, unk 3): each
+    printable ASCII character is one token; anything else (é, emoji) is one <unk> token that owns 2-4 bytes."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + chars)}
+    assert len(vocab) == 101
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+
+
+def save_tiny(path, family="llama"):
+    hfpatch.save_pretrained(tiny_model(family), path, tokenizer=tiny_tokenizer())
+    return path
+
+
+def text_of(n_chars: int, seed: int) -> str:
+    """Deterministic pseudo-text with some multi-byte characters (2-byte é, 4-byte emoji)."""
+    g = torch.Generator().manual_seed(seed)
+    alphabet = list(string.ascii_lowercase + "     .,\n") + ["é", "\U0001F600"]
+    return "".join(alphabet[i] for i in torch.randint(0, len(alphabet), (n_chars,), generator=g).tolist())
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HFPATCH_CACHE", str(tmp_path / "cache"))  # never the user's cache
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    """A saved tiny llama + char tokenizer, and a folder with two documents."""
+    model_dir = save_tiny(tmp_path / "model")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(text_of(130, 1), encoding="utf-8")
+    (docs / "b.txt").write_text(text_of(110, 2), encoding="utf-8")
+    (docs / "0short.txt").write_text("too short", encoding="utf-8")
+    return model_dir, docs
+
+
+def strip_timing(obj):
+    """A results file without what differs between two runs of the same work (times, --out in argv)."""
+    obj = copy.deepcopy(obj)
+    for key in ("started", "updated", "finished", "seconds"):
+        obj.pop(key, None)
+    obj.get("settings", {}).pop("argv", None)
+    for cell in obj.get("cells", []):
+        cell.pop("finished", None)
+        cell.pop("seconds", None)
+        for d in cell.get("documents", []) + cell.get("trials", []):
+            d.pop("seconds", None)
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scoring
+
+
+@pytest.mark.parametrize("family", CAUSAL)
+def test_chunked_scoring_equals_full_logits(family):
+    model = tiny_model(family)
+    ids = tokens(60)[0]
+    head_rows = []
+    parts = causal_lm_parts(model)
+    hook = parts.head.register_forward_hook(lambda m, i, o: head_rows.append(i[0].shape[0]))
+    try:
+        for first in (1, 23):
+            nll, n = window_nll(parts, ids, first=first, chunk=7)
+            with torch.no_grad():
+                logits = model(ids[None]).logits[0].float()  # softcapped where the family caps (gemma2/3)
+            expected = F.cross_entropy(logits[first - 1 : -1], ids[first:], reduction="sum").item()
+            assert n == 60 - first
+            assert abs(nll - expected) <= 1e-5 * abs(expected), (family, first, nll, expected)
+    finally:
+        hook.remove()
+    assert max(head_rows) <= 7  # the LM head never saw more than one chunk of positions
+
+
+def test_masked_lm_is_refused():
+    with pytest.raises(ValueError, match="not a causal language model"):
+        causal_lm_parts(tiny_model("bert"))
+
+
+def test_windows():
+    assert windows(100, 32, "chunks") == [(0, 32, 1), (32, 64, 1), (64, 96, 1)]
+    # ends every 16 tokens from 32, then the last window ends at 100 and scores only what is new
+    assert windows(100, 32, "sliding", 16) == [(0, 32, 1), (16, 48, 16), (32, 64, 16), (48, 80, 16), (64, 96, 16),
+                                               (68, 100, 28)]
+    for n, length, stride in ((100, 32, 16), (97, 10, 3), (50, 50, 7), (64, 16, 15), (64, 16, 1)):
+        scored = [s + t for s, e, f in windows(n, length, "sliding", stride) for t in range(f, e - s)]
+        assert sorted(scored) == list(range(1, n))  # every token but the first, exactly once
+    for stride in (0, 32, 33):  # a stride of the whole length would leave each window's first token unscored
+        with pytest.raises(ValueError, match="stride"):
+            windows(100, 32, "sliding", stride)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the tool against hand computations
+
+
+def _hand(model, ids, length, windowing, stride):
+    """exp(mean NLL) and the scored positions, computed the textbook way from full logits (HF-guide labels)."""
+    total, count, scored = 0.0, 0, []
+    if windowing == "chunks":
+        for k in range(len(ids) // length):
+            chunk = ids[k * length : (k + 1) * length]
+            with torch.no_grad():
+                logits = model(chunk[None]).logits[0]
+            total += F.cross_entropy(logits[:-1], chunk[1:], reduction="sum").item()
+            count += length - 1
+            scored += range(k * length + 1, (k + 1) * length)
+    else:  # windows end at length, length+stride, ..., and at len(ids); each scores the tokens not scored yet
+        ends = list(range(length, len(ids) + 1, stride))
+        ends += [len(ids)] if ends[-1] != len(ids) else []
+        prev = 0
+        for end in ends:
+            window = ids[end - length : end]
+            labels = window.clone()
+            new = end - prev if prev else length
+            labels[: length - new] = -100
+            with torch.no_grad():
+                loss = model(window[None], labels=labels[None]).loss.item()
+            n = min(new, length - 1)
+            total += loss * n
+            count += n
+            scored += range(end - n, end)
+            prev = end
+    return total, count, scored
+
+
+def test_ppl_and_bpb_equal_hand_computation(tiny_run, tmp_path, capsys):
+    model_dir, docs = tiny_run
+    out = tmp_path / "out"
+    argv = ["--model", str(model_dir), "--text-files", str(docs), "--lengths", "16,48", "--tokens-per-doc", "96",
+            "--max-docs", "2", "--windowing", "both", "--stride", "12", "--patches", "none,yarn:2",
+            "--score-chunk", "5", "--out", str(out)]
+    assert cli_main(["eval", "ppl", *argv]) == 0
+    printed = capsys.readouterr()
+    res = json.loads((out / "results.json").read_text())
+    assert res["corpus"]["skipped"] == 1 and [d["name"] for d in res["corpus"]["documents"]] == \
+        [str(docs / "a.txt"), str(docs / "b.txt")]  # 0short.txt (9 tokens) skipped; path order
+    assert "skipped 1 document" in printed.err
+
+    model = hfpatch.from_pretrained(model_dir).eval()
+    tok = tiny_tokenizer()
+    texts = [(docs / n).read_text(encoding="utf-8") for n in ("a.txt", "b.txt")]
+    assert len(res["cells"]) == 2 * 2 * 2
+    for cell in res["cells"]:
+        kwargs = hfpatch.spec.parse(cell["patch"])
+        if kwargs:
+            hfpatch.patch(model, **kwargs)
+        try:
+            total = count = nbytes = 0
+            for text, doc in zip(texts, cell["documents"]):
+                ids = torch.tensor(tok(text)["input_ids"][:96])
+                assert len(ids) == 96 and len(text) >= 96  # one token per character
+                nll, n, scored = _hand(model, ids, cell["length"], cell["windowing"], 12)
+                doc_bytes = sum(len(text[t].encode("utf-8")) for t in scored)  # token t is character t
+                assert doc["tokens"] == n and doc["bytes"] == doc_bytes
+                assert abs(doc["nll_sum"] - nll) <= 1e-5 * nll
+                total, count, nbytes = total + nll, count + n, nbytes + doc_bytes
+        finally:
+            hfpatch.unpatch(model)
+        assert cell["tokens"] == count
+        assert abs(cell["ppl"] - math.exp(total / count)) <= 1e-5 * cell["ppl"]
+        assert abs(cell["bpb"] - total / math.log(2) / nbytes) <= 1e-5 * cell["bpb"]
+        assert f"{cell['ppl']:.2f}" in printed.out  # the Markdown table shows it
+    assert nbytes > count  # the multi-byte characters were counted as bytes, not as one each
+    by = {(c["patch"], c["windowing"], c["length"]): c["ppl"] for c in res["cells"]}
+    assert by[("none", "chunks", 16)] != by[("none", "sliding", 16)]
+    assert by[("none", "chunks", 16)] != by[("yarn:2", "chunks", 16)]
+    assert (out / "table.md").read_text().count("| none |") == 4  # ppl and bpb, for each windowing
+    assert (out / "ppl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert res["model"]["trained_window"] == 64 and res["versions"]["transformers"]
+    assert res["settings"]["lengths"] == [16, 48] and res["identity"]["tokens_per_doc"] == 96
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# resume
+
+
+def test_interrupted_run_resumes_without_recomputing(tiny_run, tmp_path, monkeypatch, capsys):
+    model_dir, docs = tiny_run
+    common = ["--model", str(model_dir), "--text-files", str(docs), "--lengths", "16,32", "--max-docs", "2",
+              "--patches", "none,ntk:2", "--no-plot"]
+    assert perplexity.main([*common, "--out", str(tmp_path / "whole")]) == 0
+    whole = json.loads((tmp_path / "whole" / "results.json").read_text())
+
+    real = perplexity.document_nll
+    calls = []
+
+    def interrupted(*a, **k):  # the 4th document: the second of the second cell
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    out = tmp_path / "resumed"
+    monkeypatch.setattr(perplexity, "document_nll", interrupted)
+    assert perplexity.main([*common, "--out", str(out)]) == 130
+    assert "run the same command again to resume" in capsys.readouterr().err
+    partial = json.loads((out / "results.json").read_text())
+    assert [c["complete"] for c in partial["cells"]] == [True, False]
+    assert len(partial["cells"][1]["documents"]) == 1  # finished documents of an unfinished cell are kept too
+
+    counted = []
+    monkeypatch.setattr(perplexity, "document_nll", lambda *a, **k: counted.append(1) or real(*a, **k))
+    assert perplexity.main([*common, "--out", str(out)]) == 0
+    assert len(counted) == 2 * 2 * 2 - 3  # 4 cells x 2 documents, minus the 3 already done
+    final = json.loads((out / "results.json").read_text())
+    assert final["cells"][0] == partial["cells"][0]  # untouched, timings included
+    assert strip_timing(final) == strip_timing(whole)
+
+    counted.clear()  # a finished run is only reported again, without loading the model
+    monkeypatch.setattr(perplexity, "load_model", lambda args: pytest.fail("loaded the model for nothing"))
+    assert perplexity.main([*common, "--out", str(out)]) == 0 and not counted
+
+    # other settings are refused, not mixed into the file
+    assert perplexity.main([*common[:-3], "--max-docs", "1", "--no-plot", "--out", str(out)]) == 2
+    assert "other settings" in capsys.readouterr().err
+
+
+def test_device_map_auto_and_dtype_run(tiny_run, tmp_path):
+    """--device-map auto goes through accelerate (on this CPU machine everything lands on the CPU): same numbers.
+    --dtype bf16 runs and lands near fp32."""
+    model_dir, docs = tiny_run
+    common = ["--model", str(model_dir), "--text-files", str(docs), "--lengths", "32", "--patches", "none",
+              "--no-plot"]
+    got = {}
+    for name, extra in (("plain", []), ("auto", ["--device-map", "auto"]), ("bf16", ["--dtype", "bf16"])):
+        assert perplexity.main([*common, *extra, "--out", str(tmp_path / name)]) == 0
+        got[name] = json.loads((tmp_path / name / "results.json").read_text())["cells"][0]["ppl"]
+    assert got["auto"] == pytest.approx(got["plain"], rel=1e-6)
+    assert got["bf16"] != got["plain"] and got["bf16"] == pytest.approx(got["plain"], rel=0.05)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data
+
+
+def test_dataset_equals_the_same_text_files(tiny_run, tmp_path):
+    model_dir, docs = tiny_run
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    rows = [{"body": (docs / n).read_text(encoding="utf-8"), "id": i} for i, n in enumerate(("0short.txt", "a.txt"))]
+    (ds / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--model", str(model_dir), "--lengths", "32", "--patches", "none", "--no-plot"]
+    assert perplexity.main([*common, "--dataset", str(ds), "--split", "train", "--text-field", "body",
+                            "--out", str(tmp_path / "d")]) == 0
+    assert perplexity.main([*common, "--text-files", str(docs / "a.txt"), "--out", str(tmp_path / "f")]) == 0
+    d = json.loads((tmp_path / "d" / "results.json").read_text())
+    f = json.loads((tmp_path / "f" / "results.json").read_text())
+    assert d["corpus"]["skipped"] == 1 and d["corpus"]["documents"][0]["name"].endswith("train[1]")
+    assert d["cells"][0]["nll_sum"] == f["cells"][0]["nll_sum"] and d["cells"][0]["bytes"] == f["cells"][0]["bytes"]
+
+
+def test_default_corpus_is_long_stdlib_sources():
+    docs = data.default_corpus()
+    assert docs and all(d.name.startswith("stdlib/") for d in docs)
+    assert sum(len(d.text) > 200_000 for d in docs) >= 1  # _pydecimal.py: far more than 16k tokens
+
+
+def test_tokenization_cache(tmp_path, monkeypatch):
+    tok = tiny_tokenizer()
+    doc = data.Document("x", text_of(300, 3))
+    first = data.tokenize(tok, doc)
+    assert list((tmp_path / "cache" / "tokens").rglob("*.npz"))
+    def again(*a):
+        raise RuntimeError("tokenized again despite the cache")
+
+    monkeypatch.setattr(data, "_tokenize", again)
+    again = data.tokenize(tok, doc)
+    assert (again.ids == first.ids).all() and (again.ends == first.ends).all()
+    assert first.ends[-1] == len(doc.text.encode("utf-8"))
+    with pytest.raises(RuntimeError, match="tokenized again"):  # other text: another key
+        data.tokenize(tok, data.Document("x", doc.text + "!"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# errors
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--text-files", "MISSING"], "no such file or folder"),
+    (["--text-files", "DOCS", "--lengths", "16,4k"], "no document has 4096 tokens"),
+    (["--text-files", "DOCS", "--patches", "none,yarm:2"], "unknown position scheme 'yarm'"),
+    (["--text-files", "DOCS", "--patches", "none,yarn:1"], "factor must be > 1"),
+    (["--text-files", "DOCS", "--patches", "yarn:2,yarn:2.0"], "are the same patch"),
+    (["--text-files", "DOCS", "--lengths", "2x"], "not a number of tokens"),
+    (["--text-files", "DOCS", "--stride", "8"], "--stride applies to --windowing sliding"),
+    (["--dataset", "DOCS", "--split", "train", "--text-field", "nope"], "has no field 'nope'"),
+    (["--dataset", "MISSING"], "could not load dataset"),
+    (["--text-files", "DOCS", "--lengths", "16", "--model", "BERT"], "not a causal language model"),
+    (["--text-files", "DOCS", "--lengths", "16", "--frobnicate"], "unrecognized arguments"),
+])
+def test_bad_input_is_one_line_and_exit_2(tiny_run, tmp_path, capsys, argv, message):
+    model_dir, docs = tiny_run
+    if "BERT" in argv:
+        save_tiny(tmp_path / "bert", "bert")
+    capsys.readouterr()  # what saving printed
+    subs = {"MISSING": str(tmp_path / "missing.txt"), "DOCS": str(docs), "BERT": str(tmp_path / "bert")}
+    argv = ["--model", str(model_dir), "--out", str(tmp_path / "o"), *[subs.get(a, a) for a in argv]]
+    assert cli_main(["eval", "ppl", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err, err
+
+
+def test_learned_position_table_limits_the_length(tiny_run, tmp_path, capsys):
+    """gpt2 has 64 learned positions here: 32 runs; 128 is refused after loading, before any scoring."""
+    _, docs = tiny_run
+    model_dir = save_tiny(tmp_path / "gpt2", "gpt2")
+    common = ["--model", str(model_dir), "--text-files", str(docs), "--patches", "none", "--no-plot"]
+    assert perplexity.main([*common, "--lengths", "32", "--out", str(tmp_path / "ok")]) == 0
+    assert perplexity.main([*common, "--lengths", "128", "--out", str(tmp_path / "long")]) == 2
+    assert "learned positions for 64 tokens only" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "long" / "results.json").exists() or not json.loads(
+        (tmp_path / "long" / "results.json").read_text())["cells"]
+
+
+def test_script_is_the_same_command(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "eval" / "perplexity.py"), "--patches", "none,yarm:2"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "unknown position scheme" in r.stderr
