@@ -42,6 +42,9 @@ COMMON = {
     "seed": (int, 0),
     "precision": (str, "no"),  # accelerate mixed_precision: no | bf16 | fp16
     "gradient_checkpointing": (bool, False),
+    # positions per chunk when scoring against the LM head, each chunk recomputed in the backward pass; null =
+    # auto: one piece while the [batch, seq_len, vocab] fp32 logits stay under 1 GiB, else chunks of 512
+    "loss_chunk": ((int, type(None)), None),
     "lora": {
         "enabled": (bool, False),
         "r": (int, 8),
@@ -64,7 +67,6 @@ DISTILL = {
         "enabled": (bool, False),
         "alpha": (float, 0.5),  # loss = (1 - alpha) * CE + alpha * T^2 * KL(teacher || student)
         "temperature": (float, 1.0),
-        "chunk": (int, 512),  # positions per chunk when scoring against the full vocabulary
     }
 }
 
@@ -161,8 +163,9 @@ def _validate(cfg: Config, recipe: str) -> None:
         raise ConfigError("model_config.model_type is required (e.g. llama), with the model's sizes")
     if recipe == "pretrain" and not cfg.tokenizer:
         raise ConfigError("tokenizer is required for pretrain (a folder, a .gguf file or 'smollm2')")
-    for key in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "save_every", "eval_batches"):
-        if cfg[key] <= 0:
+    for key in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "save_every", "eval_batches",
+                "loss_chunk"):
+        if cfg[key] is not None and cfg[key] <= 0:
             raise ConfigError(f"{key} must be > 0, got {cfg[key]}")
     if cfg.warmup_steps < 0 or cfg.lr <= 0:
         raise ConfigError(f"need warmup_steps >= 0 and lr > 0, got {cfg.warmup_steps} and {cfg.lr}")

@@ -29,7 +29,7 @@ from transformers import get_cosine_schedule_with_warmup
 import hfpatch
 
 from .data import batch_indices
-from .losses import chunked_lm_loss, shift
+from .losses import auto_chunk, chunked_lm_loss, shift
 
 
 def output_head(lm):
@@ -45,7 +45,7 @@ class CausalLMLoss(nn.Module):
     """Wraps the trained model so that accelerate's wrappers (DDP, FSDP) see one forward that returns the loss.
     The teacher is a plain attribute, not a submodule: it is neither trained, synchronised, sharded nor saved."""
 
-    def __init__(self, model, chunk=512, teacher=None, alpha=0.0, temperature=1.0):
+    def __init__(self, model, chunk=None, teacher=None, alpha=0.0, temperature=1.0):
         super().__init__()
         self.model = model
         object.__setattr__(self, "teacher", teacher)
@@ -53,6 +53,7 @@ class CausalLMLoss(nn.Module):
 
     def forward(self, ids):
         lm = hfpatch.apply.unwrap(self.model)
+        chunk = auto_chunk(ids.shape[0], ids.shape[1], lm.config.get_text_config().vocab_size, self.chunk)
         hidden = lm.base_model(input_ids=ids, use_cache=False).last_hidden_state
         labels = shift(ids)
         teacher_hidden = teacher_head = None
@@ -60,7 +61,7 @@ class CausalLMLoss(nn.Module):
             with torch.no_grad():
                 teacher_hidden = self.teacher.base_model(input_ids=ids, use_cache=False).last_hidden_state
             teacher_head = output_head(self.teacher)
-        return chunked_lm_loss(hidden, labels, output_head(lm), self.chunk, teacher_hidden, teacher_head,
+        return chunked_lm_loss(hidden, labels, output_head(lm), chunk, teacher_hidden, teacher_head,
                                self.temperature, self.alpha if self.teacher is not None else 0.0)
 
 
@@ -98,7 +99,7 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
         model = peft.get_peft_model(model, peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
                                                            lora_dropout=cfg.lora.dropout, target_modules=targets))
     distill = getattr(cfg, "distill", None)
-    loss_module = CausalLMLoss(model, chunk=distill.chunk if distill else 512, teacher=teacher,
+    loss_module = CausalLMLoss(model, chunk=cfg.loss_chunk, teacher=teacher,
                                alpha=distill.alpha if distill else 0.0,
                                temperature=distill.temperature if distill else 1.0)
     params = [p for p in loss_module.parameters() if p.requires_grad]

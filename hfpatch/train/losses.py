@@ -1,5 +1,7 @@
 """Causal-LM losses scored chunk by chunk: full-vocabulary logits exist for `chunk` positions at a time, and each
-chunk is recomputed in the backward pass (activation checkpointing), so long sequences and big vocabularies fit."""
+chunk is recomputed in the backward pass (activation checkpointing), so long sequences and big vocabularies fit.
+Recomputing costs one more pass through the LM head, so it is only done when the logits would be big (`auto_chunk`).
+"""
 
 from __future__ import annotations
 
@@ -21,11 +23,26 @@ def _chunk_loss(h, labels, head, h_teacher, head_teacher, temperature, alpha):
     return ce, kl
 
 
-def chunked_lm_loss(hidden, labels, head, chunk=512, hidden_teacher=None, head_teacher=None, temperature=1.0,
+LOGITS_BUDGET = 1 << 30  # bytes of fp32 logits above which the loss is chunked
+
+
+def auto_chunk(batch: int, seq_len: int, vocab: int, chunk: int | None) -> int | None:
+    """The chunk to use: the configured one, else None (one piece) while [batch, seq_len, vocab] fp32 logits
+    fit in LOGITS_BUDGET, else 512 positions."""
+    if chunk:
+        return chunk
+    return None if batch * seq_len * vocab * 4 <= LOGITS_BUDGET else 512
+
+
+def chunked_lm_loss(hidden, labels, head, chunk=None, hidden_teacher=None, head_teacher=None, temperature=1.0,
                     alpha=0.0):
     """hidden [B, L, d] (already aligned: position t predicts labels[:, t]), labels [B, L] (-100 = ignore).
     Returns (loss, ce, kl): ce and kl are means per scored token; loss = (1 - alpha) ce + alpha kl."""
     count = (labels != -100).sum().clamp(min=1)
+    if not chunk or chunk >= hidden.shape[1]:  # one piece, no recomputation
+        ce, kl = _chunk_loss(hidden, labels, head, hidden_teacher, head_teacher, temperature, alpha)
+        ce, kl = ce / count, kl / count
+        return (1 - alpha) * ce + alpha * kl, ce, kl
     ce_sum = hidden.new_zeros((), dtype=torch.float32)
     kl_sum = hidden.new_zeros((), dtype=torch.float32)
     for s in range(0, hidden.shape[1], chunk):
