@@ -205,7 +205,24 @@ def test_factorisation_is_exact_in_low_precision(dtype, tol):
     m = (slopes / 0.125).to(dtype).float() * 0.125
     expected = m[:, None] * (torch.arange(L) - 1500).float()[None]
     assert (added - expected).abs().max() <= tol * expected.abs().max()
-    assert ka.shape[-1] % 8 == 0
+
+
+def test_denormal_flushing_is_scoped():
+    """The ALiBi call flushes denormals and restores the previous mode, whichever it was."""
+    from hfpatch.position.alibi import _flushing, no_denormals
+
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush denormals")
+    with no_denormals(torch.device("cpu")):
+        assert _flushing()
+    assert not _flushing()
+    torch.set_flush_denormal(True)
+    try:
+        with no_denormals(torch.device("cpu")):
+            assert _flushing()
+        assert _flushing()
+    finally:
+        torch.set_flush_denormal(False)
 
 
 # -------------------------------------------------------------------------------------------------------- no position
