@@ -19,7 +19,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from benchutil import markdown_table, median, peak_rss, reset_peak_rss, rss, run_worker  # noqa: E402
+from benchutil import markdown_table, median, peak_rss, reset_peak_rss, rss, run_worker, write_json  # noqa: E402
 
 GB = 1024**3
 
@@ -139,9 +139,7 @@ def main(argv=None):
           f"for unpatch), exact={conv['exact']}")
     result = {"args": vars(args), "fwd_bwd_s": t, "peak_rss": peak, "peak_above_steady": act, "loss": loss,
               "convert": conv}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return result
 
 

@@ -10,7 +10,6 @@ transformers built natively from the equivalent rope_parameters, and times patch
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -18,7 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import interleaved, markdown_table, median  # noqa: E402
+from benchutil import interleaved, markdown_table, median, write_json  # noqa: E402
 
 import hfpatch  # noqa: E402
 from hfpatch.models import load  # noqa: E402
@@ -76,9 +75,7 @@ def main(argv=None):
         [[args.model, f"{args.position}:{args.factor:g}", args.length, f"{med['native']:.3f}", f"{med['hfpatch']:.3f}",
           f"{ratio:.3f}", f"{median(patch_ms):.2f} / {max(patch_ms):.2f}"]],
     ))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return result
 
 

@@ -21,18 +21,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import interleaved, markdown_table, median  # noqa: E402
-
-
-def _status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+from benchutil import interleaved, markdown_table, median, status_kb, write_json  # noqa: E402
 
 
 def worker(args) -> dict:
@@ -50,7 +39,7 @@ def worker(args) -> dict:
         raise SystemExit(f"{doc.name} has only {len(ids)} tokens")
     model, _ = load(args.model, tokenizer=False)
     model.eval()
-    rss_loaded = _status_kb("VmRSS")
+    rss_loaded = status_kb("VmRSS")
     reset = False
     try:  # "5" resets the peak RSS (VmHWM) to the current RSS: what follows is the forward's own peak
         with open("/proc/self/clear_refs", "w") as f:
@@ -69,7 +58,7 @@ def worker(args) -> dict:
     return {"variant": args.worker, "loss": loss, "seconds": seconds, "document": doc.name,
             "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "rss_after_load_gb": rss_loaded / 2**20 if rss_loaded else None,
-            "forward_peak_gb": _status_kb("VmHWM") / 2**20 if reset else None, "threads": torch.get_num_threads()}
+            "forward_peak_gb": status_kb("VmHWM") / 2**20 if reset else None, "threads": torch.get_num_threads()}
 
 
 def main(argv=None):
@@ -124,9 +113,7 @@ def main(argv=None):
     ))
     result = {"model": args.model, "length": args.length, "score_chunk": args.score_chunk, "repeats": args.repeats,
               "document": runs["plain"][0]["document"], "median": med, "ratios": ratios, "runs": runs}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return result
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -42,7 +43,7 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def _status_kb(field: str) -> int | None:
+def status_kb(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -55,13 +56,13 @@ def _status_kb(field: str) -> int | None:
 
 def rss() -> int:
     """Current resident set size in bytes."""
-    kb = _status_kb("VmRSS")
+    kb = status_kb("VmRSS")
     return (kb or 0) * 1024
 
 
 def peak_rss() -> int:
     """Peak resident set size in bytes since the start (or the last reset_peak_rss)."""
-    kb = _status_kb("VmHWM")
+    kb = status_kb("VmHWM")
     if kb is None:
         import resource
 
@@ -79,3 +80,10 @@ def run_worker(argv: list[str]) -> dict:
     if out.returncode != 0:
         raise RuntimeError(f"worker {argv} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def write_json(path: str | None, result: dict) -> None:
+    """Write a benchmark's result as JSON when --json was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)

@@ -5,4 +5,4 @@ from .apply import describe, patch, supported, unpatch
 from .io import from_pretrained, save_pretrained
 
 __version__ = "0.1.0"
-__all__ = ["patch", "unpatch", "describe", "supported", "save_pretrained", "from_pretrained", "__version__"]
+__all__ = ["spec", "patch", "unpatch", "describe", "supported", "save_pretrained", "from_pretrained", "__version__"]
