@@ -1,14 +1,17 @@
 """patch / unpatch / describe: validate the request, apply it all-or-nothing, remember what was done.
 
-The model is always `original ∘ spec`: a new request is merged into the current spec, every edit of the current
-patch is undone, and the merged spec is applied from the original model. So a second position scheme replaces the
-first instead of stacking on it, and repeating a spec is a no-op. If applying fails, the partial edits are undone
-and the previous spec (if any) is applied again: the model is left as it was.
+The model is `original ∘ norm ∘ placement ∘ position`, each axis applied with its own log of edits. A new request is
+merged into the current spec; the first axis (in that order) whose request changed and every axis after it are
+undone and applied again, the axes before it are kept as they are (with their weights, trained or not). So a second
+position scheme replaces the first instead of stacking on it, repeating a spec is a no-op, and a position patch
+after a norm swap keeps the norm weights a healing run trained. If applying fails, the partial edits are undone and
+the undone ones are put back (the same objects): the model is left exactly as it was.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel
@@ -30,14 +33,20 @@ _STATE = "_hfpatch_state"  # attribute on the transformers model that holds the 
 @dataclass
 class PatchState:
     spec: dict  # the live patch: undone by unpatch, replaced axis by axis by later patches
-    edits: Edits = field(default_factory=Edits)
+    layers: dict = field(default_factory=dict)  # {axis: Edits}, in application order (AXES)
+    record: Edits = field(default_factory=Edits)  # writes config.hfpatch
     facts: dict = field(default_factory=dict)  # what applying found, per axis (e.g. {"norm": {"exact": False}})
     # Axes a checkpoint was saved with and that reloaded as part of the model (norm swaps change which weights
-    # exist, so from_pretrained loads them already applied); unpatch keeps them. Their spec, facts and the
-    # original config values from the saved record.
+    # exist, so from_pretrained loads them already applied); unpatch keeps them. Their merged spec, the specs in
+    # the order they were applied (a reloaded model can be patched on the same axis again), facts, and the original
+    # config values from the saved record.
     baked: dict = field(default_factory=dict)
+    baked_stages: list = field(default_factory=list)
     baked_facts: dict = field(default_factory=dict)
     baked_config: dict = field(default_factory=dict)
+
+
+AXES = ("norm", "placement", "position")  # application order: the exact norm conversion needs the blocks as built
 
 
 def unwrap(model) -> PreTrainedModel:
@@ -66,31 +75,56 @@ def changes_weights(axis: str, req: dict) -> bool:
 # patch / unpatch
 
 
-def _apply(model: PreTrainedModel, adapter: Adapter, spec: dict, edits: Edits, state: PatchState | None) -> dict:
-    """Apply a whole spec to the (original or baked) model; returns the facts. Norms first: the exact conversion
-    needs the blocks as they were built; placement next; position last."""
+def _apply_axis(model: PreTrainedModel, adapter: Adapter, axis: str, req: dict, edits: Edits):
+    if axis == "norm":
+        return norms.apply_norm(model, adapter, req, adapter.placement_of(model.config), edits)
+    if axis == "placement":
+        return apply_placement(model, adapter, req, edits)
+    apply_position(model, adapter, req, edits)
+    return None
+
+
+def apply_axes(model: PreTrainedModel, adapter: Adapter, spec: dict, layers: dict, axes=AXES) -> dict:
+    """Apply the named axes of `spec`, each into a new Edits stored in `layers` (before it runs, so that a failure
+    half-way can still be undone). Returns the facts."""
     facts = {}
-    if "norm" in spec:
-        facts["norm"] = norms.apply_norm(model, adapter, spec["norm"], adapter.placement_of(model.config), edits)
-    if "placement" in spec:
-        facts["placement"] = apply_placement(model, adapter, spec["placement"], edits)
-    if "position" in spec:
-        apply_position(model, adapter, spec["position"], edits)
-    # The record that save_pretrained writes (and that model.save_pretrained writes too, as part of the config):
-    # the spec, and the config values the patch replaced, so that from_pretrained can rebuild the original first.
-    baked = state.baked if state else {}
-    touched = {**(state.baked_config if state else {}), **edits.touched(model.config)}
-    all_facts = {**(state.baked_facts if state else {}), **facts}
-    edits.set(model.config, "hfpatch", _record({**baked, **spec}, touched, all_facts))
+    for axis in axes:
+        if axis in spec:
+            layers[axis] = Edits()
+            fact = _apply_axis(model, adapter, axis, spec[axis], layers[axis])
+            if fact is not None:
+                facts[axis] = fact
     return facts
 
 
-def _record(spec: dict, touched: dict, facts: dict) -> dict:
+def touched_config(config, logs) -> dict:
+    """{config attribute: value before the first of `logs` (in order) changed it}."""
+    out: dict = {}
+    for edits in logs:
+        for k, v in edits.touched(config).items():
+            out.setdefault(k, v)
+    out.pop("hfpatch", None)
+    return out
+
+
+def _write_record(model, state: PatchState, record: Edits) -> None:
+    """The record that save_pretrained writes (model.save_pretrained too, as part of the config): the spec, the
+    order of the stages it was applied in, and the config values the patch replaced, so that from_pretrained can
+    rebuild the original first."""
+    live = touched_config(model.config, [state.layers[a] for a in AXES if a in state.layers])
+    touched = {**live, **state.baked_config}  # the values before the baked stages are the originals
+    stages = state.baked_stages + ([state.spec] if state.spec else [])
+    record.set(model.config, "hfpatch", _record({**state.baked, **state.spec}, touched,
+                                                {**state.baked_facts, **state.facts}, stages))
+
+
+def _record(spec: dict, touched: dict, facts: dict, stages: list) -> dict:
     from .edits import _MISSING
 
     return {
         "version": RECORD_VERSION,
         "spec": copy.deepcopy(spec),
+        "stages": copy.deepcopy(stages),
         "facts": copy.deepcopy(facts),
         "original_config": {k: copy.deepcopy(v) for k, v in touched.items() if v is not _MISSING and k != "hfpatch"},
         "added_config": sorted(k for k, v in touched.items() if v is _MISSING and k != "hfpatch"),
@@ -102,23 +136,35 @@ def patch(model, position=None, factor=None, norm=None, placement=None, exact=No
     target = unwrap(model)
     adapter = adapter_for(target.config)
     request = specs.request(position=position, factor=factor, norm=norm, placement=placement, exact=exact, **options)
-    state: PatchState | None = getattr(target, _STATE, None)
-    current = state.spec if state else {}
-    new = specs.merge(current, request)
-    if new == current:
+    old: PatchState = getattr(target, _STATE, None) or PatchState(spec={})
+    new_spec = specs.merge(old.spec, request)
+    if new_spec == old.spec:
         return model
-    if state:
-        state.edits.undo()
-    edits = Edits()
-    try:
-        facts = _apply(target, adapter, new, edits, state)
-    except BaseException:
+    first = next(i for i, a in enumerate(AXES) if new_spec.get(a) != old.spec.get(a))
+    redo = AXES[first:]
+    for a in redo:
+        if a in old.spec and new_spec.get(a) == old.spec[a] and changes_weights(a, old.spec[a]):
+            warnings.warn(f"{a}={specs.describe_string({a: old.spec[a]})!r} is applied again from the weights it "
+                          f"replaced, because {AXES[first]} (applied before it) changed: training done since on the "
+                          "weights it created is lost", stacklevel=2)
+    undone = [old.record] + [old.layers[a] for a in reversed(redo) if a in old.layers]
+    for edits in undone:
         edits.undo()
-        if state:  # put the previous patch back; it applied cleanly before
-            _apply(target, adapter, current, state.edits, state)
+    new = PatchState(spec=new_spec, layers={a: e for a, e in old.layers.items() if a not in redo},
+                     facts={a: f for a, f in old.facts.items() if a not in redo},
+                     **{k: getattr(old, k) for k in ("baked", "baked_stages", "baked_facts", "baked_config")})
+    try:
+        new.facts.update(apply_axes(target, adapter, new_spec, new.layers, redo))
+        _write_record(target, new, new.record)
+    except BaseException:
+        new.record.undo()
+        for a in reversed(redo):
+            if a in new.layers:
+                new.layers[a].undo()
+        for edits in reversed(undone):  # the previous patch's own objects come back, trained weights included
+            edits.redo()
         raise
-    kept = {k: getattr(state, k) for k in ("baked", "baked_facts", "baked_config")} if state else {}
-    object.__setattr__(target, _STATE, PatchState(spec=new, edits=edits, facts=facts, **kept))
+    object.__setattr__(target, _STATE, new)
     return model
 
 
@@ -128,18 +174,25 @@ def unpatch(model):
     target = unwrap(model)
     state = getattr(target, _STATE, None)
     if state is not None:
-        state.edits.undo()
+        state.record.undo()
+        for axis in reversed(AXES):
+            if axis in state.layers:
+                state.layers[axis].undo()
         object.__delattr__(target, _STATE)
         if state.baked:
-            bake(target, state.baked, state.baked_facts, state.baked_config)
+            bake(target, state.baked_stages, state.baked_facts, state.baked_config)
     return model
 
 
-def bake(model, spec: dict, facts: dict, original_config: dict) -> None:
-    """Declare `spec` part of the model as it is now (used by from_pretrained after loading weights that already
-    carry those patches)."""
-    state = PatchState(spec={}, baked=spec, baked_facts=facts, baked_config=original_config)
-    model.config.hfpatch = _record(spec, original_config, facts)
+def bake(model, stages: list, facts: dict, original_config: dict) -> None:
+    """Declare the specs `stages` (applied in that order) part of the model as it is now (used by from_pretrained
+    after loading weights that already carry those patches)."""
+    merged: dict = {}
+    for stage in stages:
+        merged.update(stage)
+    state = PatchState(spec={}, baked=merged, baked_stages=copy.deepcopy(stages), baked_facts=facts,
+                       baked_config=original_config)
+    model.config.hfpatch = _record(merged, original_config, facts, stages)
     object.__setattr__(model, _STATE, state)
 
 

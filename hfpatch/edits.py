@@ -8,8 +8,30 @@ an `Edits` log that remembers what was there before. That gives us, for free:
 
 from __future__ import annotations
 
-_MISSING = object()
-_KEYS = object()  # log marker: the set of attribute names an object had
+
+
+class _Marker:
+    """A log marker that stays itself when the model is copied (copy.deepcopy) or pickled: markers are compared
+    by identity."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return self.name  # pickled by reference to this module's global
+
+
+_MISSING = _Marker("_MISSING")
+_KEYS = _Marker("_KEYS")  # log marker: the set of attribute names an object had
 
 
 class Edits:
@@ -17,6 +39,7 @@ class Edits:
 
     def __init__(self):
         self._log: list[tuple[object, str, object]] = []  # (target, attribute, previous value or _MISSING)
+        self._undone: list[tuple[object, str, object, object]] = []  # what undo() removed, for redo()
 
     def __len__(self):
         return len(self._log)
@@ -64,19 +87,39 @@ class Edits:
         return out
 
     def undo(self) -> None:
-        """Revert every change, newest first. The log is empty afterwards."""
+        """Revert every change, newest first. The log is empty afterwards; `redo()` can put the changes back."""
+        self._undone = []
         while self._log:
             obj, name, old = self._log.pop()
             if name == "__class__":
+                now = type(obj)
                 obj.__class__ = old
             elif name is _KEYS:
-                for extra in _keys(obj) - old:
+                now = {extra: _held(obj, extra) for extra in _keys(obj) - old}
+                for extra in now:
                     delattr(obj, extra)
-            elif old is _MISSING:
-                if _current(obj, name) is not _MISSING:
-                    delattr(obj, name)
             else:
-                setattr(obj, name, _like(old, _current(obj, name)))
+                now = _held(obj, name)
+                if old is _MISSING:
+                    if now[0] is not _MISSING:
+                        delattr(obj, name)
+                else:
+                    setattr(obj, name, _like(old, now[0]))
+            self._undone.append((obj, name, old, now))
+
+    def redo(self) -> None:
+        """Put back, oldest first, the very objects the last `undo()` removed (not recomputed ones: weights trained
+        after the patch stay trained). Used to restore a patch when the one replacing it fails half-way."""
+        while self._undone:
+            obj, name, old, now = self._undone.pop()
+            if name == "__class__":
+                obj.__class__ = now
+            elif name is _KEYS:
+                for extra, held in now.items():
+                    _put(obj, extra, held)
+            else:
+                _put(obj, name, now)
+            self._log.append((obj, name, old))
 
 
 def _current(obj, name):
@@ -92,6 +135,30 @@ def _current(obj, name):
     amap = d.get("attribute_map") or getattr(type(obj), "attribute_map", {}) or {}
     name = amap.get(name, name)
     return d.get(name, _MISSING)
+
+
+def _held(obj, name):
+    """(value or _MISSING, whether it is a persistent buffer / None if not a buffer), for redo()."""
+    buffers = getattr(obj, "_buffers", {})
+    if name in buffers:
+        return buffers[name], name not in obj._non_persistent_buffers_set
+    return _current(obj, name), None
+
+
+def _put(obj, name, held) -> None:
+    value, persistent = held
+    if value is _MISSING:
+        if _current(obj, name) is not _MISSING:
+            delattr(obj, name)
+    elif persistent is not None:
+        if name in obj._buffers:
+            obj._buffers[name] = value
+        else:
+            if name in obj.__dict__:
+                delattr(obj, name)
+            obj.register_buffer(name, value, persistent=persistent)
+    else:
+        setattr(obj, name, value)
 
 
 _SUBCLASSES: dict[tuple[type, type, bool], type] = {}
@@ -113,10 +180,16 @@ def with_mixin(cls: type, mixin: type, under: bool = False) -> type:
 
 
 def _like(old, now):
-    """The saved tensor, moved to the device and dtype its replacement has now: the model may have been moved
-    (`model.to("cuda")`, `model.bfloat16()`) between patch and unpatch."""
+    """The saved tensor or module, moved to the device and floating dtype its replacement has now: the model may
+    have been moved (`model.to("cuda")`, `model.bfloat16()`) between patch and unpatch, and the saved objects were
+    not in the model then."""
     import torch
 
+    if isinstance(old, torch.nn.Module) and isinstance(now, torch.nn.Module):
+        target, have = _float_tensor(now), _float_tensor(old)
+        if target is not None and have is not None and (have.dtype, have.device) != (target.dtype, target.device):
+            old.to(device=target.device, dtype=target.dtype)
+        return old
     if not (isinstance(old, torch.Tensor) and isinstance(now, torch.Tensor)):
         return old
     if old.device == now.device and (old.dtype == now.dtype or not now.is_floating_point()):
@@ -127,3 +200,11 @@ def _like(old, now):
 
 def _keys(obj) -> frozenset:
     return frozenset(getattr(obj, "__dict__", {})) | frozenset(getattr(obj, "_buffers", {}))
+
+
+def _float_tensor(module):
+    """The first floating-point parameter or buffer of a module (None if it has none)."""
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.is_floating_point():
+            return t
+    return None

@@ -19,8 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from . import spec as specs
 from .adapters import adapter_for
-from .apply import _apply, bake, changes_weights, patch, state_of, unwrap
-from .edits import Edits
+from .apply import AXES, apply_axes, bake, changes_weights, patch, state_of, touched_config, unwrap
 
 
 @contextlib.contextmanager
@@ -57,6 +56,14 @@ def _serializable(model):
 def save_pretrained(model, path, tokenizer=None, **kwargs):
     """Weights + config (with its "hfpatch" section) + the tokenizer if given. kwargs go to transformers."""
     target = unwrap(model)
+    tuned = sorted({name.rsplit(".", 1)[-1] for name, m in target.named_modules()
+                    if type(m).__module__.startswith("peft.") and hasattr(m, "base_layer")})
+    if tuned:  # their weights would be saved under base_layer/lora_* names that a plain model does not load
+        raise ValueError(
+            f"the model carries peft adapters (on {', '.join(tuned)}); merge them first "
+            "(model = model.merge_and_unload(), then hfpatch.save_pretrained), or save the adapters alone with "
+            "peft's model.save_pretrained"
+        )
     state = state_of(target)
     if state and "position" in state.spec and not _native(target):
         warnings.warn(
@@ -103,10 +110,14 @@ def from_pretrained(path, **kwargs):
             delattr(config, key)
     del config.hfpatch
     spec = record["spec"]
-    weight_spec = {k: v for k, v in spec.items() if changes_weights(k, v)}
-    if not weight_spec:
+    # Weight-changing patches of every stage (a reloaded model patched again on the same axis saves two stages),
+    # in the order they were applied; the other axes of the final spec are applied again after loading.
+    stages = [{k: v for k, v in stage.items() if changes_weights(k, v)} for stage in record.get("stages", [spec])]
+    stages = [stage for stage in stages if stage]
+    live = {k: v for k, v in spec.items() if not changes_weights(k, v)}
+    if not stages:
         model = _model_class(config).from_pretrained(path, config=config, **kwargs)
-        return patch(model, **specs.to_kwargs(spec))
+        return patch(model, **specs.to_kwargs(live))
     # transformers builds the model through a subclass whose __init__ applies those patches (by the same code that
     # patched the saved model), then loads the checkpoint into it with its own loader (key renames, tied weights,
     # dtype, device_map), so every saved tensor finds its place.
@@ -116,16 +127,18 @@ def from_pretrained(path, **kwargs):
 
     def __init__(self, config, *args, **kw):
         cls.__init__(self, config, *args, **kw)
-        edits = Edits()
+        facts, logs = {}, []
         with warnings.catch_warnings():  # the plain-swap warning was given when the patch was made
             warnings.simplefilter("ignore")
-            built["facts"] = _apply(self, adapter, weight_spec, edits, None)
-        built["config"] = {k: v for k, v in edits.touched(self.config).items() if k != "hfpatch"}
+            for stage in stages:
+                layers = {}
+                facts.update(apply_axes(self, adapter, stage, layers))
+                logs += [layers[a] for a in AXES if a in layers]
+        built["facts"], built["config"] = facts, touched_config(self.config, logs)
 
     structured = type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
     model = structured.from_pretrained(path, config=config, **kwargs)
     model.__class__ = cls
     # The reloaded structure is the model now: unpatch cannot bring back weights that are not in the folder.
-    bake(model, weight_spec, built["facts"], built["config"])
-    live = {k: v for k, v in spec.items() if k not in weight_spec}
+    bake(model, stages, built["facts"], built["config"])
     return patch(model, **specs.to_kwargs(live)) if live else model

@@ -65,7 +65,11 @@ def position_request(scheme, options: dict) -> dict:
         raise TypeError(f"position must be a string, one of {', '.join(position_schemes())}; got {scheme!r}")
     name = scheme.strip().lower().replace("_", "-")
     if name not in SCHEMES:
-        raise ValueError(f"unknown position scheme {scheme!r}; valid: {', '.join(position_schemes())}")
+        hint = ""
+        if ":" in name or "+" in name or "=" in name:
+            hint = " (a spec string such as 'yarn:4' is for the command line; in Python pass position='yarn', " \
+                   "factor=4, or hfpatch.patch(model, **hfpatch.spec.parse('yarn:4')))"
+        raise ValueError(f"unknown position scheme {scheme!r}; valid: {', '.join(position_schemes())}{hint}")
     info = SCHEMES[name]
     options = {k: v for k, v in options.items() if v is not None}
     allowed = options_of(name)
@@ -119,6 +123,11 @@ def request(position=None, factor=None, norm=None, placement=None, exact=None, *
         out["placement"] = {"kind": _choice("placement", placement, PLACEMENTS)}
     if position is None:
         given = sorted(k for k, v in {"factor": factor, **options}.items() if v is not None)
+        known = set().union(*(options_of(s) for s in SCHEMES))
+        unknown = [k for k in given if k not in known]
+        if unknown:
+            raise TypeError(f"patch() got unknown option(s) {', '.join(unknown)}; it accepts position=, factor=, "
+                            f"norm=, placement=, exact= and the position options {', '.join(sorted(known))}")
         if given:
             raise ValueError(f"{', '.join(given)} given without position=; name the scheme they belong to")
         return out
@@ -142,9 +151,13 @@ def parse(text: str) -> dict:
     for item in text.split("+"):
         key, sep, value = item.partition("=")
         if sep and key.strip() in ("norm", "placement", "exact") and ":" not in key:
-            kwargs[key.strip()] = {"true": True, "false": False}.get(value.strip().lower(), value.strip())
+            part = {key.strip(): {"true": True, "false": False}.get(value.strip().lower(), value.strip())}
         else:
-            kwargs.update(_parse_position(item.strip(), text))
+            part = _parse_position(item.strip(), text)
+        twice = sorted(set(part) & set(kwargs))
+        if twice:  # "yarn:4+yarn:2": which one was meant? Say so instead of letting the last one win.
+            raise ValueError(f"in patch spec {text!r}: {', '.join(twice)} given twice")
+        kwargs.update(part)
     return kwargs
 
 
@@ -160,6 +173,8 @@ def _parse_position(item: str, text: str) -> dict:
                 value = json.loads(raw)
             except json.JSONDecodeError:
                 value = raw
+            if key.strip() in kwargs:
+                raise ValueError(f"in patch spec {text!r}: {key.strip()} given twice")
             kwargs[key.strip()] = value
         elif i == 0:
             try:

@@ -105,7 +105,13 @@ def _linear(module):
         return module.weight, module.bias, True
     if isinstance(module, nn.Linear):
         return module.weight, module.bias, False
-    raise ValueError(f"expected a linear layer, got {type(module).__name__}")
+    if hasattr(module, "base_layer"):  # a peft tuner layer (LoRA, ...) around the linear layer
+        raise ValueError(
+            f"the exact norm conversion folds weights into linear layers, but this one is wrapped by peft "
+            f"({type(module).__module__}.{type(module).__name__}); patch the norms before adding adapters, merge "
+            "them first (merge_and_unload), or use exact=False for a plain swap"
+        )
+    raise ValueError(f"the exact norm conversion folds weights into linear layers; got {type(module).__name__}")
 
 
 def _param(t: torch.Tensor, like: nn.Parameter | None) -> nn.Parameter:
