@@ -152,17 +152,13 @@ def stdlib_text(chars=400_000) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
-    """A byte-level BPE tokenizer (vocabulary 384) trained on stdlib text, saved as a transformers tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """A byte-level BPE tokenizer (vocabulary 384) trained on stdlib text by recipes/train_tokenizer.py."""
+    import importlib.util
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([stdlib_text(200_000)], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    path = tmp_path_factory.mktemp("tokenizer")
-    fast.save_pretrained(path)
-    return path
+    spec = importlib.util.spec_from_file_location("train_tokenizer", REPO / "recipes" / "train_tokenizer.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    base = tmp_path_factory.mktemp("tokenizer")
+    (base / "text.txt").write_text(stdlib_text(200_000))
+    assert script.main(["--text-files", str(base / "text.txt"), "--vocab-size", "384", "--out", str(base / "tok")]) == 0
+    return base / "tok"

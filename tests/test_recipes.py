@@ -221,3 +221,20 @@ def test_chunked_loss_equals_the_full_computation(chunk):
     ref.backward()
     assert torch.allclose(ce, ce_ref, atol=1e-5) and torch.allclose(kl, kl_ref, atol=1e-5)
     assert torch.allclose(grad, h.grad, atol=1e-6)
+
+
+def test_trained_tokenizer_round_trips_text(tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    assert len(tok) == 384 and tok.eos_token == "</s>" and tok.pad_token == "<pad>"
+    sample = "def f(x):\n    return x ** 2  # ünïcode ✓\n"
+    ids = tok(sample)["input_ids"]
+    assert tok.decode(ids) == sample  # byte-level: any text, exactly
+    assert len(ids) < len(sample.encode())  # and the merges it learned shorten it
+
+
+def test_train_tokenizer_rejects_a_vocabulary_without_room_for_bytes(tmp_path):
+    proc = subprocess.run([sys.executable, "recipes/train_tokenizer.py", "--vocab-size", "100", "--out",
+                           str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and "at least 259" in proc.stderr
