@@ -140,8 +140,9 @@ def test_plain_swap_follows_the_formula(family):
 ])
 def test_impossible_exactness_warns_once_and_says_so(family, kind, reason):
     hfpatch.norm.convert._WARNED.clear()
-    with pytest.warns(UserWarning, match=f"plain swap, not function-preserving: .*{reason}"):
+    with pytest.warns(UserWarning, match=f"plain swap, not function-preserving: .*{reason}") as record:
         hfpatch.patch(tiny_model(family), norm=kind)
+    assert record[0].filename == __file__  # points at the caller's patch() line, not inside hfpatch
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model = hfpatch.patch(tiny_model(family), norm=kind)  # once

@@ -60,7 +60,7 @@ _WARNED: set[str] = set()
 def _warn_once(message: str):
     if message not in _WARNED:
         _WARNED.add(message)
-        warnings.warn(message, UserWarning, stacklevel=4)
+        warnings.warn(message, UserWarning, stacklevel=6)  # the caller of hfpatch.patch
 
 
 def apply_norm(model, adapter: Adapter, req: dict, placement: str, edits: Edits) -> dict:
