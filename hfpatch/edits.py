@@ -9,7 +9,6 @@ an `Edits` log that remembers what was there before. That gives us, for free:
 from __future__ import annotations
 
 
-
 class _Marker:
     """A log marker that stays itself when the model is copied (copy.deepcopy) or pickled: markers are compared
     by identity."""
