@@ -36,14 +36,23 @@ class PatchState:
     layers: dict = field(default_factory=dict)  # {axis: Edits}, in application order (AXES)
     record: Edits = field(default_factory=Edits)  # writes config.hfpatch
     facts: dict = field(default_factory=dict)  # what applying found, per axis (e.g. {"norm": {"exact": False}})
-    # Axes a checkpoint was saved with and that reloaded as part of the model (norm swaps change which weights
-    # exist, so from_pretrained loads them already applied); unpatch keeps them. Their merged spec, the specs in
-    # the order they were applied (a reloaded model can be patched on the same axis again), facts, and the original
-    # config values from the saved record.
-    baked: dict = field(default_factory=dict)
+    # Patches a checkpoint was saved with and that reloaded as part of the model (norm swaps change which weights
+    # exist, so from_pretrained loads them already applied); unpatch keeps them. Their specs in the order they were
+    # applied (a reloaded model can be patched on the same axis again), facts, and the original config values from
+    # the saved record.
     baked_stages: list = field(default_factory=list)
     baked_facts: dict = field(default_factory=dict)
     baked_config: dict = field(default_factory=dict)
+
+    @property
+    def baked(self) -> dict:
+        """The baked stages as one spec (a later stage replaces an earlier one's axis)."""
+        return {axis: req for stage in self.baked_stages for axis, req in stage.items()}
+
+    @property
+    def applied(self) -> dict:
+        """What the model carries now: the baked spec with the live one over it."""
+        return {**self.baked, **self.spec}
 
 
 AXES = ("norm", "placement", "position")  # application order: the exact norm conversion needs the blocks as built
@@ -114,7 +123,7 @@ def _write_record(model, state: PatchState, record: Edits) -> None:
     live = touched_config(model.config, [state.layers[a] for a in AXES if a in state.layers])
     touched = {**live, **state.baked_config}  # the values before the baked stages are the originals
     stages = state.baked_stages + ([state.spec] if state.spec else [])
-    record.set(model.config, "hfpatch", _record({**state.baked, **state.spec}, touched,
+    record.set(model.config, "hfpatch", _record(state.applied, touched,
                                                 {**state.baked_facts, **state.facts}, stages))
 
 
@@ -152,7 +161,7 @@ def patch(model, position=None, factor=None, norm=None, placement=None, exact=No
         edits.undo()
     new = PatchState(spec=new_spec, layers={a: e for a, e in old.layers.items() if a not in redo},
                      facts={a: f for a, f in old.facts.items() if a not in redo},
-                     **{k: getattr(old, k) for k in ("baked", "baked_stages", "baked_facts", "baked_config")})
+                     **{k: getattr(old, k) for k in ("baked_stages", "baked_facts", "baked_config")})
     try:
         new.facts.update(apply_axes(target, adapter, new_spec, new.layers, redo))
         _write_record(target, new, new.record)
@@ -179,7 +188,7 @@ def unpatch(model):
             if axis in state.layers:
                 state.layers[axis].undo()
         object.__delattr__(target, _STATE)
-        if state.baked:
+        if state.baked_stages:
             bake(target, state.baked_stages, state.baked_facts, state.baked_config)
     return model
 
@@ -187,12 +196,8 @@ def unpatch(model):
 def bake(model, stages: list, facts: dict, original_config: dict) -> None:
     """Declare the specs `stages` (applied in that order) part of the model as it is now (used by from_pretrained
     after loading weights that already carry those patches)."""
-    merged: dict = {}
-    for stage in stages:
-        merged.update(stage)
-    state = PatchState(spec={}, baked=merged, baked_stages=copy.deepcopy(stages), baked_facts=facts,
-                       baked_config=original_config)
-    model.config.hfpatch = _record(merged, original_config, facts, stages)
+    state = PatchState(spec={}, baked_stages=copy.deepcopy(stages), baked_facts=facts, baked_config=original_config)
+    model.config.hfpatch = _record(state.baked, original_config, facts, stages)
     object.__setattr__(model, _STATE, state)
 
 
@@ -205,7 +210,7 @@ _RT_TO_SCHEME = {"default": "rope", "linear": "linear", "dynamic": "dynamic", "y
 
 def _position(model, adapter: Adapter, state: PatchState | None) -> dict:
     config = model.config
-    applied = {**state.baked, **state.spec} if state else {}
+    applied = state.applied if state else {}
     if "position" in applied:
         req = applied["position"]
         if req["scheme"] not in ROPE_SCHEMES:  # a bigger table is still a plain checkpoint; the others are not
@@ -234,7 +239,7 @@ def position_limit(model) -> int | None:
     target = unwrap(model)
     adapter = adapter_for(target.config)
     state = getattr(target, _STATE, None)
-    applied = {**state.baked, **state.spec} if state else {}
+    applied = state.applied if state else {}
     scheme = applied.get("position", {}).get("scheme")
     if scheme in UNBOUNDED_SCHEMES:
         return None
@@ -248,7 +253,7 @@ def describe(model) -> dict:
     target = unwrap(model)
     adapter = adapter_for(target.config)
     state = getattr(target, _STATE, None)
-    applied = {**state.baked, **state.spec} if state else {}
+    applied = state.applied if state else {}
     facts = {**state.baked_facts, **state.facts} if state else {}
     norm = {"kind": norms.current_kind(target, adapter),
             "scale": "1 + weight" if adapter.norm_offset else "weight"}
