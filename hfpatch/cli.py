@@ -17,13 +17,31 @@ import json
 import sys
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse prints the whole usage by default)
-        raise _UsageError(f"{self.prog}: {message}")
-
-
-class _UsageError(Exception):
+class UsageError(Exception):
     pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints the whole usage by default)
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+def run_main(fn, argv, prog: str, interrupted: str | None = None) -> int:
+    """Run a command (`fn(argv)`); bad input is one line on stderr and exit code 2. With `interrupted`, Ctrl-C
+    prints that hint and exits with 130 (the evaluations say how to resume)."""
+    try:
+        return fn(argv)
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if interrupted is None:
+            raise
+        print(f"{prog}: interrupted; {interrupted}", file=sys.stderr)
+        return 130
 
 
 def _key_value(text: str):
@@ -41,8 +59,8 @@ _FLOAT_OPTIONS = ("beta_fast", "beta_slow", "attention_factor", "low_freq_factor
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hfpatch", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = Parser(prog="hfpatch", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     d = sub.add_parser("describe", help="what the model is and what can be patched (JSON)")
     d.add_argument("model")
@@ -74,15 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        return _run(args)
-    except _UsageError as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
-        print(f"hfpatch: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    return run_main(lambda a: _run(build_parser().parse_args(a)), argv, "hfpatch")
 
 
 def _run(args) -> int:

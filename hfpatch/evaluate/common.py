@@ -10,32 +10,15 @@ import math
 import os
 import platform
 import re
-import sys
 from pathlib import Path
 
-
-class UsageError(Exception):
-    pass
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, as the hfpatch command does
-        raise UsageError(f"{self.prog}: error: {message}")
+from .. import cli
 
 
 def run_main(fn, argv, prog: str) -> int:
-    """Run a command; bad input is one line on stderr and exit code 2, an interruption says how to resume."""
-    try:
-        return fn(argv)
-    except UsageError as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
-        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted; run the same command again to resume from the results file", file=sys.stderr)
-        return 130
+    """Run an evaluation command: bad input is one line on stderr and exit code 2, an interruption says how to
+    resume."""
+    return cli.run_main(fn, argv, prog, interrupted="run the same command again to resume from the results file")
 
 
 # ---------------------------------------------------------------------------------------------------------------

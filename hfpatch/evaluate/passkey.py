@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from .common import (Parser, Results, add_model_arguments, applied, check_patches, length_label, load_model,
+from ..cli import Parser
+from .common import (Results, add_model_arguments, applied, check_patches, length_label, load_model,
                      load_tokenizer, now, parse_lengths, parse_patches, position_limit, run_main, trained_window,
                      versions)
 from .score import _logits, causal_lm_parts

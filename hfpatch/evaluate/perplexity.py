@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from . import data
-from .common import (Parser, Results, add_model_arguments, applied, check_patches, finite, length_label,
+from ..cli import Parser
+from .common import (Results, add_model_arguments, applied, check_patches, finite, length_label,
                      load_model, load_tokenizer, now, parse_length, parse_lengths, parse_patches, position_limit,
                      run_main, trained_window, versions)
 from .score import causal_lm_parts, document_nll, windows
