@@ -348,6 +348,14 @@ def test_learned_position_table_limits_the_length(tiny_run, tmp_path, capsys):
     assert "learned positions for 64 tokens only" in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "long" / "results.json").exists() or not json.loads(
         (tmp_path / "long" / "results.json").read_text())["cells"]
+    # position schemes that no longer read the table are not held to its size; interpolation moves it
+    assert perplexity.main([*common[:-3], "--patches", "alibi,nope,sinusoidal", "--no-plot", "--lengths", "128",
+                            "--out", str(tmp_path / "alibi")]) == 0
+    assert perplexity.main([*common[:-3], "--patches", "interpolate:2", "--no-plot", "--lengths", "128",
+                            "--out", str(tmp_path / "interp")]) == 0
+    assert perplexity.main([*common[:-3], "--patches", "interpolate:1.5", "--no-plot", "--lengths", "128",
+                            "--out", str(tmp_path / "interp_short")]) == 2
+    assert "learned positions for 96 tokens only" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_script_is_the_same_command(tmp_path):

@@ -174,21 +174,16 @@ def applied(model, kwargs: dict, name: str):
 
 
 def position_limit(model) -> int | None:
-    """Learned absolute position tables (gpt2, opt) cannot go past their size: an index error deep inside the
-    model otherwise. None when the model has no such limit."""
-    from ..adapters import ADAPTERS, get_path
-    from ..apply import unwrap
+    """The hard limit of a learned absolute position table still in use (gpt2, opt, interpolated or not): past it
+    the model fails with an index error deep inside. None otherwise: RoPE only degrades past its window (that is
+    what the evaluations measure), and ALiBi / NoPE / sinusoidal no longer read the table."""
+    from ..adapters import ADAPTERS
+    from ..apply import position_limit as limit, unwrap
 
-    target = unwrap(model)
-    adapter = ADAPTERS.get(target.config.model_type)
+    adapter = ADAPTERS.get(unwrap(model).config.model_type)
     if adapter is None or not adapter.position_table:
         return None
-    try:
-        table = get_path(target.base_model, adapter.position_table)
-    except AttributeError:
-        return None
-    offset = getattr(adapter, "position_offset", None)  # OPT's table starts 2 rows in
-    return table.num_embeddings - int(getattr(table, "offset", 0) if offset is None else offset)
+    return limit(model)
 
 
 def versions() -> dict:
