@@ -137,16 +137,16 @@ def load_model(args):
 
 
 def trained_window(model) -> int | None:
+    """The context the model was trained for, as the RoPE schemes read it (None if the config does not say)."""
     from ..apply import unwrap
+    from ..position.patch import trained_window as window
 
     config = unwrap(model).config
-    params = getattr(config, "rope_parameters", None) or {}
-    for value in (params.get("original_max_position_embeddings") if isinstance(params, dict) else None,
-                  getattr(config, "original_max_position_embeddings", None),
-                  getattr(config, "max_position_embeddings", None), getattr(config, "n_positions", None)):
-        if value:
-            return int(value)
-    return None
+    params = getattr(config, "rope_parameters", None)
+    try:
+        return window(config, params if isinstance(params, dict) else {})
+    except (AttributeError, TypeError):  # no max_position_embeddings at all
+        return None
 
 
 def check_patches(model, patches) -> None:

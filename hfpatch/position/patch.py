@@ -14,7 +14,7 @@ from . import rotary as rot
 from .rope import ROPE_SCHEMES, max_positions
 
 
-def _trained_window(config, params: dict) -> int:
+def trained_window(config, params: dict) -> int:
     """The config's trained context: the scheme's original window if the model is already scaled natively,
     phi3's `original_max_position_embeddings`, else `max_position_embeddings`."""
     for value in (params.get("original_max_position_embeddings"), getattr(config, "original_max_position_embeddings", None)):
@@ -64,7 +64,7 @@ def _apply_rope(model, adapter: Adapter, req: dict, edits: Edits) -> None:
     window = req.get("original_max_position_embeddings")
     for lt in targets:
         base = rot.params_of(config, lt)
-        window = window or _trained_window(config, base)
+        window = window or trained_window(config, base)
         n_freq = getattr(rotary, f"{rot._prefix(lt)}inv_freq").numel()  # rotated channels / 2
         for key in ("short_factor", "long_factor"):
             if key in opts and len(opts[key]) != n_freq:
