@@ -17,8 +17,9 @@ for _info in pkgutil.iter_modules(__path__):
         ADAPTERS[_adapter.model_type] = _adapter
 
 
-def adapter_for(config) -> Adapter:
-    """The adapter for a model's config; ValueError naming the type and the supported ones otherwise."""
+def adapter_for(model) -> Adapter:
+    """The adapter for a model (or its config); ValueError naming the type and the supported ones otherwise."""
+    config = getattr(model, "config", model)
     model_type = getattr(config, "model_type", None)
     if model_type not in ADAPTERS:
         raise ValueError(

@@ -24,6 +24,7 @@ class Adapter:
     layers: str  # the list of transformer blocks
     attention: str  # the attention module inside a block
     norms: tuple[str, ...]  # the norms inside a block, in forward order
+    mlp: str | None = None  # the feed-forward module inside a block (None: its linears sit in the block itself)
     final_norm: str | None = None
     embedding_norm: str | None = None  # BERT normalizes the embeddings
     head_norms: tuple[str, ...] = ()  # norms in task heads, relative to the *top* model (skipped when absent)
@@ -75,6 +76,7 @@ LLAMA_STYLE = dict(
     layers="layers",
     attention="self_attn",
     norms=("input_layernorm", "post_attention_layernorm"),
+    mlp="mlp",
     final_norm="norm",
     residual_readers={
         "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

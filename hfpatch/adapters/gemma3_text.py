@@ -4,6 +4,7 @@ ADAPTER = Adapter(
     model_type="gemma3_text",
     layers="layers",
     attention="self_attn",
+    mlp="mlp",
     norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
     qk_norms=("self_attn.q_norm", "self_attn.k_norm"),
     final_norm="norm",

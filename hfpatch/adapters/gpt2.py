@@ -5,6 +5,7 @@ ADAPTER = Adapter(
     layers="h",
     attention="attn",
     norms=("ln_1", "ln_2"),
+    mlp="mlp",
     final_norm="ln_f",
     norm="layernorm",
     residual_readers={"ln_1": ("attn.c_attn",), "ln_2": ("mlp.c_fc",)},  # Conv1D: weights stored [in, out]

@@ -5,6 +5,7 @@ ADAPTER = Adapter(
     layers="layers",
     attention="attention",
     norms=("input_layernorm", "post_attention_layernorm"),
+    mlp="mlp",
     final_norm="final_layer_norm",
     norm="layernorm",
     residual_readers={

@@ -5,6 +5,7 @@ ADAPTER = Adapter(
     layers="layers",
     attention="self_attn",
     norms=("input_layernorm", "post_attention_layernorm"),
+    mlp="mlp",
     final_norm="norm",
     residual_readers={"input_layernorm": ("self_attn.qkv_proj",), "post_attention_layernorm": ("mlp.gate_up_proj",)},
     residual_writers=("self_attn.o_proj", "mlp.down_proj"),
