@@ -517,6 +517,19 @@ def _build(model_type: str, seed: int = 0, **overrides):
     return model
 
 
+@torch.no_grad()
+def greedy_check(model, prompt: int = 24, new_tokens: int = 3):
+    """Cached greedy generation of a few tokens after `prompt` sample tokens (24: past the tiny sliding windows, so
+    their caches roll over). Returns the generated sequences and, per step, the largest difference between the
+    step's logits (before the family's logits processors) and an uncached forward over the same tokens."""
+    ids = sample_ids(length=prompt)
+    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+    diffs = [(logits - model(out.sequences[:, : prompt + step], use_cache=False).logits[:, -1]).abs().max().item()
+             for step, logits in enumerate(out.logits)]
+    return out.sequences, diffs
+
+
 def build_tiny(model_type: str, seed: int = 0, **overrides):
     """AutoModelForCausalLM.from_config(tiny_config(...)): fp32, eval mode, seeded, the family's default attention
     implementation; checked by one forward pass on input_ids. Raises TinyBuildError (one line) where it cannot."""
