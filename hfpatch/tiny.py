@@ -264,7 +264,7 @@ def _resize_layers(d: dict, changes: dict) -> None:
             changes[name] = list(dict.fromkeys(value))  # a cyclic pattern of block kinds: one block of each
         elif name.endswith(_PERIODS) and _is_int(value) and value > 1:
             changes.setdefault(name, 2)
-        elif name.endswith("_offset") and _is_int(value):
+        elif name.endswith("_layer_offset") and _is_int(value):
             changes.setdefault(name, value % 2)
 
 
@@ -450,7 +450,7 @@ def causal_lm_types() -> list[str]:
 
 @contextlib.contextmanager
 def quiet():
-    """transformers' logging at error level only (and its warnings module silenced), restored afterwards."""
+    """transformers' logging at error level only, restored afterwards."""
     old = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
