@@ -487,9 +487,15 @@ def text_config(config):
 
 
 def has_rope(config) -> bool:
-    """Whether the (text) config carries RoPE: rope_parameters, rope_theta or rope_scaling."""
+    """Whether the (text) config carries RoPE: rope_parameters, rope_theta or rope_scaling, and no switch leaves
+    them unused (granitemoehybrid's position_embedding_type None, zamba2's use_mem_rope False). Families that
+    rotate with a fixed base and no RoPE in their config (gptj, codegen, roformer) do not count."""
     text = vars(text_config(config))
-    return any(text.get(name) for name in ("rope_parameters", "rope_theta", "rope_scaling"))
+    if not any(text.get(name) for name in ("rope_parameters", "rope_theta", "rope_scaling")):
+        return False
+    if "position_embedding_type" in text and text["position_embedding_type"] not in ("rope", "rotary"):
+        return False
+    return not any(value is False for name, value in text.items() if name.startswith("use_") and "rope" in name)
 
 
 def sample_ids(batch: int = 1, length: int = 8, seed: int = 1) -> torch.Tensor:

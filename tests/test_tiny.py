@@ -157,3 +157,15 @@ def test_bad_model_type_is_one_clear_error():
         tiny.tiny_config("nope")
     with pytest.raises(tiny.TinyBuildError, match="musicgen: an audio-codebook decoder"):
         tiny.build_tiny("musicgen")
+
+
+def test_rope_switched_off_is_no_rope():
+    """granitemoehybrid and zamba2 carry rope_parameters but use them only when switched on."""
+    for model_type, switch in (("granitemoehybrid", {"position_embedding_type": "rope"}),
+                               ("zamba2", {"use_mem_rope": True})):
+        assert not tiny.has_rope(tiny.tiny_config(model_type))
+        assert not any("Rotary" in type(m).__name__ for m in tiny.build_tiny(model_type).modules())
+        model = tiny.build_tiny(model_type, **switch)
+        assert tiny.has_rope(model.config)
+        assert any("Rotary" in type(m).__name__ for m in model.modules())
+        generate_and_check(model)
