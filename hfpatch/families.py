@@ -14,6 +14,7 @@ import os
 import warnings
 from pathlib import Path
 
+import torch
 import transformers
 
 from . import tiny
@@ -72,13 +73,18 @@ def measure(model_types=None, use_cache: bool = True, progress=None) -> dict:
         except (OSError, ValueError, KeyError):
             cached = {}
     out, fresh = {}, False
-    for t in types:
-        if t not in cached:
-            cached[t] = measure_one(t)
-            fresh = True
-        out[t] = cached[t]
-        if progress is not None:
-            progress(t)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threads cost more than they gain
+    try:
+        for t in types:
+            if t not in cached:
+                cached[t] = measure_one(t)
+                fresh = True
+            out[t] = cached[t]
+            if progress is not None:
+                progress(t)
+    finally:
+        torch.set_num_threads(threads)
     if use_cache and fresh:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")

@@ -340,11 +340,15 @@ def infer(model, model_type: str | None = None) -> Adapter:
         # nothing found: make sure there is nothing to find (a rotation computed inside attention, GPT-J style)
         mixers = ([f"{layers_top}.{i}.{attention}" for i in (attention_layers or range(len(stack)))] if attention
                   else [f"{layers_top}.{i}" for i in range(len(stack))])
-        embedded, sources = probes.position_sources(model, mixers, layers_top)
-        if embedded or sources:
-            notes["positions"] = ("the model encodes position (on a repeated token, " + (
-                "its embeddings differ by position" if embedded else f"{sources[0]} makes positions differ") +
-                ") but hfpatch found neither a rotary module (an inv_freq buffer) nor a learned position table")
+        try:
+            embedded, sources = probes.position_sources(model, mixers, layers_top)
+        except Exception as e:  # noqa: BLE001 - a test that cannot run says nothing: refuse, with the reason
+            notes["positions"] = f"the position test could not run ({type(e).__name__}: {e})"
+        else:
+            if embedded or sources:
+                notes["positions"] = ("the model encodes position (on a repeated token, " + (
+                    "its embeddings differ by position" if embedded else f"{sources[0]} makes positions differ") +
+                    ") but hfpatch found neither a rotary module (an inv_freq buffer) nor a learned position table")
     elif attention and probe.interface:
         why = _removal_leaves(model, rotaries, table, [f"{layers_top}.{i}.{attention}" for i in attention_layers
                                                          or range(len(stack))], layers_top)
@@ -454,6 +458,8 @@ def _removal_leaves(model, rotaries, table, attention, layers_top) -> str | None
         if table:
             edits.mix_in(get_path(base, table), ZeroPositions, under=True)
         embedded, sources = probes.position_sources(model, attention, layers_top)
+    except Exception as e:  # noqa: BLE001 - a test that cannot run says nothing: refuse, with the reason
+        return f"the test that the position signal can be taken out could not run ({type(e).__name__}: {e})"
     finally:
         edits.undo()
     if embedded or sources:
