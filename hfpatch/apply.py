@@ -266,6 +266,10 @@ def describe(model) -> dict:
     facts = {**state.baked_facts, **state.facts} if state else {}
     norm = {"kind": norms.current_kind(target, adapter),
             "scale": "1 + weight" if adapter.norm_offset else "weight"}
+    upcasts = {c.upcast for c in adapter.norm_classes.values()}
+    if len(upcasts) == 1 and None not in upcasts:  # how the family's own norms round in bfloat16
+        norm["bf16"] = {"fp32": "computed in float32, rounded once", "normalize": "normalized in float32, scaled "
+                        "in the input dtype", "none": "computed in the input dtype"}[upcasts.pop()]
     if "norm" in applied:
         norm.update(facts.get("norm", {}))
     return {

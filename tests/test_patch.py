@@ -79,7 +79,8 @@ def test_patch_returns_the_same_object_and_describe_reports():
 def test_describe_unpatched_models():
     assert hfpatch.describe(tiny_model("gpt2"))["position"]["scheme"] == "learned"
     assert hfpatch.describe(tiny_model("bert"))["placement"] == "post"
-    assert hfpatch.describe(tiny_model("gemma"))["norm"] == {"kind": "rmsnorm", "scale": "1 + weight"}
+    assert hfpatch.describe(tiny_model("gemma"))["norm"] == {"kind": "rmsnorm", "scale": "1 + weight",
+                                                            "bf16": "computed in float32, rounded once"}
     assert hfpatch.describe(tiny_model("gpt2"))["norm"]["kind"] == "layernorm"
     assert hfpatch.describe(tiny_model("llama"))["position"]["scheme"] == "rope"
     scaled = tiny_model("llama", rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,

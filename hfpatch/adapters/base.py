@@ -33,6 +33,7 @@ class NormClass:
     offset: float  # the scale is offset + weight (Gemma: 1)
     eps: float
     eps_attr: str | None = None  # the attribute the module keeps eps in (None: eps was matched from the config)
+    upcast: str | None = None  # in bfloat16: "fp32" | "normalize" (scale in the input dtype) | "none" | None unknown
 
 
 @dataclass(frozen=True)

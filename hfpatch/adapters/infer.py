@@ -108,8 +108,38 @@ def classify_norm(module: nn.Module, config=None) -> NormClass | None:
             for attr, eps in candidates:
                 if all(torch.allclose(y, _reference(kind, x, eps, scale, b), rtol=1e-4, atol=1e-5 * max(1.0, _mag(y)))
                        for x, y in zip(xs, ys)):
-                    return NormClass(kind=kind, offset=offset, eps=eps, eps_attr=attr)
+                    return NormClass(kind=kind, offset=offset, eps=eps, eps_attr=attr,
+                                     upcast=_upcast(module, kind, eps, offset, xs[0]))
     return None
+
+
+def _upcast(module, kind, eps, offset, x) -> str | None:
+    """How the norm computes in bfloat16, read by running a bfloat16 copy: "fp32" (statistics and scale in float32,
+    one rounding at the end: Gemma, hfpatch's own), "normalize" (statistics in float32, the scale applied in the
+    input dtype: Llama), "none" (everything in bfloat16), or None if none matches bit for bit."""
+    try:
+        twin = copy.deepcopy(module).to(torch.bfloat16)
+        with torch.no_grad():
+            got = twin(x.to(torch.bfloat16))
+    except Exception:  # noqa: BLE001 - no bfloat16 on this build: unknown
+        return None
+    w = getattr(twin, "weight", None)
+    b = getattr(twin, "bias", None)
+
+    def normed(h):
+        if kind == "layernorm":
+            h = h - h.mean(-1, keepdim=True)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+    def affine(h, dtype):
+        h = h if w is None else h * (w.to(dtype) + offset)
+        return h if b is None else h + b.to(dtype)
+
+    xb = x.to(torch.bfloat16)
+    forms = {"fp32": affine(normed(xb.float()), torch.float32).to(torch.bfloat16),
+             "normalize": affine(normed(xb.float()).to(torch.bfloat16), torch.bfloat16),
+             "none": affine(normed(xb), torch.bfloat16)}
+    return next((name for name, ref in forms.items() if torch.equal(ref, got)), None)
 
 
 def _mag(y):
