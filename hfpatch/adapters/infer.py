@@ -366,24 +366,8 @@ def infer(model, model_type: str | None = None) -> Adapter:
     elif placement in ("pre", "post") and "placement" not in notes:
         notes["placement"] = (f"blocks with {len(norms)} norm(s) and {'an' if mlp else 'no'} MLP module: no known "
                               "pre/post form")
-    if not rotaries and table is None:
-        # nothing found: make sure there is nothing to find (a rotation computed inside attention, GPT-J style)
-        mixers = ([f"{layers_top}.{i}.{attention}" for i in (attention_layers or range(len(stack)))] if attention
-                  else [f"{layers_top}.{i}" for i in range(len(stack))])
-        try:
-            embedded, sources = probes.position_sources(model, mixers, layers_top)
-        except Exception as e:  # noqa: BLE001 - a test that cannot run says nothing: refuse, with the reason
-            notes["positions"] = f"the position test could not run ({type(e).__name__}: {e})"
-        else:
-            if embedded or sources:
-                notes["positions"] = ("the model encodes position (on a repeated token, " + (
-                    "its embeddings differ by position" if embedded else f"{sources[0]} makes positions differ") +
-                    ") but hfpatch found neither a rotary module (an inv_freq buffer) nor a learned position table")
-    elif attention and probe.interface:
-        why = _removal_leaves(model, rotaries, table, [f"{layers_top}.{i}.{attention}" for i in attention_layers
-                                                         or range(len(stack))], layers_top)
-        if why:
-            notes["removal"] = why
+    mixers = mixer_paths(layers_top, attention, attention_layers or range(len(stack)))
+    notes.update(_position_notes(model, rotaries, table, mixers, layers_top, bool(attention and probe.interface)))
     readers, writers, embedding_writers, final_readers, why = _residual(
         info, layers_top, attention_layers or range(len(stack)), attention, mlp, norms, placement, final_norm)
     if why:
@@ -473,6 +457,31 @@ def _window(config) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def mixer_paths(layers_top: str, attention: str | None, indices) -> list[str]:
+    """Top-model paths of the modules that mix positions: the attention modules, or the blocks where none was
+    found."""
+    return [f"{layers_top}.{i}.{attention}" if attention else f"{layers_top}.{i}" for i in indices]
+
+
+def _position_notes(model, rotaries, table, mixers, layers_top, removable: bool) -> dict:
+    """{"positions": why} when the model encodes position somewhere hfpatch did not find; {"removal": why} when
+    taking out what it found leaves a position signal (checked only where `removable`: attention goes through the
+    interface, which alibi / nope / sinusoidal need anyway); {} otherwise."""
+    if rotaries or table:
+        why = _removal_leaves(model, rotaries, table, mixers, layers_top) if removable else None
+        return {"removal": why} if why else {}
+    # nothing found: make sure there is nothing to find (a rotation computed inside attention, GPT-J style)
+    try:
+        embedded, sources = probes.position_sources(model, mixers, layers_top)
+    except Exception as e:  # noqa: BLE001 - a test that cannot run says nothing: refuse, with the reason
+        return {"positions": f"the position test could not run ({type(e).__name__}: {e})"}
+    if embedded or sources:
+        return {"positions": "the model encodes position (on a repeated token, " + (
+            "its embeddings differ by position" if embedded else f"{sources[0]} makes positions differ") +
+            ") but hfpatch found neither a rotary module (an inv_freq buffer) nor a learned position table"}
+    return {}
 
 
 def _removal_leaves(model, rotaries, table, attention, layers_top) -> str | None:

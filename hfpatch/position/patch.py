@@ -10,6 +10,7 @@ import warnings
 import torch
 
 from ..adapters import Adapter, get_path
+from ..adapters.infer import mixer_paths
 from ..adapters.probe import position_sources
 from ..edits import Edits
 from . import absolute, alibi
@@ -203,8 +204,8 @@ def _check_removed(model, adapter: Adapter, scheme: str) -> None:
     if any(p.device.type == "meta" for p in model.parameters()):
         return
     top = "" if model.base_model is model else model.base_model_prefix + "."
-    attention = [f"{top}{adapter.layers}.{i}.{adapter.attention}" for i in attention_layers(model, adapter)]
-    embedded, sources = position_sources(model, attention, f"{top}{adapter.layers}")
+    mixers = mixer_paths(f"{top}{adapter.layers}", adapter.attention, attention_layers(model, adapter))
+    embedded, sources = position_sources(model, mixers, f"{top}{adapter.layers}")
     if sources or (embedded and scheme != "sinusoidal"):
         where = sources[0] if sources else "the embeddings"
         raise ValueError(f"position={scheme!r} takes out {adapter.model_type}'s position signal, but one remains "
