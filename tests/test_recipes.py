@@ -172,29 +172,53 @@ def test_missing_config_file(capsys):
 
 # -------------------------------------------------------------------------------------------- accelerate configs
 
-@pytest.mark.parametrize("name", ["cpu", "multi_cpu", "ddp", "fsdp", "deepspeed_zero3"])
-def test_accelerate_configs_load(name):
-    from accelerate.commands.config.config_args import load_config_from_file
-    from accelerate.utils import DistributedType
+def launched(name, monkeypatch):
+    """What `accelerate launch --config_file recipes/accelerate/<name>.yaml` gives its processes: accelerate's own
+    launch code runs (config parsing, validation, the environment it builds) and is stopped where it would start
+    them. Returns (launcher, its arguments, the environment variables it adds)."""
+    import accelerate.commands.launch as launch
+    from accelerate.utils import launch as prepare
 
-    cfg = load_config_from_file(str(REPO / "recipes" / "accelerate" / f"{name}.yaml"))
-    expected = {"cpu": DistributedType.NO, "multi_cpu": DistributedType.MULTI_GPU, "ddp": DistributedType.MULTI_GPU,
-                "fsdp": DistributedType.FSDP,
-                "deepspeed_zero3": DistributedType.DEEPSPEED}[name]
-    assert cfg.distributed_type == expected
-    if name == "fsdp":
-        from accelerate.utils import FullyShardedDataParallelPlugin
+    got = {}
+    for launcher, env_of in [("simple_launcher", lambda a: prepare.prepare_simple_launcher_cmd_env(a)[1]),
+                             ("multi_gpu_launcher", prepare.prepare_multi_gpu_env),
+                             ("deepspeed_launcher", lambda a: prepare.prepare_deepspeed_cmd_env(a)[1])]:
+        monkeypatch.setattr(launch, launcher, lambda a, launcher=launcher, env_of=env_of: got.update(
+            launcher=launcher, args=a, env=env_of(a)))
+    config = REPO / "recipes" / "accelerate" / f"{name}.yaml"
+    launch.launch_command(launch.launch_command_parser().parse_args(["--config_file", str(config), "recipe.py"]))
+    added = {k: v for k, v in got["env"].items() if os.environ.get(k) != v}
+    return got["launcher"], got["args"], added
 
-        f = cfg.fsdp_config
-        plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=f["fsdp_version"], auto_wrap_policy=f["fsdp_auto_wrap_policy"].lower(),
-            reshard_after_forward=f["fsdp_reshard_after_forward"], state_dict_type=f["fsdp_state_dict_type"],
-            cpu_ram_efficient_loading=f["fsdp_cpu_ram_efficient_loading"])
-        assert plugin.fsdp_version == 2
-        # the layer class to wrap comes from the model: transformers declares it per family
-        assert "LlamaDecoderLayer" in tiny_model("llama")._no_split_modules
+
+@pytest.mark.parametrize("name, launcher, processes, precision", [
+    ("cpu", "simple_launcher", 1, "no"),
+    ("multi_cpu", "multi_gpu_launcher", 2, "no"),
+    ("ddp", "multi_gpu_launcher", 8, "bf16"),
+    ("fsdp", "multi_gpu_launcher", 8, "bf16"),
+    ("deepspeed_zero3", "deepspeed_launcher", 8, "bf16"),
+])
+def test_accelerate_configs_load(name, launcher, processes, precision, monkeypatch):
+    used, args, env = launched(name, monkeypatch)
+    assert (used, args.num_processes, env["ACCELERATE_MIXED_PRECISION"]) == (launcher, processes, precision)
+    if name == "cpu":
+        assert env["ACCELERATE_USE_CPU"] == "True"
     if name == "deepspeed_zero3":
-        assert cfg.deepspeed_config["zero_stage"] == 3
+        assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    if name == "fsdp":
+        # the plugin each process builds from that environment, and the blocks it shards on its own: every decoder
+        # layer, also when a patch gave the layers another class (post-norm, the sinusoidal input of layer 0)
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        plugin = FullyShardedDataParallelPlugin()
+        assert plugin.fsdp_version == 2 and plugin.state_dict_type.name == "SHARDED_STATE_DICT"
+        for spec in [{}, {"placement": "post"}, {"position": "sinusoidal", "placement": "post"}]:
+            model = hfpatch.patch(tiny_model("llama"), **spec)
+            policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+            assert [n for n, m in model.named_modules() if policy(m)] == ["model.layers.0", "model.layers.1"], spec
 
 
 @pytest.mark.parametrize("chunk", [None, 7, 64])
