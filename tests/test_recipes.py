@@ -149,6 +149,8 @@ def tiny_folder(tmp_path, tiny_tokenizer_dir):
     ("context_extension", ["patch={position: interpolate, factor: 2}"], "stretches a learned absolute position"),
     ("pretrain", ["tokenizer=x"], "pretrain builds its model from model_config"),
     ("heal", ["precision=fp8"], "precision must be no, bf16 or fp16"),
+    ("heal", ["seq_len=[1"], "override 'seq_len=[1': not valid YAML: expected ',' or ']'"),
+    ("heal", ["lr=!!python/object/apply:os.system [exit 3]"], "!!python/ tags are not accepted"),
 ])
 def test_bad_configs_fail_before_training(tiny_folder, text, tmp_path, capsys, recipe, args, message):
     import importlib.util
@@ -163,6 +165,31 @@ def test_bad_configs_fail_before_training(tiny_folder, text, tmp_path, capsys, r
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]  # (besides progress bars)
     assert len(errors) == 1 and message in errors[0]
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("seq_len: [1\n", "not valid YAML: expected ',' or ']', but got '<stream end>' (line 2, column 1)"),
+    ("lr: !!python/object/apply:os.system ['touch {ran}']\n", "!!python/ tags are not accepted (line 1, column 5)"),
+    ("seq_len: 10\n\tlr: 1\n", "not valid YAML"),
+])
+def test_a_config_file_that_is_not_yaml_is_one_error(tmp_path, capsys, text, message):
+    ran = tmp_path / "ran"
+    path = tmp_path / "bad.yaml"
+    path.write_text(text.format(ran=ran))
+    assert run("heal", lambda cfg: pytest.fail("trained"), ["--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"heal: error: {path}: ") and message in err
+    assert not ran.exists()
+
+
+def test_a_second_run_into_the_same_output_dir_is_refused(tiny_folder, text, tmp_path, capsys):
+    out = tmp_path / "o"
+    (out / "checkpoints" / "step_4").mkdir(parents=True)
+    (out / "log.jsonl").write_text('{"step": 1}\n')
+    argv = [f"model={tiny_folder}", f"data.text_files=[{text}]", f"output_dir={out}"]
+    assert run("heal", lambda cfg: pytest.fail("trained"), argv) == 2
+    assert "already holds a run (log.jsonl, checkpoints/); resume=true continues it" in capsys.readouterr().err
+    assert run("heal", lambda cfg: None, [*argv, "resume=true"]) == 0
 
 
 def test_missing_config_file(capsys):

@@ -130,6 +130,20 @@ def _set(tree: dict, dotted: str, value) -> None:
     tree[last] = value
 
 
+def _yaml(text: str, where: str):
+    """yaml.safe_load, its errors as one ConfigError line. safe_load builds plain data only: a tag such as
+    !!python/object is refused, never imported or called."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        if "constructor" in what and "python/" in what:
+            what += "; configs are plain YAML (numbers, strings, lists, key: value), !!python/ tags are not accepted"
+        raise ConfigError(f"{where}: not valid YAML: {what}{at}") from None
+
+
 def load(recipe: str, path: str | None, overrides: list[str]) -> Config:
     schema = SCHEMAS[recipe]
     values: dict = {}
@@ -137,14 +151,14 @@ def load(recipe: str, path: str | None, overrides: list[str]) -> Config:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {path}")
-        values = yaml.safe_load(p.read_text()) or {}
+        values = _yaml(p.read_text(), str(path)) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected key: value pairs at the top level")
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value")
-        _set(values, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        _set(values, key.strip(), _yaml(raw, f"override {item!r}") if raw.strip() else None)
     merged = _defaults(schema)
     for key, value in values.items():
         if isinstance(merged.get(key), dict) and isinstance(value, dict) and key != "patch" and key != "model_config":
@@ -177,6 +191,10 @@ def _validate(cfg: Config, recipe: str) -> None:
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
     if recipe == "pretrain" and cfg.model:
         raise ConfigError("pretrain builds its model from model_config; remove model (or use context_extension/heal)")
+    found = None if cfg.resume else previous_run(Path(cfg.output_dir))
+    if found:
+        raise ConfigError(f"output_dir {cfg.output_dir} already holds a run ({found}); resume=true continues it, or "
+                          "choose another output_dir")
     files = cfg.data.text_files  # neither files nor a dataset: the default corpus (Python stdlib sources)
     for f in [files] if isinstance(files, str) else (files or []):
         if not Path(f).exists():
@@ -189,3 +207,13 @@ def _validate(cfg: Config, recipe: str) -> None:
         hfpatch.spec.request(**cfg.patch)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"patch: {e}") from None
+
+
+def previous_run(out: Path) -> str | None:
+    """What in `out` shows that a run was already made there (None if nothing)."""
+    log = out / "log.jsonl"
+    ckpts = out / "checkpoints"
+    found = [name for name, there in (("log.jsonl", log.is_file() and log.stat().st_size > 0),
+                                      ("checkpoints/", ckpts.is_dir() and any(ckpts.iterdir())),
+                                      ("final/", (out / "final").exists())) if there]
+    return ", ".join(found) or None
