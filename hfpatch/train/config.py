@@ -21,6 +21,8 @@ class ConfigError(ValueError):
 COMMON = {
     "model": ((str, type(None)), None),  # hfpatch.models.load name: folder, .gguf, hub id, "smollm2"
     "tokenizer": ((str, type(None)), None),  # defaults to the model's
+    "trust_remote_code": (bool, False),  # run the Python code a model folder carries (hfpatch.models.load)
+    "allow_pickled_weights": (bool, False),  # load pytorch_model.bin weights when there are no safetensors
     "patch": (dict, {}),  # keyword arguments of hfpatch.patch, e.g. {position: yarn, factor: 4}
     "data": {
         "text_files": ((list, str, type(None)), None),

@@ -33,7 +33,8 @@ def tokenizer(name: str):
 def load(cfg):
     """(model, tokenizer) of cfg.model (cfg.tokenizer overrides the tokenizer)."""
     try:
-        model, tok = load_model(cfg.model, dtype=dtype_of(cfg), tokenizer=not cfg.tokenizer)
+        model, tok = load_model(cfg.model, dtype=dtype_of(cfg), tokenizer=not cfg.tokenizer,
+                                trust_remote_code=cfg.trust_remote_code, allow_pickled_weights=cfg.allow_pickled_weights)
     except (ValueError, OSError) as e:
         raise ConfigError(f"model: {e}") from None
     if cfg.tokenizer:
