@@ -14,7 +14,7 @@ import torch
 from conftest import REPO, stdlib_text
 
 import hfpatch
-from hfpatch.train import checkpoint
+from hfpatch.train import checkpoint, faults
 from hfpatch.train.config import ConfigError
 
 TINY = ("model_config={model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
@@ -98,8 +98,7 @@ def test_killed_as_soon_as_step_2_appears_resumes_to_the_uninterrupted_curve(arg
 
 def faulty(args, out, kill: str, at: int, *extra):
     """The recipe under hfpatch.train.faults, killed at the `at`-th file event under `out` matching `kill`."""
-    cmd = [sys.executable, "-m", "hfpatch.train.faults", "--root", str(out), "--match", kill, "--kill-at", str(at),
-           *command(args, out, *extra)[1:]]
+    cmd = faults.command(REPO / "recipes" / "pretrain.py", [*args, f"output_dir={out}", *extra], out, at, kill)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env(), timeout=TIMEOUT)
     assert proc.returncode == -signal.SIGKILL, f"not killed at {kill!r}: {proc.stderr[-3000:]}"
     return proc.stdout

@@ -131,6 +131,16 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def command(recipe, args, root, kill_at=None, match="", trace=None) -> list[str]:
+    """The argv that runs `recipe` (a script path) with `args` under this injector (see the module docstring)."""
+    out = [sys.executable, "-m", "hfpatch.train.faults", "--root", str(root)]
+    if kill_at is not None:
+        out += ["--kill-at", str(kill_at), "--match", match]
+    if trace:
+        out += ["--trace", str(trace)]
+    return [*out, str(recipe), *args]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m hfpatch.train.faults", description=__doc__.split("\n\n")[0])
     p.add_argument("--root", required=True, help="only file operations under this folder are events")
