@@ -151,6 +151,11 @@ def tiny_folder(tmp_path, tiny_tokenizer_dir):
     ("heal", ["precision=fp8"], "precision must be no, bf16 or fp16"),
     ("heal", ["seq_len=[1"], "override 'seq_len=[1': not valid YAML: expected ',' or ']'"),
     ("heal", ["lr=!!python/object/apply:os.system [exit 3]"], "!!python/ tags are not accepted"),
+    ("heal", ["data.text_files=[1, 2]"], "data.text_files must be a list of strings, got [1, 2]"),
+    ("heal", ["lora.enabled=true", "lora.target_modules=[nope]"], "lora: Target modules {'nope'} not found"),
+    ("heal", ["log_with=[nonsense]"], "log_with: unknown tracker 'nonsense'"),
+    ("heal", ["data.max_tokens=100"], "the data holds 100 tokens: fewer than two sequences of seq_len=32"),
+    ("pretrain", ["model_config.hidden_size=65"], "model_config: The hidden size (65) is not a multiple"),
 ])
 def test_bad_configs_fail_before_training(tiny_folder, text, tmp_path, capsys, recipe, args, message):
     import importlib.util
@@ -180,6 +185,17 @@ def test_a_config_file_that_is_not_yaml_is_one_error(tmp_path, capsys, text, mes
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"heal: error: {path}: ") and message in err
     assert not ran.exists()
+
+
+def test_a_tracker_that_is_not_installed_is_an_error(capsys):
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    missing = [t for t in LoggerType.list() if t != "all" and LoggerType(t) not in get_available_trackers()]
+    if not missing:
+        pytest.skip("every tracker accelerate knows is installed")
+    assert run("heal", lambda cfg: pytest.fail("trained"), ["model=smollm2", f"log_with={missing[0]}"]) == 2
+    assert f"log_with: {missing[0]} is not installed" in capsys.readouterr().err
 
 
 def test_a_second_run_into_the_same_output_dir_is_refused(tiny_folder, text, tmp_path, capsys):
