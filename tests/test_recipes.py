@@ -134,7 +134,8 @@ def tiny_folder(tmp_path, tiny_tokenizer_dir):
     from transformers import AutoTokenizer
 
     path = tmp_path / "tiny"
-    hfpatch.save_pretrained(tiny_model("llama"), path, tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    hfpatch.save_pretrained(tiny_model("llama", vocab_size=len(tok)), path, tokenizer=tok)
     return path
 
 
@@ -154,8 +155,8 @@ def tiny_folder(tmp_path, tiny_tokenizer_dir):
     ("heal", ["data.text_files=[1, 2]"], "data.text_files must be a list of strings, got [1, 2]"),
     ("heal", ["lora.enabled=true", "lora.target_modules=[nope]"], "lora: Target modules {'nope'} not found"),
     ("heal", ["log_with=[nonsense]"], "log_with: unknown tracker 'nonsense'"),
-    ("heal", ["data.max_tokens=100"], "the data holds 100 tokens: fewer than two sequences of seq_len=32"),
-    ("pretrain", ["model_config.hidden_size=65"], "model_config: The hidden size (65) is not a multiple"),
+    ("heal", ["data.max_tokens=40"], "the data holds 40 tokens: fewer than two sequences of seq_len=32"),
+    ("heal", ["tokenizer=smollm2"], "the tokenizer has 49152 tokens, the model's embedding 384 rows"),
 ])
 def test_bad_configs_fail_before_training(tiny_folder, text, tmp_path, capsys, recipe, args, message):
     import importlib.util
@@ -185,6 +186,18 @@ def test_a_config_file_that_is_not_yaml_is_one_error(tmp_path, capsys, text, mes
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"heal: error: {path}: ") and message in err
     assert not ran.exists()
+
+
+def test_a_model_config_whose_sizes_do_not_fit_is_one_error(tiny_tokenizer_dir, tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain", REPO / "recipes" / "pretrain.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv = [TINY, "model_config.hidden_size=65", f"tokenizer={tiny_tokenizer_dir}", f"output_dir={tmp_path / 'o'}"]
+    assert run("pretrain", mod.main, argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pretrain: error: model_config: ") and "hidden size (65) is not a multiple" in err
 
 
 def test_a_tracker_that_is_not_installed_is_an_error(capsys):

@@ -119,6 +119,8 @@ def _check(schema: dict, values: dict, where: str = "") -> Config:
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
             raise ConfigError(f"{name} must be {names}, got {value!r} ({type(value).__name__})")
+        if isinstance(value, list) and not all(isinstance(v, str) for v in value):  # every list holds names
+            raise ConfigError(f"{name} must be a list of strings, got {value!r}")
         out[key] = value
     return out
 
@@ -201,6 +203,7 @@ def _validate(cfg: Config, recipe: str) -> None:
     for f in [files] if isinstance(files, str) else (files or []):
         if not Path(f).exists():
             raise ConfigError(f"data path not found: {f}")
+    _check_trackers(cfg.log_with)
     if "distill" in cfg and cfg.distill.enabled and not 0.0 <= cfg.distill.alpha <= 1.0:
         raise ConfigError(f"distill.alpha must be in [0, 1], got {cfg.distill.alpha}")
     try:
@@ -209,6 +212,20 @@ def _validate(cfg: Config, recipe: str) -> None:
         hfpatch.spec.request(**cfg.patch)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"patch: {e}") from None
+
+
+def _check_trackers(log_with) -> None:
+    """accelerate raises on an unknown tracker name and quietly drops one whose package is missing."""
+    if not log_with:
+        return
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    for name in [log_with] if isinstance(log_with, str) else log_with:
+        if name not in LoggerType.list():
+            raise ConfigError(f"log_with: unknown tracker {name!r}; accelerate knows {', '.join(LoggerType.list())}")
+        if name != "all" and LoggerType(name) not in get_available_trackers():
+            raise ConfigError(f"log_with: {name} is not installed (install its package, or leave it out)")
 
 
 def previous_run(out: Path) -> str | None:

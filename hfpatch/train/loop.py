@@ -31,6 +31,7 @@ from transformers import get_cosine_schedule_with_warmup
 import hfpatch
 
 from . import checkpoint
+from .config import ConfigError
 from .data import batch_indices
 from .losses import auto_chunk, chunked_lm_loss, shift
 
@@ -95,8 +96,11 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
         import peft
 
         targets = cfg.lora.target_modules
-        model = peft.get_peft_model(model, peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
-                                                           lora_dropout=cfg.lora.dropout, target_modules=targets))
+        try:
+            model = peft.get_peft_model(model, peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                                               lora_dropout=cfg.lora.dropout, target_modules=targets))
+        except ValueError as e:  # e.g. target modules the model does not have
+            raise ConfigError(f"lora: {' '.join(str(e).split())}") from None
     distill = getattr(cfg, "distill", None)
     loss_module = CausalLMLoss(model, chunk=cfg.loss_chunk, teacher=teacher,
                                alpha=distill.alpha if distill else 0.0,
