@@ -1,0 +1,31 @@
+"""Defects found by using the `hfpatch` command and the Python API as a new user would (issue 15, item 4): each
+was a silent success or a traceback, and is now one clear error."""
+
+import pytest
+from conftest import tiny_model
+
+import hfpatch
+from hfpatch.cli import main
+
+
+@pytest.fixture
+def folder(tmp_path):
+    path = tmp_path / "model"
+    hfpatch.save_pretrained(tiny_model("llama"), path)
+    return path
+
+
+def test_patch_without_any_patch_is_an_error_not_a_copy(folder, tmp_path, capsys):
+    assert main(["patch", str(folder), "--out", str(tmp_path / "out")]) == 2
+    assert "nothing to patch: give --position, --norm or --placement" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_saving_onto_a_file_is_an_error_not_a_silent_no_op(folder, tmp_path, capsys):
+    target = tmp_path / "notes.txt"
+    target.write_text("keep me")
+    assert main(["patch", str(folder), "--out", str(target), "--position", "yarn", "--factor", "2"]) == 2
+    assert f"{target} is a file, not a folder" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        hfpatch.save_pretrained(tiny_model("llama"), target)
+    assert target.read_text() == "keep me"
