@@ -129,6 +129,8 @@ def _run(args) -> int:
                                             "layer_types", *_FLOAT_OPTIONS)}
     kwargs.update(dict(args.opt))
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if not kwargs:
+        raise UsageError("hfpatch patch: error: nothing to patch: give --position, --norm or --placement")
     hfpatch.spec.request(**kwargs)
     dtype = None
     if args.dtype:

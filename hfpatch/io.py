@@ -12,6 +12,7 @@ applies the recorded spec again.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import transformers
@@ -55,6 +56,8 @@ def _serializable(model):
 
 def save_pretrained(model, path, tokenizer=None, **kwargs):
     """Weights + config (with its "hfpatch" section) + the tokenizer if given. kwargs go to transformers."""
+    if os.path.isfile(path):  # transformers only logs this and returns
+        raise ValueError(f"{path} is a file, not a folder: save_pretrained writes a folder")
     target = unwrap(model)
     tuned = sorted({name.rsplit(".", 1)[-1] for name, m in target.named_modules()
                     if type(m).__module__.startswith("peft.") and hasattr(m, "base_layer")})
@@ -164,8 +167,6 @@ _SAFE = ("model.safetensors", "model.safetensors.index.json")
 def refuse_pickled_weights(path, use_safetensors, opt_in: str) -> None:
     """A local folder whose weights are pickles only, loaded with use_safetensors=True: one clear error (transformers'
     own says only that model.safetensors is missing)."""
-    import os
-
     if use_safetensors is not True or not os.path.isdir(path):
         return
     names = set(os.listdir(path))
