@@ -102,7 +102,7 @@ def newest_complete(root: Path) -> tuple[Path | None, list[str]]:
 def resume(accelerator, resume, out: Path, states: dict, log: Path) -> int:
     """Load what the run resumes from and return its step: the checkpoint folder `resume` names, or with
     resume=True the newest complete one under out/checkpoints (0 and a fresh start, said on stdout, when there is
-    none). log.jsonl is cut back to the rows of the steps before it, so the resumed run writes the rest once."""
+    none). log.jsonl is cut back to the rows of the steps up to it, so the resumed run writes the rest once."""
     if isinstance(resume, str):
         path = Path(resume)
         why = problem(path)
