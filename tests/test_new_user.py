@@ -29,3 +29,18 @@ def test_saving_onto_a_file_is_an_error_not_a_silent_no_op(folder, tmp_path, cap
     with pytest.raises(ValueError, match="is a file, not a folder"):
         hfpatch.save_pretrained(tiny_model("llama"), target)
     assert target.read_text() == "keep me"
+
+
+def test_paths_in_recipe_configs_may_start_with_a_tilde(tmp_path, monkeypatch):
+    """YAML does not expand ~ (a shell does): output_dir: ~/runs/x used to make a folder named '~' in the current
+    folder, and data/model paths under ~ were 'not found'."""
+    from hfpatch.train.config import load
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "a.txt").write_text("text")
+    cfg = load("heal", None, ["model=~/model", "data.text_files=[~/books]", "output_dir=~/runs/x",
+                              "tokenizer=~/tok", "resume=~/runs/x/checkpoints/step_2"])
+    assert cfg.output_dir == str(tmp_path / "runs" / "x") and cfg.data.text_files == [str(tmp_path / "books")]
+    assert cfg.model == str(tmp_path / "model") and cfg.tokenizer == str(tmp_path / "tok")
+    assert cfg.resume == str(tmp_path / "runs" / "x" / "checkpoints" / "step_2")
