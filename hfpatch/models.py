@@ -22,6 +22,7 @@ def smollm2_path() -> str:
 
 def resolve(name: str) -> tuple[str, str | None]:
     """(folder or hub id, gguf file name or None)."""
+    name = os.path.expanduser(name)  # ~/models/x from a config file or the API, as a shell would expand it
     if name == SMOLLM2:
         name = smollm2_path()
     if name.endswith(".gguf"):

@@ -31,7 +31,7 @@ def test_saving_onto_a_file_is_an_error_not_a_silent_no_op(folder, tmp_path, cap
     assert target.read_text() == "keep me"
 
 
-def test_paths_in_recipe_configs_may_start_with_a_tilde(tmp_path, monkeypatch):
+def test_paths_may_start_with_a_tilde(folder, tmp_path, monkeypatch):
     """YAML does not expand ~ (a shell does): output_dir: ~/runs/x used to make a folder named '~' in the current
     folder, and data/model paths under ~ were 'not found'."""
     from hfpatch.train.config import load
@@ -44,3 +44,7 @@ def test_paths_in_recipe_configs_may_start_with_a_tilde(tmp_path, monkeypatch):
     assert cfg.output_dir == str(tmp_path / "runs" / "x") and cfg.data.text_files == [str(tmp_path / "books")]
     assert cfg.model == str(tmp_path / "model") and cfg.tokenizer == str(tmp_path / "tok")
     assert cfg.resume == str(tmp_path / "runs" / "x" / "checkpoints" / "step_2")
+    from hfpatch.models import load as load_model
+
+    model, _ = load_model(f"~/{folder.relative_to(tmp_path)}")
+    assert type(model).__name__ == "LlamaForCausalLM"

@@ -8,6 +8,7 @@ missing data path is one clear error (ConfigError), never ignored.
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import yaml
@@ -170,8 +171,22 @@ def load(recipe: str, path: str | None, overrides: list[str]) -> Config:
         else:
             merged[key] = value
     cfg = _check(schema, merged)
+    _expand_home(cfg)
     _validate(cfg, recipe)
     return cfg
+
+
+def _expand_home(cfg: Config) -> None:
+    """~ at the start of a path means the home folder, as in a shell (YAML leaves it as it is)."""
+    expand = os.path.expanduser
+    for key in ("model", "tokenizer", "output_dir"):
+        if isinstance(cfg[key], str):
+            cfg[key] = expand(cfg[key])
+    if isinstance(cfg.resume, str):
+        cfg["resume"] = expand(cfg.resume)
+    files = cfg.data.text_files
+    if files is not None:
+        cfg.data["text_files"] = expand(files) if isinstance(files, str) else [expand(f) for f in files]
 
 
 def _validate(cfg: Config, recipe: str) -> None:
