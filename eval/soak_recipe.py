@@ -40,7 +40,7 @@ RECIPE = REPO / "recipes" / "pretrain.py"
 ARGS = ["model_config={model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
         "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 128, attention_dropout: 0.1}",
         "seq_len=128", "batch_size=2", "max_steps=8", "eval_every=4", "save_every=2", "lr=3e-3", "warmup_steps=2"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # a time kill keeps what was printed
 TIMEOUT = 300
 
 
@@ -79,6 +79,8 @@ def where(out: Path, trace: Path, event_kill: bool) -> tuple[str, str]:
     detail = f"{'at' if event_kill else 'after'} {kind} {path}"
     if not event_kill:
         saving = [*out.glob("*.partial"), *(out / "checkpoints").glob("*.partial")]
+        if (kind, path) == ("rename", "final.partial"):
+            return "after the final save (exiting)", detail
         return ("inside a save (timer)" if saving else "training (timer)"), detail
     if path.startswith("final.partial"):
         return "final save", detail
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
     ref_curve, ref_logits = curve(work / "reference"), final_logits(work / "reference")
     print(f"reference run: {seconds:.1f} s, {events} file events under output_dir", flush=True)
 
-    kills, landed, runs, failures = 0, collections.Counter(), [], []
+    kills, landed, runs, failures, identical = 0, collections.Counter(), [], [], 0
     while kills < a.kills:
         out, budget = work / f"run_{len(runs)}", rng.randint(1, 4)
         run = {"kills": [], "resumes": 0}
@@ -146,13 +148,15 @@ def main(argv=None) -> int:
                 code, stdout, how = proc.returncode, proc.stdout, "none"
             else:
                 code, stdout, how = launch(args, out, kill, rng, events, seconds, t)
-            if resuming:
+            said = re.search(r"resumed from .* at step (\d+)", stdout)
+            step = int(said.group(1)) if said else (0 if "starting from step 0" in stdout else None)
+            if resuming and step is not None:  # (a launch killed during start-up never got to resume)
                 run["resumes"] += 1
-                said = re.search(r"at step (\d+)", stdout)
-                step = int(said.group(1)) if said else (0 if "starting from step 0" in stdout else None)
                 want = int(expected.name.split("_")[1]) if expected else 0
                 if step != want:
                     failures.append(f"{out.name}: resumed at step {step}, the newest complete checkpoint was {want}")
+            elif resuming and code == 0:
+                failures.append(f"{out.name}: finished without saying where it resumed from")
             if code == -signal.SIGKILL:
                 kills += 1
                 category, detail = where(out, t, kill == "event")
@@ -162,7 +166,9 @@ def main(argv=None) -> int:
             if code != 0:
                 failures.append(f"{out.name}: exit code {code}")
                 break
-            if curve(out) != ref_curve or not torch.equal(final_logits(out), ref_logits):
+            if curve(out) == ref_curve and torch.equal(final_logits(out), ref_logits):
+                identical += 1
+            else:
                 failures.append(f"{out.name}: the loss curve or the final model differs from the reference")
             break
         runs.append(run)
@@ -170,7 +176,7 @@ def main(argv=None) -> int:
               flush=True)
 
     summary = {"kills": kills, "runs": len(runs), "resumes": sum(r["resumes"] for r in runs),
-               "identical_runs": len(runs) - len({f.split(':')[0] for f in failures}), "failures": failures,
+               "identical_runs": identical, "failures": failures,
                "kills_landed": dict(landed.most_common()), "reference_seconds": round(seconds, 1),
                "file_events_per_run": events, "seed": a.seed, "runs_detail": runs}
     print(json.dumps({k: v for k, v in summary.items() if k != "runs_detail"}, indent=1))
