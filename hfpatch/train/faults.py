@@ -24,12 +24,17 @@ import runpy
 import shutil
 import signal
 import sys
-from pathlib import Path
+
+import accelerate.utils.other as accelerate_io
+import torch
+import transformers.modeling_utils as modeling_utils
 
 _open = builtins.open
 
 
 class Injector:
+    """The hooks: every file operation under `root` is an event, counted and traced; one of them can kill."""
+
     def __init__(self, root, kill_at=None, match="", trace=None):
         self.root = os.path.realpath(root)
         self.kill_at, self.match = kill_at, re.compile(match or "")
@@ -86,10 +91,6 @@ class Injector:
         return hooked
 
     def install(self):
-        import accelerate.utils.other as accelerate_io
-        import torch
-        import transformers.modeling_utils as modeling_utils
-
         torch.save = self.writer("torch.save", torch.save)
         accelerate_io.safe_save_file = self.writer("save_file", accelerate_io.safe_save_file)
         modeling_utils.safe_save_file = self.writer("save_file", modeling_utils.safe_save_file)
