@@ -139,6 +139,27 @@ def _write_record(model, state: PatchState, record: Edits) -> None:
     stages = state.baked_stages + ([state.spec] if state.spec else [])
     record.set(model.config, "hfpatch", _record(state.applied, touched, {**state.baked_facts, **state.facts},
                                                 stages, adapter_for(model).to_dict(model.config)))
+    for owner, names in block_names(model).items():
+        record.set(owner, "_no_split_modules", names)
+
+
+def block_names(model) -> dict:
+    """{each PreTrainedModel in `model` whose _no_split_modules must change: the names it should hold}.
+    transformers (device_map) and accelerate (FSDP's transformer-based wrapping) find the blocks to keep whole by
+    class name; a patch that gives blocks a subclass (post-norm placement, the sinusoidal input of layer 0) would hide
+    them, so each listed name is followed to the classes in the model that subclass it."""
+    classes = {type(m) for m in model.modules()}
+    out = {}
+    for owner in model.modules():
+        names = owner.__dict__.get("_no_split_modules") if isinstance(owner, PreTrainedModel) else None
+        if not names:
+            continue
+        now = set()
+        for name in names:
+            now |= {c.__name__ for c in classes if any(b.__name__ == name for b in c.__mro__)} or {name}
+        if now != set(names):
+            out[owner] = now
+    return out
 
 
 def _record(spec: dict, touched: dict, facts: dict, stages: list, adapter: dict) -> dict:

@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("describe", help="what the model is and what can be patched (JSON)")
     d.add_argument("model")
+    _loading_flags(d)
 
     s = sub.add_parser("patch", help="patch a model and save it")
     s.add_argument("model")
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--opt", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
                    help="any other scheme option, value as JSON (e.g. --opt 'short_factor=[1,1,1,1]')")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="load the model in this dtype")
+    _loading_flags(s)
 
     u = sub.add_parser("supported", help="every causal-LM model type of the installed transformers and the patches "
                                          "each accepts, measured on a tiny model of each (JSON, or --markdown)")
@@ -93,6 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("rest", nargs=argparse.REMAINDER,
                    help="the arguments of that evaluation (see hfpatch eval ppl --help)")
     return p
+
+
+def _loading_flags(p) -> None:
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the Python code the model folder carries, if it needs it (read it first)")
+    p.add_argument("--allow-pickled-weights", action="store_true",
+                   help="load pytorch_model.bin weights (pickles) when there are no safetensors")
+
+
+def _loading(args) -> dict:
+    return {"trust_remote_code": args.trust_remote_code, "allow_pickled_weights": args.allow_pickled_weights}
 
 
 def main(argv=None) -> int:
@@ -115,7 +128,7 @@ def _run(args) -> int:
         print(markdown(results) if args.markdown else json.dumps(results, indent=2))
         return 0
     if args.command == "describe":
-        model, _ = load(args.model, tokenizer=False)
+        model, _ = load(args.model, tokenizer=False, **_loading(args))
         print(json.dumps(hfpatch.describe(model), indent=2, default=str))
         return 0
     # patch: validate the request before spending time loading the model
@@ -124,13 +137,15 @@ def _run(args) -> int:
                                             "layer_types", *_FLOAT_OPTIONS)}
     kwargs.update(dict(args.opt))
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if not kwargs:
+        raise UsageError("hfpatch patch: error: nothing to patch: give --position, --norm or --placement")
     hfpatch.spec.request(**kwargs)
     dtype = None
     if args.dtype:
         import torch
 
         dtype = getattr(torch, args.dtype)
-    model, tok = load(args.model, dtype=dtype)
+    model, tok = load(args.model, dtype=dtype, **_loading(args))
     hfpatch.patch(model, **kwargs)
     hfpatch.save_pretrained(model, args.out, tokenizer=tok)
     info = hfpatch.describe(model)

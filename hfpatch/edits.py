@@ -37,7 +37,8 @@ class Edits:
     """An ordered log of reversible changes."""
 
     def __init__(self):
-        self._log: list[tuple[object, str, object]] = []  # (target, attribute, previous value or _MISSING)
+        # (target, attribute, (previous value or _MISSING, its slot)): see _held
+        self._log: list[tuple[object, str, object]] = []
         self._undone: list[tuple[object, str, object, object]] = []  # what undo() removed, for redo()
 
     def __len__(self):
@@ -49,13 +50,13 @@ class Edits:
         On an nn.Module, assigning a tensor to a registered buffer's name replaces the buffer and keeps its
         persistence, so buffers need no special case.
         """
-        self._log.append((obj, name, _current(obj, name)))
+        self._log.append((obj, name, _held(obj, name)))
         setattr(obj, name, value)
 
     def delete(self, obj, name: str) -> None:
         """delattr(obj, name) if it exists, remembering the value."""
-        old = _current(obj, name)
-        if old is _MISSING:
+        old = _held(obj, name)
+        if old[0] is _MISSING:
             return
         self._log.append((obj, name, old))
         delattr(obj, name)
@@ -88,7 +89,7 @@ class Edits:
         out: dict[str, object] = {}
         for target, attr, old in self._log:
             if target is obj and attr is not _KEYS and attr not in out:
-                out[attr] = old
+                out[attr] = old if attr == "__class__" else old[0]
         return out
 
     def undo(self) -> None:
@@ -105,11 +106,7 @@ class Edits:
                     delattr(obj, extra)
             else:
                 now = _held(obj, name)
-                if old is _MISSING:
-                    if now[0] is not _MISSING:
-                        delattr(obj, name)
-                else:
-                    setattr(obj, name, _like(old, now[0]))
+                _put(obj, name, (_like(old[0], now[0]), old[1]))
             self._undone.append((obj, name, old, now))
 
     def redo(self) -> None:
@@ -143,25 +140,26 @@ def _current(obj, name):
 
 
 def _held(obj, name):
-    """(value or _MISSING, whether it is a persistent buffer / None if not a buffer), for redo()."""
-    buffers = getattr(obj, "_buffers", {})
-    if name in buffers:
-        return buffers[name], name not in obj._non_persistent_buffers_set
+    """(value or _MISSING, its slot): "buffer" (persistent), "buffer-np" (non-persistent), "parameter", "module" or
+    None (a plain attribute, or absent), so that undo/redo put a value back where it was."""
+    for slot, table in (("buffer", "_buffers"), ("parameter", "_parameters"), ("module", "_modules")):
+        if name in getattr(obj, table, {}):
+            if slot == "buffer" and name in obj._non_persistent_buffers_set:
+                slot = "buffer-np"
+            return getattr(obj, table)[name], slot
     return _current(obj, name), None
 
 
 def _put(obj, name, held) -> None:
-    value, persistent = held
+    """Put `held` (from _held) back: the value in its own kind of slot, or nothing if it was _MISSING. A value of
+    another kind there now is removed first (nn.Module refuses e.g. a plain value over a submodule)."""
+    value, slot = held
+    if _current(obj, name) is not _MISSING and (value is _MISSING or _held(obj, name)[1] != slot):
+        delattr(obj, name)
     if value is _MISSING:
-        if _current(obj, name) is not _MISSING:
-            delattr(obj, name)
-    elif persistent is not None:
-        if name in obj._buffers:
-            obj._buffers[name] = value
-        else:
-            if name in obj.__dict__:
-                delattr(obj, name)
-            obj.register_buffer(name, value, persistent=persistent)
+        return
+    if slot in ("buffer", "buffer-np") and name not in obj._buffers:
+        obj.register_buffer(name, value, persistent=slot == "buffer")
     else:
         setattr(obj, name, value)
 

@@ -12,6 +12,7 @@ applies the recorded spec again.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import transformers
@@ -55,6 +56,8 @@ def _serializable(model):
 
 def save_pretrained(model, path, tokenizer=None, **kwargs):
     """Weights + config (with its "hfpatch" section) + the tokenizer if given. kwargs go to transformers."""
+    if os.path.isfile(path):  # transformers only logs this and returns
+        raise ValueError(f"{path} is a file, not a folder: save_pretrained writes a folder")
     target = unwrap(model)
     tuned = sorted({name.rsplit(".", 1)[-1] for name, m in target.named_modules()
                     if type(m).__module__.startswith("peft.") and hasattr(m, "base_layer")})
@@ -103,9 +106,22 @@ def _config_path(config, key: str):
 
 
 def from_pretrained(path, **kwargs):
-    """Rebuild a model saved by `save_pretrained` (patched or not); kwargs go to transformers' from_pretrained."""
+    """Rebuild a model saved by `save_pretrained` (patched or not); kwargs go to transformers' from_pretrained.
+
+    Two defaults differ from transformers': trust_remote_code=False (the Python code a model folder may carry is
+    never run unless asked, and never asked for at a prompt) and use_safetensors=True (pickled pytorch_model.bin
+    weights are refused; use_safetensors=None reads them, with torch.load(weights_only=True))."""
+    kwargs = {"trust_remote_code": False, **kwargs}
+    if not kwargs.get("gguf_file"):
+        kwargs.setdefault("use_safetensors", True)
+        refuse_pickled_weights(path, kwargs["use_safetensors"], "from_pretrained(..., use_safetensors=None)")
     config_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "revision", "token", "gguf_file") if k in kwargs}
-    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    try:
+        config = AutoConfig.from_pretrained(path, **config_kwargs)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e) or kwargs["trust_remote_code"]:
+            raise
+        raise ValueError(remote_code_refused(path, "from_pretrained(..., trust_remote_code=True)")) from None
     record = getattr(config, "hfpatch", None)
     if record is None:
         return _model_class(config).from_pretrained(path, config=config, **kwargs)
@@ -158,3 +174,24 @@ def from_pretrained(path, **kwargs):
     # The reloaded structure is the model now: unpatch cannot bring back weights that are not in the folder.
     bake(model, stages, built["facts"], built["config"])
     return patch(model, **specs.to_kwargs(live)) if live else model
+
+
+_PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+_SAFE = ("model.safetensors", "model.safetensors.index.json")
+
+
+def refuse_pickled_weights(path, use_safetensors, opt_in: str) -> None:
+    """A local folder whose weights are pickles only, loaded with use_safetensors=True: one clear error (transformers'
+    own says only that model.safetensors is missing)."""
+    if use_safetensors is not True or not os.path.isdir(path):
+        return
+    names = set(os.listdir(path))
+    if names & set(_PICKLED) and not names & set(_SAFE):
+        raise ValueError(f"{path} holds its weights as pickles ({', '.join(sorted(names & set(_PICKLED)))}), which "
+                         f"hfpatch does not load unless asked: {opt_in} (they are then read with torch.load("
+                         "weights_only=True)), or convert them to safetensors")
+
+
+def remote_code_refused(path, opt_in: str) -> str:
+    return (f"{path} needs the Python code it carries (auto_map in its config) to be run, which hfpatch does not do "
+            f"unless asked: {opt_in}, after reading that code")

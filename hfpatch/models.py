@@ -22,6 +22,7 @@ def smollm2_path() -> str:
 
 def resolve(name: str) -> tuple[str, str | None]:
     """(folder or hub id, gguf file name or None)."""
+    name = os.path.expanduser(name)  # ~/models/x from a config file or the API, as a shell would expand it
     if name == SMOLLM2:
         name = smollm2_path()
     if name.endswith(".gguf"):
@@ -39,25 +40,47 @@ def resolve(name: str) -> tuple[str, str | None]:
     return name, None  # a hub id
 
 
-def load(name: str, dtype=None, device_map=None, tokenizer: bool = True):
-    """(model, tokenizer or None). A model saved by hfpatch comes back patched."""
+# How to opt in to what load() refuses by default, for the error messages: the API keyword, the CLI flag, the
+# recipe config key.
+OPT_IN = {"trust_remote_code": "load(..., trust_remote_code=True), hfpatch --trust-remote-code or the recipe key "
+                               "trust_remote_code: true",
+          "allow_pickled_weights": "load(..., allow_pickled_weights=True), hfpatch --allow-pickled-weights or the "
+                                   "recipe key allow_pickled_weights: true"}
+
+
+def load(name: str, dtype=None, device_map=None, tokenizer: bool = True, trust_remote_code: bool = False,
+         allow_pickled_weights: bool = False):
+    """(model, tokenizer or None). A model saved by hfpatch comes back patched.
+
+    trust_remote_code: run the Python code a model folder (or hub repository) carries, if it needs it; off by
+    default. allow_pickled_weights: load pytorch_model.bin weights (pickles, read with torch.load(weights_only=True))
+    when there are no safetensors; off by default."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .io import from_pretrained
+    from .io import from_pretrained, refuse_pickled_weights, remote_code_refused
 
     where, gguf_file = resolve(name)
     kwargs = {k: v for k, v in {"dtype": dtype, "device_map": device_map, "gguf_file": gguf_file}.items() if v is not None}
+    kwargs["trust_remote_code"] = trust_remote_code
     try:
         if gguf_file:
             model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
         else:
-            model = from_pretrained(where, **kwargs)
+            refuse_pickled_weights(where, not allow_pickled_weights, OPT_IN["allow_pickled_weights"])
+            model = from_pretrained(where, use_safetensors=None if allow_pickled_weights else True, **kwargs)
     except OSError as e:  # hub ids that cannot be reached, unreadable folders
         raise ValueError(f"could not load {name!r}: {str(e).splitlines()[0]}") from e
+    except ValueError as e:
+        if "trust_remote_code" not in str(e) or trust_remote_code:
+            raise
+        raise ValueError(remote_code_refused(name, OPT_IN["trust_remote_code"])) from None
     tok = None
     if tokenizer:
         try:
-            tok = AutoTokenizer.from_pretrained(where, **({"gguf_file": gguf_file} if gguf_file else {}))
-        except (OSError, ValueError):
+            tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code,
+                                                **({"gguf_file": gguf_file} if gguf_file else {}))
+        except (OSError, ValueError) as e:
+            if "trust_remote_code" in str(e) and not trust_remote_code:
+                raise ValueError(remote_code_refused(f"the tokenizer of {name}", OPT_IN["trust_remote_code"])) from None
             tok = None  # a weights-only folder: the model is still usable
     return model, tok

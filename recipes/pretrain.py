@@ -8,6 +8,7 @@ tokenizer), patched with `patch` before training, and saved with hfpatch.save_pr
 
 import sys
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hfpatch.train import cli, data, loop, setup
@@ -21,8 +22,8 @@ def main(cfg):
         options.setdefault(key, getattr(tok, key))
     try:
         config = AutoConfig.for_model(options.pop("model_type"), **options)
-    except (ValueError, TypeError) as e:
-        raise cli.ConfigError(f"model_config: {e}") from None
+    except (ValueError, TypeError, StrictDataclassError) as e:  # the last: sizes that do not fit together
+        raise cli.ConfigError(f"model_config: {' '.join(str(e).split())}") from None
     model = AutoModelForCausalLM.from_config(config, dtype=setup.dtype_of(cfg))
     setup.check_causal(model)
     setup.apply_patch(model, cfg)

@@ -134,7 +134,8 @@ def tiny_folder(tmp_path, tiny_tokenizer_dir):
     from transformers import AutoTokenizer
 
     path = tmp_path / "tiny"
-    hfpatch.save_pretrained(tiny_model("llama"), path, tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    hfpatch.save_pretrained(tiny_model("llama", vocab_size=len(tok)), path, tokenizer=tok)
     return path
 
 
@@ -149,6 +150,13 @@ def tiny_folder(tmp_path, tiny_tokenizer_dir):
     ("context_extension", ["patch={position: interpolate, factor: 2}"], "stretches a learned absolute position"),
     ("pretrain", ["tokenizer=x"], "pretrain builds its model from model_config"),
     ("heal", ["precision=fp8"], "precision must be no, bf16 or fp16"),
+    ("heal", ["seq_len=[1"], "override 'seq_len=[1': not valid YAML: expected ',' or ']'"),
+    ("heal", ["lr=!!python/object/apply:os.system [exit 3]"], "!!python/ tags are not accepted"),
+    ("heal", ["data.text_files=[1, 2]"], "data.text_files must be a list of strings, got [1, 2]"),
+    ("heal", ["lora.enabled=true", "lora.target_modules=[nope]"], "lora: Target modules {'nope'} not found"),
+    ("heal", ["log_with=[nonsense]"], "log_with: unknown tracker 'nonsense'"),
+    ("heal", ["data.max_tokens=40"], "the data holds 40 tokens: fewer than two sequences of seq_len=32"),
+    ("heal", ["tokenizer=smollm2"], "the tokenizer has 49152 tokens, the model's embedding 384 rows"),
 ])
 def test_bad_configs_fail_before_training(tiny_folder, text, tmp_path, capsys, recipe, args, message):
     import importlib.util
@@ -165,6 +173,54 @@ def test_bad_configs_fail_before_training(tiny_folder, text, tmp_path, capsys, r
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("text, message", [
+    ("seq_len: [1\n", "not valid YAML: expected ',' or ']', but got '<stream end>' (line 2, column 1)"),
+    ("lr: !!python/object/apply:os.system ['touch {ran}']\n", "!!python/ tags are not accepted (line 1, column 5)"),
+    ("seq_len: 10\n\tlr: 1\n", "not valid YAML"),
+])
+def test_a_config_file_that_is_not_yaml_is_one_error(tmp_path, capsys, text, message):
+    ran = tmp_path / "ran"
+    path = tmp_path / "bad.yaml"
+    path.write_text(text.format(ran=ran))
+    assert run("heal", lambda cfg: pytest.fail("trained"), ["--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"heal: error: {path}: ") and message in err
+    assert not ran.exists()
+
+
+def test_a_model_config_whose_sizes_do_not_fit_is_one_error(tiny_tokenizer_dir, tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain", REPO / "recipes" / "pretrain.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv = [TINY, "model_config.hidden_size=65", f"tokenizer={tiny_tokenizer_dir}", f"output_dir={tmp_path / 'o'}"]
+    assert run("pretrain", mod.main, argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pretrain: error: model_config: ") and "hidden size (65) is not a multiple" in err
+
+
+def test_a_tracker_that_is_not_installed_is_an_error(capsys):
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    missing = [t for t in LoggerType.list() if t != "all" and LoggerType(t) not in get_available_trackers()]
+    if not missing:
+        pytest.skip("every tracker accelerate knows is installed")
+    assert run("heal", lambda cfg: pytest.fail("trained"), ["model=smollm2", f"log_with={missing[0]}"]) == 2
+    assert f"log_with: {missing[0]} is not installed" in capsys.readouterr().err
+
+
+def test_a_second_run_into_the_same_output_dir_is_refused(tiny_folder, text, tmp_path, capsys):
+    out = tmp_path / "o"
+    (out / "checkpoints" / "step_4").mkdir(parents=True)
+    (out / "log.jsonl").write_text('{"step": 1}\n')
+    argv = [f"model={tiny_folder}", f"data.text_files=[{text}]", f"output_dir={out}"]
+    assert run("heal", lambda cfg: pytest.fail("trained"), argv) == 2
+    assert "already holds a run (log.jsonl, checkpoints/); resume=true continues it" in capsys.readouterr().err
+    assert run("heal", lambda cfg: None, [*argv, "resume=true"]) == 0
+
+
 def test_missing_config_file(capsys):
     assert run("heal", lambda cfg: None, ["--config", "/no/such.yaml"]) == 2
     assert "config file not found" in capsys.readouterr().err
@@ -172,29 +228,53 @@ def test_missing_config_file(capsys):
 
 # -------------------------------------------------------------------------------------------- accelerate configs
 
-@pytest.mark.parametrize("name", ["cpu", "multi_cpu", "ddp", "fsdp", "deepspeed_zero3"])
-def test_accelerate_configs_load(name):
-    from accelerate.commands.config.config_args import load_config_from_file
-    from accelerate.utils import DistributedType
+def launched(name, monkeypatch):
+    """What `accelerate launch --config_file recipes/accelerate/<name>.yaml` gives its processes: accelerate's own
+    launch code runs (config parsing, validation, the environment it builds) and is stopped where it would start
+    them. Returns (launcher, its arguments, the environment variables it adds)."""
+    import accelerate.commands.launch as launch
+    from accelerate.utils import launch as prepare
 
-    cfg = load_config_from_file(str(REPO / "recipes" / "accelerate" / f"{name}.yaml"))
-    expected = {"cpu": DistributedType.NO, "multi_cpu": DistributedType.MULTI_GPU, "ddp": DistributedType.MULTI_GPU,
-                "fsdp": DistributedType.FSDP,
-                "deepspeed_zero3": DistributedType.DEEPSPEED}[name]
-    assert cfg.distributed_type == expected
-    if name == "fsdp":
-        from accelerate.utils import FullyShardedDataParallelPlugin
+    got = {}
+    for launcher, env_of in [("simple_launcher", lambda a: prepare.prepare_simple_launcher_cmd_env(a)[1]),
+                             ("multi_gpu_launcher", prepare.prepare_multi_gpu_env),
+                             ("deepspeed_launcher", lambda a: prepare.prepare_deepspeed_cmd_env(a)[1])]:
+        monkeypatch.setattr(launch, launcher, lambda a, launcher=launcher, env_of=env_of: got.update(
+            launcher=launcher, args=a, env=env_of(a)))
+    config = REPO / "recipes" / "accelerate" / f"{name}.yaml"
+    launch.launch_command(launch.launch_command_parser().parse_args(["--config_file", str(config), "recipe.py"]))
+    added = {k: v for k, v in got["env"].items() if os.environ.get(k) != v}
+    return got["launcher"], got["args"], added
 
-        f = cfg.fsdp_config
-        plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=f["fsdp_version"], auto_wrap_policy=f["fsdp_auto_wrap_policy"].lower(),
-            reshard_after_forward=f["fsdp_reshard_after_forward"], state_dict_type=f["fsdp_state_dict_type"],
-            cpu_ram_efficient_loading=f["fsdp_cpu_ram_efficient_loading"])
-        assert plugin.fsdp_version == 2
-        # the layer class to wrap comes from the model: transformers declares it per family
-        assert "LlamaDecoderLayer" in tiny_model("llama")._no_split_modules
+
+@pytest.mark.parametrize("name, launcher, processes, precision", [
+    ("cpu", "simple_launcher", 1, "no"),
+    ("multi_cpu", "multi_gpu_launcher", 2, "no"),
+    ("ddp", "multi_gpu_launcher", 8, "bf16"),
+    ("fsdp", "multi_gpu_launcher", 8, "bf16"),
+    ("deepspeed_zero3", "deepspeed_launcher", 8, "bf16"),
+])
+def test_accelerate_configs_load(name, launcher, processes, precision, monkeypatch):
+    used, args, env = launched(name, monkeypatch)
+    assert (used, args.num_processes, env["ACCELERATE_MIXED_PRECISION"]) == (launcher, processes, precision)
+    if name == "cpu":
+        assert env["ACCELERATE_USE_CPU"] == "True"
     if name == "deepspeed_zero3":
-        assert cfg.deepspeed_config["zero_stage"] == 3
+        assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    if name == "fsdp":
+        # the plugin each process builds from that environment, and the blocks it shards on its own: every decoder
+        # layer, also when a patch gave the layers another class (post-norm, the sinusoidal input of layer 0)
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        plugin = FullyShardedDataParallelPlugin()
+        assert plugin.fsdp_version == 2 and plugin.state_dict_type.name == "SHARDED_STATE_DICT"
+        for spec in [{}, {"placement": "post"}, {"position": "sinusoidal", "placement": "post"}]:
+            model = hfpatch.patch(tiny_model("llama"), **spec)
+            policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+            assert [n for n, m in model.named_modules() if policy(m)] == ["model.layers.0", "model.layers.1"], spec
 
 
 @pytest.mark.parametrize("chunk", [None, 7, 64])

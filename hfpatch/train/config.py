@@ -8,6 +8,7 @@ missing data path is one clear error (ConfigError), never ignored.
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import yaml
@@ -21,6 +22,8 @@ class ConfigError(ValueError):
 COMMON = {
     "model": ((str, type(None)), None),  # hfpatch.models.load name: folder, .gguf, hub id, "smollm2"
     "tokenizer": ((str, type(None)), None),  # defaults to the model's
+    "trust_remote_code": (bool, False),  # run the Python code a model folder carries (hfpatch.models.load)
+    "allow_pickled_weights": (bool, False),  # load pytorch_model.bin weights when there are no safetensors
     "patch": (dict, {}),  # keyword arguments of hfpatch.patch, e.g. {position: yarn, factor: 4}
     "data": {
         "text_files": ((list, str, type(None)), None),
@@ -117,6 +120,8 @@ def _check(schema: dict, values: dict, where: str = "") -> Config:
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
             raise ConfigError(f"{name} must be {names}, got {value!r} ({type(value).__name__})")
+        if isinstance(value, list) and not all(isinstance(v, str) for v in value):  # every list holds names
+            raise ConfigError(f"{name} must be a list of strings, got {value!r}")
         out[key] = value
     return out
 
@@ -130,6 +135,20 @@ def _set(tree: dict, dotted: str, value) -> None:
     tree[last] = value
 
 
+def _yaml(text: str, where: str):
+    """yaml.safe_load, its errors as one ConfigError line. safe_load builds plain data only: a tag such as
+    !!python/object is refused, never imported or called."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        if "constructor" in what and "python/" in what:
+            what += "; configs are plain YAML (numbers, strings, lists, key: value), !!python/ tags are not accepted"
+        raise ConfigError(f"{where}: not valid YAML: {what}{at}") from None
+
+
 def load(recipe: str, path: str | None, overrides: list[str]) -> Config:
     schema = SCHEMAS[recipe]
     values: dict = {}
@@ -137,14 +156,14 @@ def load(recipe: str, path: str | None, overrides: list[str]) -> Config:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {path}")
-        values = yaml.safe_load(p.read_text()) or {}
+        values = _yaml(p.read_text(), str(path)) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected key: value pairs at the top level")
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value")
-        _set(values, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        _set(values, key.strip(), _yaml(raw, f"override {item!r}") if raw.strip() else None)
     merged = _defaults(schema)
     for key, value in values.items():
         if isinstance(merged.get(key), dict) and isinstance(value, dict) and key != "patch" and key != "model_config":
@@ -152,8 +171,22 @@ def load(recipe: str, path: str | None, overrides: list[str]) -> Config:
         else:
             merged[key] = value
     cfg = _check(schema, merged)
+    _expand_home(cfg)
     _validate(cfg, recipe)
     return cfg
+
+
+def _expand_home(cfg: Config) -> None:
+    """~ at the start of a path means the home folder, as in a shell (YAML leaves it as it is)."""
+    expand = os.path.expanduser
+    for key in ("model", "tokenizer", "output_dir"):
+        if isinstance(cfg[key], str):
+            cfg[key] = expand(cfg[key])
+    if isinstance(cfg.resume, str):
+        cfg["resume"] = expand(cfg.resume)
+    files = cfg.data.text_files
+    if files is not None:
+        cfg.data["text_files"] = expand(files) if isinstance(files, str) else [expand(f) for f in files]
 
 
 def _validate(cfg: Config, recipe: str) -> None:
@@ -177,10 +210,15 @@ def _validate(cfg: Config, recipe: str) -> None:
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
     if recipe == "pretrain" and cfg.model:
         raise ConfigError("pretrain builds its model from model_config; remove model (or use context_extension/heal)")
+    found = None if cfg.resume else previous_run(Path(cfg.output_dir))
+    if found:
+        raise ConfigError(f"output_dir {cfg.output_dir} already holds a run ({found}); resume=true continues it, or "
+                          "choose another output_dir")
     files = cfg.data.text_files  # neither files nor a dataset: the default corpus (Python stdlib sources)
     for f in [files] if isinstance(files, str) else (files or []):
         if not Path(f).exists():
             raise ConfigError(f"data path not found: {f}")
+    _check_trackers(cfg.log_with)
     if "distill" in cfg and cfg.distill.enabled and not 0.0 <= cfg.distill.alpha <= 1.0:
         raise ConfigError(f"distill.alpha must be in [0, 1], got {cfg.distill.alpha}")
     try:
@@ -189,3 +227,27 @@ def _validate(cfg: Config, recipe: str) -> None:
         hfpatch.spec.request(**cfg.patch)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"patch: {e}") from None
+
+
+def _check_trackers(log_with) -> None:
+    """accelerate raises on an unknown tracker name and quietly drops one whose package is missing."""
+    if not log_with:
+        return
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    for name in [log_with] if isinstance(log_with, str) else log_with:
+        if name not in LoggerType.list():
+            raise ConfigError(f"log_with: unknown tracker {name!r}; accelerate knows {', '.join(LoggerType.list())}")
+        if name != "all" and LoggerType(name) not in get_available_trackers():
+            raise ConfigError(f"log_with: {name} is not installed (install its package, or leave it out)")
+
+
+def previous_run(out: Path) -> str | None:
+    """What in `out` shows that a run was already made there (None if nothing)."""
+    log = out / "log.jsonl"
+    ckpts = out / "checkpoints"
+    found = [name for name, there in (("log.jsonl", log.is_file() and log.stat().st_size > 0),
+                                      ("checkpoints/", ckpts.is_dir() and any(ckpts.iterdir())),
+                                      ("final/", (out / "final").exists())) if there]
+    return ", ".join(found) or None

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..evaluate.data import documents, tokenize
+from .config import ConfigError
 
 
 def packed(cfg, tok) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +33,8 @@ def packed(cfg, tok) -> tuple[torch.Tensor, torch.Tensor]:
         ids = ids[: d.max_tokens]
     n = len(ids) // cfg.seq_len
     if n < 2:
-        raise ValueError(f"the data holds {len(ids)} tokens: fewer than two sequences of seq_len={cfg.seq_len}")
+        raise ConfigError(f"the data holds {len(ids)} tokens: fewer than two sequences of seq_len={cfg.seq_len}; "
+                          "give more text or lower seq_len")
     seqs = torch.from_numpy(ids[: n * cfg.seq_len].copy()).view(n, cfg.seq_len)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed))
     n_eval = int(round(n * d.eval_fraction))

@@ -6,16 +6,18 @@ was given.
 - Gradient accumulation by hand (no_sync on all but the last micro-batch), clipping, AdamW, linear warm-up + cosine
   decay stepped once per optimizer step (an accelerate-prepared scheduler would step once per process).
 - Data order: batch `step` is a pure function of (seed, step) (data.batch_indices), each process taking its slice.
-- `accelerator.save_state` every `save_every` steps (model, optimizer, scheduler, RNG states, progress); resuming
-  loads it and continues at the next step, so an interrupted run's loss curve equals an uninterrupted one's.
+- A checkpoint every `save_every` steps (accelerate's save_state: model, optimizer, RNG states; the step and the
+  scheduler in a JSON marker), published by one rename once complete (checkpoint.py); resuming loads the newest
+  complete one and continues at the next step, so a run killed at any moment ends with the uninterrupted loss curve.
 - Logs: output_dir/log.jsonl and accelerate's trackers (main process); a tqdm bar on the main process only.
 - The end: hfpatch.save_pretrained(output_dir/final) — LoRA adapters are merged first — which hfpatch.from_pretrained
-  reloads with its patches.
+  reloads with its patches; written as final.partial and renamed, so a folder named final is always complete.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -28,6 +30,8 @@ from transformers import get_cosine_schedule_with_warmup
 
 import hfpatch
 
+from . import checkpoint
+from .config import ConfigError
 from .data import batch_indices
 from .losses import auto_chunk, chunked_lm_loss, shift
 
@@ -66,7 +70,7 @@ class CausalLMLoss(nn.Module):
 
 
 class Progress:
-    """What accelerate checkpoints besides model/optimizer/scheduler/RNG: the step reached and tokens seen."""
+    """The step reached and the tokens seen (saved in the checkpoint marker, with the scheduler's state)."""
 
     def __init__(self):
         self.step, self.tokens = 0, 0
@@ -76,10 +80,6 @@ class Progress:
 
     def load_state_dict(self, state):
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
-
-
-def _checkpoints(out: Path) -> list[Path]:
-    return sorted((out / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
 
 
 def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
@@ -96,8 +96,11 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
         import peft
 
         targets = cfg.lora.target_modules
-        model = peft.get_peft_model(model, peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
-                                                           lora_dropout=cfg.lora.dropout, target_modules=targets))
+        try:
+            model = peft.get_peft_model(model, peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                                               lora_dropout=cfg.lora.dropout, target_modules=targets))
+        except ValueError as e:  # e.g. target modules the model does not have
+            raise ConfigError(f"lora: {' '.join(str(e).split())}") from None
     distill = getattr(cfg, "distill", None)
     loss_module = CausalLMLoss(model, chunk=cfg.loss_chunk, teacher=teacher,
                                alpha=distill.alpha if distill else 0.0,
@@ -106,22 +109,17 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
     loss_module, optimizer = accelerator.prepare(loss_module, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
     progress = Progress()
-    accelerator.register_for_checkpointing(progress)
+    states = {"progress": progress, "scheduler": scheduler}  # saved as JSON in the checkpoint marker
     if teacher is not None:
         teacher.to(accelerator.device).eval().requires_grad_(False)
 
+    log = out / "log.jsonl"
     if cfg.resume:
-        ckpt = Path(cfg.resume) if isinstance(cfg.resume, str) else (_checkpoints(out) or [None])[-1]
-        if ckpt is None or not ckpt.is_dir():
-            raise ValueError(f"resume: no checkpoint found ({ckpt or out / 'checkpoints'})")
-        accelerator.load_state(str(ckpt))
-        accelerator.print(f"resumed from {ckpt} at step {progress.step}")
+        checkpoint.resume(accelerator, cfg.resume, out, states, log)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         accelerator.init_trackers("hfpatch", config={k: v for k, v in cfg.items() if not isinstance(v, dict)})
-    log = out / "log.jsonl"
 
     rank, world, bs = accelerator.process_index, accelerator.num_processes, cfg.batch_size
     tokens_per_step = bs * world * cfg.grad_accum * cfg.seq_len
@@ -159,7 +157,7 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
             bar.set_postfix(loss=f"{last['loss']:.4f}")
             bar.update(1)
         if progress.step % cfg.save_every == 0 or progress.step == cfg.max_steps:
-            accelerator.save_state(str(out / "checkpoints" / f"step_{progress.step}"))
+            checkpoint.save(accelerator, out / "checkpoints", progress.step, states)
         if cfg.stop_after is not None and progress.step >= cfg.stop_after:
             break
     bar.close()
@@ -208,5 +206,8 @@ def save_final(cfg, accelerator, loss_module, tok, path: Path):
         state = None
     else:
         state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
-    hfpatch.save_pretrained(model, path, tokenizer=tok, **({"state_dict": state} if state is not None else {}))
+    tmp = path.with_name(path.name + ".partial")  # renamed to `path` once complete
+    shutil.rmtree(tmp, ignore_errors=True)
+    hfpatch.save_pretrained(model, tmp, tokenizer=tok, **({"state_dict": state} if state is not None else {}))
+    checkpoint.publish(tmp, path)
     return path

@@ -33,7 +33,8 @@ def tokenizer(name: str):
 def load(cfg):
     """(model, tokenizer) of cfg.model (cfg.tokenizer overrides the tokenizer)."""
     try:
-        model, tok = load_model(cfg.model, dtype=dtype_of(cfg), tokenizer=not cfg.tokenizer)
+        model, tok = load_model(cfg.model, dtype=dtype_of(cfg), tokenizer=not cfg.tokenizer,
+                                trust_remote_code=cfg.trust_remote_code, allow_pickled_weights=cfg.allow_pickled_weights)
     except (ValueError, OSError) as e:
         raise ConfigError(f"model: {e}") from None
     if cfg.tokenizer:
@@ -41,6 +42,10 @@ def load(cfg):
     if tok is None:
         raise ConfigError(f"model {cfg.model!r} has no tokenizer: set tokenizer: (a folder, .gguf or 'smollm2')")
     check_causal(model)
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tok) > rows:  # its last ids would index past the embedding, deep inside the first step
+        raise ConfigError(f"the tokenizer has {len(tok)} tokens, the model's embedding {rows} rows: use the model's "
+                          "own tokenizer (leave tokenizer: out) or one with at most that many")
     return model, tok
 
 
