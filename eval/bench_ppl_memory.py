@@ -27,10 +27,10 @@ from benchutil import interleaved, markdown_table, median, status_kb, write_json
 def worker(args) -> dict:
     import torch
 
-    from hfpatch.evaluate import data
-    from hfpatch.evaluate.common import load_tokenizer
-    from hfpatch.evaluate.score import causal_lm_parts, window_nll
+    from hfpatch import text as data
+    from hfpatch.lm import causal_lm_parts, window_nll
     from hfpatch.models import load
+    from hfpatch.text import load_tokenizer
 
     tok = load_tokenizer(args.model)
     doc = data.text_files([args.text_file])[0] if args.text_file else data.default_corpus()[0]

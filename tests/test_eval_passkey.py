@@ -14,8 +14,8 @@ from test_eval_perplexity import save_tiny, strip_timing, tiny_tokenizer
 import hfpatch
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate import passkey
-from hfpatch.evaluate.passkey import FILLER, build_prompt, greedy, is_correct, make_key
-from hfpatch.evaluate.score import causal_lm_parts
+from hfpatch.evaluate.passkey import FILLER, build_prompt, is_correct, make_key
+from hfpatch.lm import causal_lm_parts, greedy
 
 
 @pytest.fixture(autouse=True)

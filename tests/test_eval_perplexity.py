@@ -17,8 +17,9 @@ from conftest import FAMILIES, REPO, tiny_model, tokens
 
 import hfpatch
 from hfpatch.cli import main as cli_main
-from hfpatch.evaluate import data, perplexity
-from hfpatch.evaluate.score import causal_lm_parts, window_nll, windows
+from hfpatch import text
+from hfpatch.evaluate import perplexity, sweep
+from hfpatch.lm import causal_lm_parts, window_nll, windows
 
 CAUSAL = [f for f in FAMILIES if f != "bert"]
 
@@ -74,7 +75,7 @@ def tiny_run(tmp_path):
 def strip_timing(obj):
     """A results file without what differs between two runs of the same work (times, --out in argv)."""
     obj = copy.deepcopy(obj)
-    for key in ("started", "updated", "finished", "seconds"):
+    for key in ("started", "updated", "finished", "seconds", "runs"):
         obj.pop(key, None)
     obj.get("settings", {}).pop("argv", None)
     for cell in obj.get("cells", []):
@@ -245,7 +246,7 @@ def test_interrupted_run_resumes_without_recomputing(tiny_run, tmp_path, monkeyp
     assert strip_timing(final) == strip_timing(whole)
 
     counted.clear()  # a finished run is only reported again, without loading the model
-    monkeypatch.setattr(perplexity, "load_model", lambda args: pytest.fail("loaded the model for nothing"))
+    monkeypatch.setattr(sweep, "load_model", lambda args: pytest.fail("loaded the model for nothing"))
     assert perplexity.main([*common, "--out", str(out)]) == 0 and not counted
 
     # other settings are refused, not mixed into the file
@@ -288,25 +289,25 @@ def test_dataset_equals_the_same_text_files(tiny_run, tmp_path):
 
 
 def test_default_corpus_is_long_stdlib_sources():
-    docs = data.default_corpus()
+    docs = text.default_corpus()
     assert docs and all(d.name.startswith("stdlib/") for d in docs)
     assert sum(len(d.text) > 200_000 for d in docs) >= 1  # _pydecimal.py: far more than 16k tokens
 
 
 def test_tokenization_cache(tmp_path, monkeypatch):
     tok = tiny_tokenizer()
-    doc = data.Document("x", text_of(300, 3))
-    first = data.tokenize(tok, doc)
+    doc = text.Document("x", text_of(300, 3))
+    first = text.tokenize(tok, doc)
     assert list((tmp_path / "cache" / "tokens").rglob("*.npz"))
     def again(*a):
         raise RuntimeError("tokenized again despite the cache")
 
-    monkeypatch.setattr(data, "_tokenize", again)
-    again = data.tokenize(tok, doc)
+    monkeypatch.setattr(text, "_tokenize", again)
+    again = text.tokenize(tok, doc)
     assert (again.ids == first.ids).all() and (again.ends == first.ends).all()
     assert first.ends[-1] == len(doc.text.encode("utf-8"))
     with pytest.raises(RuntimeError, match="tokenized again"):  # other text: another key
-        data.tokenize(tok, data.Document("x", doc.text + "!"))
+        text.tokenize(tok, text.Document("x", doc.text + "!"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

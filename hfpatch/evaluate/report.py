@@ -87,30 +87,33 @@ def ppl_plot(cells: list[dict], patches: list[str], lengths: list[int], windowin
     plt.close(fig)
 
 
-def passkey_tables(cells: list[dict], patches: list[str], lengths: list[int], depths: list[float]) -> str:
-    """One table per patch spec: rows = depth of the key, columns = length, values = accuracy; plus the mean."""
+def accuracy_tables(cells: list[dict], patches: list[str], lengths: list[int], depths: list[float],
+                    title: str = "accuracy", row: str = "depth", value: str = "accuracy") -> str:
+    """One table per patch spec: rows = depth of the needle, columns = length, entries = cell[value]; plus the
+    mean over depths."""
     done = {(c["patch"], c["length"], c["depth"]): c for c in _complete(cells)}
     out = []
     for p in patches:
         rows = []
         for d in depths:
-            rows.append([f"{d:g}"] + [_acc(done.get((p, n, d))) for n in lengths])
+            rows.append([f"{d:g}"] + [_acc(done.get((p, n, d)), value) for n in lengths])
         means = []
         for n in lengths:
             cs = [done.get((p, n, d)) for d in depths]
-            means.append("—" if None in cs else f"{sum(c['accuracy'] for c in cs) / len(cs):.2f}")
+            means.append("—" if None in cs else f"{sum(c[value] for c in cs) / len(cs):.2f}")
         rows.append(["**mean**"] + means)
-        header = ["depth"] + [length_label(n) for n in lengths]
-        out.append(f"**{p}**: passkey accuracy\n\n" + markdown_table(header, rows))
+        header = [row] + [length_label(n) for n in lengths]
+        out.append(f"**{p}**: {title}\n\n" + markdown_table(header, rows))
     return "\n\n".join(out)
 
 
-def _acc(c) -> str:
-    return "—" if c is None else f"{c['accuracy']:.2f}"
+def _acc(c, value: str) -> str:
+    return "—" if c is None else f"{c[value]:.2f}"
 
 
-def passkey_heatmap(cells: list[dict], patches: list[str], lengths: list[int], depths: list[float], path,
-                    title: str = "") -> None:
+def accuracy_heatmap(cells: list[dict], patches: list[str], lengths: list[int], depths: list[float], path,
+                     title: str = "", row: str = "depth", value: str = "accuracy") -> None:
+    """Depth x length heatmap of cell[value] in [0, 1], one panel per patch spec (red 0 .. green 1)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,7 +129,7 @@ def passkey_heatmap(cells: list[dict], patches: list[str], lengths: list[int], d
             for j, n in enumerate(lengths):
                 c = done.get((p, n, d))
                 if c is not None:
-                    grid[i, j] = c["accuracy"]
+                    grid[i, j] = c[value]
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         for i in range(len(depths)):
             for j in range(len(lengths)):
@@ -136,9 +139,9 @@ def passkey_heatmap(cells: list[dict], patches: list[str], lengths: list[int], d
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
         ax.set_xlabel("length (tokens)")
         if k == 0:
-            ax.set_ylabel("depth of the key")
+            ax.set_ylabel(row)
         ax.set_title(p, fontsize=9)
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label=value)
     if title:
         fig.suptitle(title, fontsize=9)
     fig.savefig(path, dpi=120, bbox_inches="tight")
