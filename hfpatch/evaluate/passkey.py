@@ -71,11 +71,6 @@ def make_key(seed: int, length: int, depth: float, trial: int, digits: int) -> s
     return str(rng.randrange(10 ** (digits - 1), 10**digits))
 
 
-def generation(prompt_tokens: int, new_tokens: int) -> list[tuple[int, int, int]]:
-    """The forwards of greedy decoding, for the time estimate: the prompt, then one token at a time."""
-    return [(prompt_tokens, prompt_tokens, 1)] + [(1, prompt_tokens + k, 1) for k in range(1, new_tokens)]
-
-
 class Passkey(sweep.Evaluation):
     name = "passkey"
     kind = "passkey"
@@ -112,7 +107,7 @@ class Passkey(sweep.Evaluation):
                 for t in range(args.trials):  # the same keys and prompts for every spec, and after a resume
                     key = make_key(args.seed, n, d, t, args.key_digits)
                     ids, n_filler = build_prompt(tok, n, d, key)
-                    units.append(sweep.Unit(t, generation(len(ids), args.new_tokens), (key, ids, n_filler)))
+                    units.append(sweep.Unit(t, sweep.decoding(len(ids), args.new_tokens), (key, ids, n_filler)))
                 cells.append(sweep.Cell({"length": n, "depth": d}, units))
         identity = {"model": args.model, "dtype": args.dtype, "seed": args.seed, "key_digits": args.key_digits,
                     "new_tokens": args.new_tokens, "prompt": [TASK, FILLER, KEY_LINE, QUESTION]}

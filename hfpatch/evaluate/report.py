@@ -38,7 +38,7 @@ def ppl_tables(cells: list[dict], patches: list[str], lengths: list[int], window
                     row.append("—" if c is None else _fmt(c[measure], digits))
                 rows.append(row)
             stride = next((c.get("stride") for c in cells if c["windowing"] == w and c.get("stride")), None)
-            label = w if w == "chunks" else f"{w}, stride {stride}"
+            label = f"{w}, stride {stride}" if w == "sliding" else w
             out.append(f"**{title}** ({label})\n\n" + markdown_table(header, rows))
     return "\n\n".join(out)
 
@@ -145,4 +145,84 @@ def accuracy_heatmap(cells: list[dict], patches: list[str], lengths: list[int], 
     if title:
         fig.suptitle(title, fontsize=9)
     fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _pct(p: float, ci) -> str:
+    return f"{100 * p:.0f} [{100 * ci[0]:.0f}, {100 * ci[1]:.0f}]"
+
+
+def ruler_tables(cells: list[dict], patches: list[str], tasks: list[str], lengths: list[int]) -> str:
+    """One table per patch spec: rows = task (+ the mean over tasks), columns = length, entries = score % [CI]."""
+    from .ruler import pooled
+
+    done = {(c["patch"], c["task"], c["length"]): c for c in _complete(cells)}
+    out = []
+    for p in patches:
+        rows = []
+        for t in tasks:
+            rows.append([t] + [_pct(c["score"], c["ci95"]) if (c := done.get((p, t, n))) else "—" for n in lengths])
+        mean = []
+        for n in lengths:
+            cs = [done.get((p, t, n)) for t in tasks]
+            mean.append("—" if None in cs else _pct(*_drop_n(pooled(cs))))
+        if len(tasks) > 1:
+            rows.append(["**mean**"] + mean)
+        out.append(f"**{p}**\n\n" + markdown_table(["task"] + [length_label(n) for n in lengths], rows))
+    return "\n\n".join(out)
+
+
+def _drop_n(pooled_result):
+    p, _, ci = pooled_result
+    return p, ci
+
+
+def ruler_plot(cells: list[dict], patches: list[str], tasks: list[str], lengths: list[int], path, title: str = "",
+               trained_window: int | None = None) -> None:
+    """Score vs length, one line per patch spec with its 95 % interval as a band: one panel for the mean over the
+    tasks (samples pooled) and one per task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .ruler import pooled
+
+    done = {(c["patch"], c["task"], c["length"]): c for c in _complete(cells)}
+    panels = (["mean"] if len(tasks) > 1 else []) + list(tasks)
+    cols = min(4, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows + 0.6), squeeze=False, sharey=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, panel in enumerate(panels):
+        ax = axes[k // cols][k % cols]
+        for i, p in enumerate(patches):
+            pts = []
+            for n in lengths:
+                cs = [done.get((p, t, n)) for t in (tasks if panel == "mean" else [panel])]
+                if None not in cs:
+                    score, _, (lo, hi) = pooled(cs)
+                    pts.append((n, score, lo, hi))
+            if pts:
+                xs, ys, los, his = zip(*pts)
+                ax.plot(xs, [100 * y for y in ys], marker="o", color=colors[i % len(colors)], label=p)
+                ax.fill_between(xs, [100 * v for v in los], [100 * v for v in his], color=colors[i % len(colors)],
+                                alpha=0.15, linewidth=0)
+        if trained_window:
+            ax.axvline(trained_window, color="gray", linestyle=":", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [length_label(n) for n in lengths])
+        ax.minorticks_off()
+        ax.set_ylim(-5, 105)
+        ax.set_title(panel if panel != "mean" else "mean over tasks", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        if k % cols == 0:
+            ax.set_ylabel("score (%)")
+    for k in range(len(panels), rows * cols):
+        axes[k // cols][k % cols].axis("off")
+    axes[0][0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)

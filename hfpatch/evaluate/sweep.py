@@ -45,6 +45,11 @@ class Unit:
         return sum(f[0] for f in self.forwards)
 
 
+def decoding(prompt_tokens: int, new_tokens: int) -> list[tuple[int, int, int]]:
+    """The forwards of greedy decoding, for Unit.forwards: the prompt, then one token at a time."""
+    return [(prompt_tokens, prompt_tokens, 1)] + [(1, prompt_tokens + k, 1) for k in range(1, new_tokens)]
+
+
 @dataclass
 class Cell:
     key: dict  # its coordinates besides the patch spec, e.g. {"windowing": "chunks", "length": 2048}
