@@ -138,44 +138,68 @@ def distinct(kind: str, rng: random.Random, pool: list[str], count: int, avoid=(
 
 
 def insert(units: list[str], needles: list[str], fractions: list[float]) -> list[str]:
-    """Needles placed among units (sentences, lines), needle i before unit int(len(units) * fractions[i]); needles
-    at the same place keep their order."""
-    order = sorted(range(len(needles)), key=lambda i: fractions[i])
+    """Needles placed among units (sentences, lines), needle i before unit int(len(units) * fractions[i])."""
+    return insert_at(units, needles, [int(len(units) * f) for f in fractions])
+
+
+def insert_at(units: list[str], needles: list[str], positions: list[int]) -> list[str]:
+    """Needle i placed before unit positions[i]; needles at the same place keep their order."""
+    order = sorted(range(len(needles)), key=lambda i: positions[i])
     out, start = [], 0
     for i in order:
-        at = int(len(units) * fractions[i])
-        out += units[start:at] + [needles[i]]
-        start = at
+        out += units[start:positions[i]] + [needles[i]]
+        start = positions[i]
     return out + units[start:]
 
 
+def boundary(units: list[str], fraction: float) -> int:
+    """The sentence boundary at a fraction of the text's length (units joined by spaces): the number of units
+    that end at or before it (Kamradt's test: the needle goes at the depth, moved back to a sentence end)."""
+    target, end = fraction * (sum(map(len, units)) + len(units) - 1), -1
+    for i, u in enumerate(units):
+        end += len(u) + 1
+        if end > target + 1e-9:
+            return i
+    return len(units)
+
+
 def fit(build, count_tokens, budget: int, low: int, high: int, start: int | None = None) -> tuple[int, object]:
-    """The largest n in [low, high] whose build(n) has at most `budget` tokens, and that build (build(n) grows
-    with n). The search starts near `start` (the answer for a similar prompt) or, without one, near where the token
-    counts of two small builds extrapolate to; it steps down from there, then bisects the last step."""
+    """The largest n in [low, high] whose build(n) has at most `budget` tokens, and that build (build(n) must not
+    shrink as n grows). The search starts at `start` (the answer for a similar prompt) or, without one, where the
+    token counts of two small builds extrapolate to; it walks in steps of about 1/64 of that until it crosses the
+    budget, then bisects the last step."""
+    def fits(n):
+        built = build(n)
+        return (n, built) if count_tokens(built) <= budget else None
+
     if start is None:  # tokens(n) is close to linear in n: probe two sizes (RULER also extrapolates)
         n1, n2 = low, min(high, low + 64)
         t1 = count_tokens(build(n1))
         t2 = count_tokens(build(n2)) if n2 > n1 else t1
-        per = (t2 - t1) / (n2 - n1) if n2 > n1 and t2 > t1 else 1.0
+        per = (t2 - t1) / (n2 - n1) if t2 > t1 else 1.0
         start = int(n1 + (budget - t1) / per) if t1 <= budget else low
-    best = None
     step = max(1, start // 64)
-    n = max(low, min(start + step, high))  # one step above the guess: the guess may be a little short
-    while n >= low:
-        built = build(n)
-        if count_tokens(built) <= budget:
-            best, low = (n, built), n + 1
-            high = min(high, n + step)
-            break
-        high, n = n - 1, n - step
-    while low <= high:
-        mid = (low + high) // 2
-        built = build(mid)
-        if count_tokens(built) <= budget:
-            best, low = (mid, built), mid + 1
+    n = max(low, min(start, high))
+    best = fits(n)
+    if best:  # walk up while it fits; the answer is in (n, n + step)
+        while n + step <= high and (up := fits(n + step)):
+            best, n = up, n + step
+        lo, hi = n + 1, min(high, n + step - 1)
+    else:  # walk down until it fits; the answer is in [n, n + step)
+        hi = n - 1
+        while n - step >= low and not (best := fits(n - step)):
+            n, hi = n - step, n - step - 1
+        if best:
+            n -= step
+        lo = n + 1 if best else low
+        hi = min(hi, n + step - 1) if best else hi
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        got = fits(mid)
+        if got:
+            best, lo = got, mid + 1
         else:
-            high = mid - 1
+            hi = mid - 1
     if best is None:
         raise ValueError(f"even the smallest prompt has more than {budget} tokens")
     return best

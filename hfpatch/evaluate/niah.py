@@ -5,7 +5,8 @@ picture of Kamradt's test and its multi-needle variant).
                       [--trials 1] [--text-files F ...] [--patches none,yarn:2] [--out runs/niah]
 
 The haystack is real text (the default corpus or --text-files), a stretch starting at a random word (one per trial,
-from --seed). The needle goes between sentences at `depth` of the haystack (0 = first, 1 = last); with several
+from --seed). The needle goes at `depth` of the haystack's length, moved back to the end of a sentence (0 = before
+everything, 1 = after everything), as in Kamradt's test; with several
 needles (pizza), the first goes at `depth` and the others evenly spaced after it, as in LangChain's multi-needle
 test. After the haystack: the question, and the needle set's answer prefix, which the model continues greedily. As
 in RULER, the prompt plus the tokens to generate fit in the length. Retrieval is checked by string match: the
@@ -79,10 +80,11 @@ def build(src: hs.Source, offset: int, n_words: int, needles: dict, depth: float
     chunk = [words[(offset + i) % len(words)] for i in range(n_words)]
     units = hs.sentences(" ".join(chunk))
     fractions = depths_of(depth, len(needles["needles"]))
-    context = " ".join(hs.insert(units, needles["needles"], fractions))
+    positions = [hs.boundary(units, f) for f in fractions]
+    context = " ".join(hs.insert_at(units, needles["needles"], positions))
     return hs.Sample(TEMPLATE.format(context=context, question=needles["question"]),
                      " " + needles["answer_prefix"], list(needles["answers"]),
-                     {"fractions": fractions, "sentences": len(units)})
+                     {"fractions": fractions, "positions": positions, "sentences": len(units)})
 
 
 def trial_offset(seed: int, trial: int, n_words: int) -> int:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import statistics
 import string
 import sys
 from pathlib import Path
@@ -101,7 +102,8 @@ def niah(rng: random.Random, n: int, src: hs.Source, haystack: str, keys: str, v
             d_keys = hs.distinct(keys, rng, src.pool, n, avoid=key_list)
             d_values = hs.distinct(values, rng, src.pool, n, avoid=[v for vals in value_list for v in vals])
             units = [NEEDLE.format(vs=vs, key=k, value=v) for k, v in zip(d_keys, d_values)]
-        fractions = [i / max(n, 1) for i in sorted(rng.sample(range(n), len(needles)))] if n else [0.0] * len(needles)
+        # needle before unit i: the fraction (i + 0.5) / n (int(n * fraction) == i, with no rounding doubt)
+        fractions = [(i + 0.5) / n for i in sorted(rng.sample(range(n), len(needles)))] if n >= len(needles) else [0.0] * len(needles)
         joiner = "\n"
     context = joiner.join(hs.insert(units, needles, fractions))
     asked = rng.sample(range(n_keys), n_queries)
@@ -217,7 +219,10 @@ def generate(task: str, rng_seed: str, n: int, src: hs.Source, length: int) -> h
     return fn(random.Random(rng_seed), n, src, **kwargs)
 
 
-def wilson(p: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+Z95 = statistics.NormalDist().inv_cdf(0.975)
+
+
+def wilson(p: float, n: int, z: float = Z95) -> tuple[float, float]:
     """95 % Wilson score interval of a binomial proportion p observed over n trials."""
     if n == 0:
         return 0.0, 1.0
@@ -281,14 +286,17 @@ class Ruler(sweep.Evaluation):
         source = texts.describe_source(args.text_files)
         src = hs.source(args.text_files)
         prompter, sizes = hs.Prompter(tok, args.chat_template), {}
-        print(f"{self.prog}: generating {len(tasks) * len(lengths) * args.samples} prompts", file=sys.stderr)
+        first = {(t, n): build(prompter, src, t, n, f"{args.seed}:{t}:{n}:0", sizes) for t in tasks for n in lengths}
+        if args.samples > 1:  # every (task, length) fits: the input is valid; now the long part
+            print(f"{self.prog}: generating {len(first) * (args.samples - 1)} more prompts", file=sys.stderr)
         cells = []
         for task in tasks:
             new = TASKS[task][2]
             for n in lengths:
                 units = []
                 for i in range(args.samples):  # the same prompts for every spec and after a resume
-                    sample, ids = build(prompter, src, task, n, f"{args.seed}:{task}:{n}:{i}", sizes)
+                    sample, ids = first[(task, n)] if i == 0 else build(prompter, src, task, n,
+                                                                         f"{args.seed}:{task}:{n}:{i}", sizes)
                     units.append(sweep.Unit(i, sweep.decoding(len(ids), new), (ids, sample.references, new)))
                 cells.append(sweep.Cell({"task": task, "length": n}, units))
         identity = {"model": args.model, "dtype": args.dtype, "seed": args.seed, "haystack": source,
