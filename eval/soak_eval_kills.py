@@ -17,7 +17,6 @@ tests/test_eval_faults.py runs a few kills of each kind through the same functio
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import random
@@ -64,20 +63,6 @@ sys.exit(main(sys.argv[1:]))
 """
 
 MODES = ("half", "before", "after", "random")
-
-
-def strip_timing(obj):
-    """A results file without what differs between two runs of the same work (times, --out in argv, runs)."""
-    obj = copy.deepcopy(obj)
-    for key in ("started", "updated", "finished", "seconds", "runs"):
-        obj.pop(key, None)
-    obj.get("settings", {}).pop("argv", None)
-    for cell in obj.get("cells", []):
-        cell.pop("finished", None)
-        cell.pop("seconds", None)
-        for rec in cell.get("documents", []) + cell.get("trials", []) + cell.get("samples", []):
-            rec.pop("seconds", None)
-    return obj
 
 
 def child(argv: list[str], fault: str, env: dict, kill_after: float | None = None, results: Path | None = None):
@@ -142,7 +127,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     sys.path.insert(0, str(REPO / "tests"))
-    from test_eval_perplexity import save_tiny, text_of
+    from test_eval_perplexity import save_tiny, strip_timing, text_of
 
     rng = random.Random(args.seed)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -13,7 +13,7 @@ import random
 
 import pytest
 from conftest import REPO
-from test_eval_perplexity import save_tiny, text_of
+from test_eval_perplexity import save_tiny, strip_timing, text_of
 
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate import perplexity
@@ -43,7 +43,7 @@ def _kill_test(command, tmp_path, env, faults):
     assert [r["killed"] for r in got["runs"]] == [True] * len(faults), got["runs"]  # every fault did kill a run
     assert not got["leftover_tmp"]  # the half-written temporary files were cleared by the runs that resumed
     assert len(got["final"]["runs"]) >= 2  # it was resumed (each run that got to work appends itself)
-    assert soak.strip_timing(got["final"]) == soak.strip_timing(whole)
+    assert strip_timing(got["final"]) == strip_timing(whole)
 
 
 def test_ppl_killed_anywhere_resumes_to_the_same_results(setup, tmp_path):

@@ -73,7 +73,8 @@ def tiny_run(tmp_path):
 
 
 def strip_timing(obj):
-    """A results file without what differs between two runs of the same work (times, --out in argv)."""
+    """A results file without what differs between two runs of the same work (times, --out in argv, the list of
+    runs with their estimates)."""
     obj = copy.deepcopy(obj)
     for key in ("started", "updated", "finished", "seconds", "runs"):
         obj.pop(key, None)
@@ -81,7 +82,7 @@ def strip_timing(obj):
     for cell in obj.get("cells", []):
         cell.pop("finished", None)
         cell.pop("seconds", None)
-        for d in cell.get("documents", []) + cell.get("trials", []):
+        for d in cell.get("documents", []) + cell.get("trials", []) + cell.get("samples", []):
             d.pop("seconds", None)
     return obj
 

@@ -248,7 +248,7 @@ def _estimate(ev: Evaluation, run: Run, plan: Plan, todo) -> float:
     """Seconds the work left will take, from the cost model and one timed forward; printed before it starts."""
     shape = budget.shape_of_config(unwrap(run.model).config)
     limit = table_limit(run.model)  # unpatched now: stay within its table, the decoding step included
-    n = max(16, min(1024, plan.read, limit - 1 if limit else plan.read))
+    n = min(max(16, min(1024, plan.read)), limit - 1 if limit else plan.read + 16)
     speed = budget.measure_speed(run.parts, shape, n)
     units = [u for *_, left in todo for u in left]
     seconds = sum(speed.seconds(shape, *f) for u in units for f in u.forwards)
