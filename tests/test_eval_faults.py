@@ -1,5 +1,6 @@
 """Evaluations killed anywhere lose nothing: SIGKILL inside the results-file write (half written, written but not
-renamed), right after it, or at a random moment; resumed, the results equal an uninterrupted run's. A truncated
+renamed: eval ppl), right after it or at a random moment (eval passkey); resumed, the results equal an
+uninterrupted run's. A truncated
 or hand-edited results file is refused with what is wrong and how to recover, never used. Two runs cannot write
 the same file. (eval/soak_eval_kills.py runs many more kills through the same functions.)"""
 
@@ -50,14 +51,14 @@ def test_ppl_killed_anywhere_resumes_to_the_same_results(setup, tmp_path):
     model, docs, env = setup
     command = ["eval", "ppl", "--model", str(model), "--text-files", str(docs), "--lengths", "16,32",
                "--patches", "none,ntk:2", "--no-plot"]
-    _kill_test(command, tmp_path, env, [("half", 0.2), ("before", 0.4), ("after", 0.5)])
+    _kill_test(command, tmp_path, env, [("half", 0.3), ("before", 0.6)])
 
 
 def test_passkey_killed_anywhere_resumes_to_the_same_results(setup, tmp_path):
     model, _, env = setup
     command = ["eval", "passkey", "--model", str(model), "--lengths", "300,400", "--depths", "0,1", "--trials", "2",
                "--patches", "none,ntk:2", "--new-tokens", "4", "--no-plot"]
-    _kill_test(command, tmp_path, env, [("half", 0.6), ("random", 0.0)])
+    _kill_test(command, tmp_path, env, [("after", 0.4), ("random", 0.0)])
 
 
 def _finished_ppl(setup, tmp_path):

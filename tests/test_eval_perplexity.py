@@ -439,7 +439,7 @@ def test_memory_that_cannot_fit_is_refused_before_loading(tiny_run, tmp_path, mo
     model = hfpatch.from_pretrained(model_dir)
     assert shape.params == sum(p.numel() for p in model.parameters())  # the weights, counted on the meta device
     need = budget.memory_needed(shape, 4, 100_000, score_chunk=1024)
-    assert need["weights"] == shape.params * 4 and need["scoring"] == 1024 * 101 * 4 * 3
+    assert need["weights"] == shape.params * 4 and need["scoring"] == 1024 * 101 * 8
     assert need["activations"] == 100_000 * (2 * 64 + max(2 * 4 * 16 + 2 * 2 * 16 + 64, 3 * 128)) * 4
     assert budget.memory_needed(shape, 4, 200_000)["total"] > budget.memory_needed(shape, 4, 100_000)["total"]
 

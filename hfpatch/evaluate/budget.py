@@ -7,7 +7,8 @@ Memory (bytes) of reading L tokens in one forward, b = bytes per activation, w =
                and its MLP tensors (gate, up, their product): L * (2d + max(2 H hd + 2 KV hd + d, 3 ffn)) * b;
                eager attention also holds one layer's H x L x L scores
   hidden       the final hidden states kept for scoring: L * d * b
-  scoring      one chunk of fp32 logits and the loss's copies of it: chunk * vocab * 4 * 3
+  scoring      one chunk of logits, their fp32 copy and the loss's log-softmax: chunk * vocab * (b + 4 + 4),
+               the copy dropped when b = 4
   KV cache     generation only: 2 * layers * KV * hd * (L + new tokens) * b
 Only one layer's intermediates exist at a time (no gradients), so the layer count enters through the cache alone.
 
@@ -163,7 +164,8 @@ def memory_needed(shape: Shape, weight_bytes: int, tokens: int, new_tokens: int 
     }
     if score_chunk:
         parts["hidden"] = L * d * b
-        parts["scoring"] = min(score_chunk, L) * shape.vocab * 4 * 3
+        # the head's logits, their fp32 copy (none when they already are fp32) and the loss's log-softmax
+        parts["scoring"] = min(score_chunk, L) * shape.vocab * (8 if b == 4 else b + 8)
     if new_tokens:
         parts["kv_cache"] = 2 * shape.layers * shape.kv_heads * shape.head_dim * (L + new_tokens) * b
     parts["total"] = sum(parts.values())
