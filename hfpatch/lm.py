@@ -50,12 +50,10 @@ def causal_lm_parts(model) -> LMParts:
     config = target.config
     name = type(target).__name__
     causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    try:
-        adapter = adapter_for(target)
-    except ValueError:  # a family hfpatch cannot patch may still be scored unpatched
-        adapter = None
-    encoder = adapter is not None and not adapter.causal and not getattr(config, "is_decoder", False)
-    if name not in causal_classes or encoder:
+    if name not in causal_classes:
+        raise _not_causal(name, config.model_type)
+    encoder = not adapter_for(target).causal and not getattr(config, "is_decoder", False)
+    if encoder:
         raise _not_causal(name, config.model_type)
     head = target.get_output_embeddings()
     base = target.base_model
