@@ -43,6 +43,11 @@ def ppl_tables(cells: list[dict], patches: list[str], lengths: list[int], window
     return "\n\n".join(out)
 
 
+def _shown(window, lengths) -> bool:
+    """Mark the trained window only where it falls inside the plotted lengths (else it squeezes the axis)."""
+    return bool(window) and min(lengths) / 1.3 <= window <= max(lengths) * 1.3
+
+
 def ppl_plot(cells: list[dict], patches: list[str], lengths: list[int], windowings: list[str], path,
              title: str = "", trained_window: int | None = None) -> None:
     """Perplexity vs length, one line per patch spec (solid: chunks, dashed: sliding), log-log axes."""
@@ -62,11 +67,12 @@ def ppl_plot(cells: list[dict], patches: list[str], lengths: list[int], windowin
             label = p if len(windowings) == 1 else f"{p} ({w})"
             ax.plot(*zip(*pts), marker="o", color=colors[i % len(colors)],
                     linestyle="-" if w == "chunks" else "--", label=label)
-    if trained_window:
+    if _shown(trained_window, lengths):
         ax.axvline(trained_window, color="gray", linestyle=":", linewidth=1)
         ax.text(trained_window, 0.98, " trained window", transform=ax.get_xaxis_transform(), color="gray",
                 fontsize=8, va="top")
     ax.set_xscale("log", base=2)
+    ax.set_xlim(min(lengths) / 1.3, max(lengths) * 1.3)
     ax.set_yscale("log")
     from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
@@ -179,8 +185,8 @@ def _drop_n(pooled_result):
 
 def ruler_plot(cells: list[dict], patches: list[str], tasks: list[str], lengths: list[int], path, title: str = "",
                trained_window: int | None = None) -> None:
-    """Score vs length, one line per patch spec with its 95 % interval as a band: one panel for the mean over the
-    tasks (samples pooled) and one per task."""
+    """Score vs length, one line per patch spec with its 95 % interval as error bars: one panel for the mean over
+    the tasks (samples pooled) and one per task."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -205,12 +211,15 @@ def ruler_plot(cells: list[dict], patches: list[str], tasks: list[str], lengths:
                     pts.append((n, score, lo, hi))
             if pts:
                 xs, ys, los, his = zip(*pts)
-                ax.plot(xs, [100 * y for y in ys], marker="o", color=colors[i % len(colors)], label=p)
-                ax.fill_between(xs, [100 * v for v in los], [100 * v for v in his], color=colors[i % len(colors)],
-                                alpha=0.15, linewidth=0)
-        if trained_window:
+                dodge = 1.06 ** (i - (len(patches) - 1) / 2)  # side by side, so that equal scores stay visible
+                ys = [100 * y for y in ys]
+                err = [[y - 100 * lo for y, lo in zip(ys, los)], [100 * hi - y for y, hi in zip(ys, his)]]
+                ax.errorbar([x * dodge for x in xs], ys, yerr=err, marker="o", markersize=4, capsize=2,
+                            color=colors[i % len(colors)], label=p)
+        if _shown(trained_window, lengths):
             ax.axvline(trained_window, color="gray", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
+        ax.set_xlim(min(lengths) / 1.3, max(lengths) * 1.3)
         ax.set_xticks(lengths, [length_label(n) for n in lengths])
         ax.minorticks_off()
         ax.set_ylim(-5, 105)
