@@ -150,9 +150,10 @@ def document_nll(parts: LMParts, ids, spans: list[tuple[int, int, int]], chunk: 
 
 
 @torch.no_grad()
-def greedy(parts: LMParts, ids: list[int], new_tokens: int, eos: set[int]) -> list[int]:
-    """Greedy decoding with a KV cache: one forward over the prompt, then one token at a time. Only the last
-    position goes through the LM head (no [L, vocab] logits)."""
+def greedy(parts: LMParts, ids: list[int], new_tokens: int, eos: set[int], done=None) -> list[int]:
+    """Greedy decoding with a KV cache: one forward over the prompt, then one token at a time, up to new_tokens,
+    an EOS token, or done(generated) returning True. Only the last position goes through the LM head (no [L,
+    vocab] logits)."""
     x = torch.tensor([ids], device=parts.input_device)
     out = parts.base(input_ids=x, use_cache=True)
     past, generated = out.past_key_values, []
@@ -160,7 +161,7 @@ def greedy(parts: LMParts, ids: list[int], new_tokens: int, eos: set[int]) -> li
     for _ in range(new_tokens):
         nxt = int(head_logits(parts, h).argmax(-1)[0])
         generated.append(nxt)
-        if nxt in eos or len(generated) == new_tokens:
+        if nxt in eos or len(generated) == new_tokens or (done is not None and done(generated)):
             break
         out = parts.base(input_ids=torch.tensor([[nxt]], device=parts.input_device), past_key_values=past,
                          use_cache=True)

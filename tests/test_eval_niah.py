@@ -64,7 +64,7 @@ def test_cli_heatmap_table_and_scores(tmp_path, monkeypatch, capsys):
     model_dir = save_tiny(tmp_path / "model")
     tok = tiny_tokenizer()
 
-    def oracle(parts, ids, new_tokens, eos):
+    def oracle(parts, ids, new_tokens, eos, done=None):
         text = tok.decode(ids)
         first = text.index("Figs are one of") < len(text) / 2
         return tok(" figs and goat cheese" if first else " bread", add_special_tokens=False)["input_ids"]

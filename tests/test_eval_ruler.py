@@ -185,7 +185,7 @@ def test_cli_scores_tables_and_resume(tmp_path, monkeypatch, capsys):
     calls = []
     truth = {}
 
-    def oracle(parts, ids, new_tokens, eos):
+    def oracle(parts, ids, new_tokens, eos, done=None):
         calls.append(len(ids))
         if len(calls) == 7 and "interrupt" in truth:
             raise KeyboardInterrupt
@@ -264,3 +264,21 @@ def test_same_seed_same_samples(src):
     c = ruler.generate("niah_multikey_1", "1:x", 200, src, 4096)
     assert (a.input, a.references) == (b.input, b.references) and a.references != c.references
     assert random.Random("0:x").random() == random.Random("0:x").random()  # str seeds: no hash randomization
+
+
+def test_decoding_stops_once_every_reference_is_found():
+    """The stop test ends decoding at the first token after which all references are in the answer; what was
+    generated is the start of the full greedy answer, so the score is the full answer's (it cannot drop)."""
+    from conftest import tiny_model
+
+    tok = tiny_tokenizer()
+    done = hs.all_found(tok, ["ab", "C"])
+    assert not done(tok("x ab", add_special_tokens=False)["input_ids"])
+    assert done(tok("x ab, c", add_special_tokens=False)["input_ids"])
+    parts = causal_lm_parts(tiny_model("llama"))
+    prompt = list(range(3, 40))
+    full = greedy(parts, prompt, 20, set())
+    refs = [tok.decode(full[3:5])]  # found once the 5th token is out
+    cut = greedy(parts, prompt, 20, set(), hs.all_found(tok, refs))
+    assert cut == full[: len(cut)] and len(cut) <= 5
+    assert hs.string_match_all(tok.decode(cut), refs) == hs.string_match_all(tok.decode(full), refs) == 1.0

@@ -88,6 +88,16 @@ def string_match_all(answer: str, references: list[str]) -> float:
     return sum(r.lower() in a for r in references) / len(references)
 
 
+def all_found(tok, references: list[str]):
+    """A stop test for greedy decoding: True once every reference is in the answer so far. The score is the share
+    of references found, which more text cannot lower, so stopping there gives the score of the full answer
+    (and saves the decoding steps of every answer that got it right early)."""
+    def done(generated: list[int]) -> bool:
+        return string_match_all(postprocess(tok.decode(generated, skip_special_tokens=True)), references) == 1.0
+
+    return done
+
+
 def string_match_part(answer: str, references: list[str]) -> float:
     """RULER's QA score: 1 if any reference is found in the answer (kept for tasks with alternative answers)."""
     a = answer.lower()

@@ -10,7 +10,8 @@ everything, 1 = after everything), as in Kamradt's test; with several
 needles (pizza), the first goes at `depth` and the others evenly spaced after it, as in LangChain's multi-needle
 test. After the haystack: the question, and the needle set's answer prefix, which the model continues greedily. As
 in RULER, the prompt plus the tokens to generate fit in the length. Retrieval is checked by string match: the
-score of a trial is the share of the set's answers found in the answer (case-insensitive).
+score of a trial is the share of the set's answers found in the answer (case-insensitive); decoding stops once all
+are found.
 
 Needle sets: `sandwich` (Kamradt's San Francisco needle; answers "sandwich" and "Dolores Park"), `pizza`
 (LangChain's three secret ingredients), or a JSON file {"needles": [...], "question": "...", "answer_prefix": "...",
@@ -150,7 +151,8 @@ class Niah(sweep.Evaluation):
     def run_unit(self, run, cell, unit, progress) -> dict:
         ids, references, offset, size = unit.data
         eos = {i for i in [run.tok.eos_token_id] if i is not None}
-        answer = run.tok.decode(greedy(run.parts, ids, run.args.new_tokens, eos), skip_special_tokens=True)
+        answer = run.tok.decode(greedy(run.parts, ids, run.args.new_tokens, eos, hs.all_found(run.tok, references)),
+                                skip_special_tokens=True)
         clean = hs.postprocess(answer)
         return {"prompt_tokens": len(ids), "offset": offset, "haystack_words": size, "answer": answer,
                 "found": [r.lower() in clean.lower() for r in references],

@@ -23,7 +23,8 @@ essays there) is the default corpus or --text-files; word keys and the word list
 Each prompt, with the tokens to generate (niah 128, vt 30, cwe 120, fwe 50), fits in the length, as in RULER: the
 haystack is the largest that fits (bisection on its size). The prompt is the task text followed by the task's
 answer prefix (RULER's "base" template); --chat-template wraps the task text in the tokenizer's chat template first.
-Greedy decoding. Scoring as RULER's: every task uses string_match_all, the share of the references found
+Greedy decoding, stopped once every reference is in the answer (more text could not change its score). Scoring as
+RULER's: every task uses string_match_all, the share of the references found
 (case-insensitive substring) in the answer, averaged over samples; tables show it in % with a 95 % Wilson interval
 over the samples (a binomial interval, conservative for tasks with partial credit).
 
@@ -309,7 +310,8 @@ class Ruler(sweep.Evaluation):
     def run_unit(self, run, cell, unit, progress) -> dict:
         ids, references, new = unit.data
         eos = {i for i in [run.tok.eos_token_id] if i is not None}
-        answer = run.tok.decode(greedy(run.parts, ids, new, eos), skip_special_tokens=True)
+        answer = run.tok.decode(greedy(run.parts, ids, new, eos, hs.all_found(run.tok, references)),
+                                skip_special_tokens=True)
         return {"prompt_tokens": len(ids), "references": references, "answer": answer,
                 "score": hs.string_match_all(hs.postprocess(answer), references)}
 
