@@ -319,6 +319,12 @@ def _window(d: dict, changes: dict) -> None:
         changes["max_position_embeddings"] = round(WINDOW * scale)
     if params:
         head_dim = changes.get("head_dim") or HIDDEN // HEADS
+        # a partial rotation must turn an even number of channels (real heads do: 192 x 0.334 = 64); transformers'
+        # YaRN ramp assumes it, so a tiny head of 16 x 0.334 = 5 channels would break the scheme, not the family
+        factors = [p["partial_rotary_factor"] for p in flat if p.get("partial_rotary_factor")]
+        if "head_dim" in changes and any(int(head_dim * f) % 2 for f in factors):
+            wider = next(k * head_dim for k in range(2, 9) if not any(int(k * head_dim * f) % 2 for f in factors))
+            changes["head_dim"] = head_dim = wider
         changes["rope_parameters"] = _rope_params(params, scale, head_dim // 2)
 
 

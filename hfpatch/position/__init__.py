@@ -1,6 +1,3 @@
 """Position schemes: the registry (schemes.py), RoPE builders (rope.py), application (patch.py, rotary.py), ALiBi
-(alibi.py), absolute tables (absolute.py)."""
-
-from .schemes import SCHEMES, Scheme, options_of
-
-__all__ = ["SCHEMES", "Scheme", "options_of"]
+(alibi.py), absolute tables (absolute.py). Nothing is imported here, so that adapter inference can use rotary.py
+and absolute.py without the registry (which needs the adapters)."""
