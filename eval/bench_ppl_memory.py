@@ -27,10 +27,10 @@ from benchutil import interleaved, markdown_table, median, status_kb, write_json
 def worker(args) -> dict:
     import torch
 
-    from hfpatch.evaluate import data
-    from hfpatch.evaluate.common import load_tokenizer
-    from hfpatch.evaluate.score import causal_lm_parts, window_nll
+    from hfpatch import text as data
+    from hfpatch.lm import causal_lm_parts, window_nll
     from hfpatch.models import load
+    from hfpatch.text import load_tokenizer
 
     tok = load_tokenizer(args.model)
     doc = data.text_files([args.text_file])[0] if args.text_file else data.default_corpus()[0]
@@ -111,7 +111,15 @@ def main(argv=None):
         + [["chunked / plain", "", f"rel. diff {rel:.1e}", f"{ratios['time_ratio']:.3f}",
             f"{ratios['max_rss_ratio']:.3f}", fmt(ratios.get("forward_peak_ratio"), ".3f")]],
     ))
+    # what `hfpatch eval ppl` estimates before loading the model (its memory check), next to what was measured
+    from hfpatch.evaluate import budget
+
+    estimate = budget.memory_needed(budget.shape_of(args.model), 4, args.length, score_chunk=args.score_chunk)
+    print(f"eval ppl's estimate before loading: {budget.gb(estimate['total'])} in all "
+          f"({', '.join(f'{k} {budget.gb(v)}' for k, v in estimate.items() if k != 'total')}); measured chunked: "
+          f"process max RSS {ch['max_rss_gb']:.2f} GB ({ch['rss_after_load_gb']:.2f} GB once loaded)")
     result = {"model": args.model, "length": args.length, "score_chunk": args.score_chunk, "repeats": args.repeats,
+              "memory_estimate": estimate,
               "document": runs["plain"][0]["document"], "median": med, "ratios": ratios, "runs": runs}
     write_json(args.json, result)
     return result

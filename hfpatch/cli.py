@@ -5,6 +5,9 @@
     hfpatch supported
     hfpatch eval ppl ...        (python eval/perplexity.py ...; hfpatch eval ppl --help)
     hfpatch eval passkey ...    (python eval/passkey.py ...)
+    hfpatch eval ruler ...      (python eval/ruler.py ...)
+    hfpatch eval niah ...       (python eval/niah.py ...)
+    hfpatch lm-eval ...         (lm-evaluation-harness's lm_eval command, with --model hfpatch registered)
 
 MODEL: a hub id, a local folder, a .gguf file, or "smollm2" (the embedded default). Bad input: one line on stderr
 and exit code 2.
@@ -16,32 +19,8 @@ import argparse
 import json
 import sys
 
-
-class UsageError(Exception):
-    pass
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse prints the whole usage by default)
-        raise UsageError(f"{self.prog}: error: {message}")
-
-
-def run_main(fn, argv, prog: str, interrupted: str | None = None) -> int:
-    """Run a command (`fn(argv)`); bad input is one line on stderr and exit code 2. With `interrupted`, Ctrl-C
-    prints that hint and exits with 130 (the evaluations say how to resume)."""
-    try:
-        return fn(argv)
-    except UsageError as e:
-        print(str(e), file=sys.stderr)
-        return 2
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
-        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        if interrupted is None:
-            raise
-        print(f"{prog}: interrupted; {interrupted}", file=sys.stderr)
-        return 130
+from .command import Parser, run_main
+from .evaluate import EVALUATIONS
 
 
 def _key_value(text: str):
@@ -90,10 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--markdown", action="store_true", help="a Markdown table and the counts instead of JSON")
     u.add_argument("--no-cache", action="store_true", help="measure again instead of reading the cached result")
 
-    e = sub.add_parser("eval", help="perplexity at extended lengths (ppl) or passkey retrieval (passkey)")
-    e.add_argument("what", choices=["ppl", "passkey"])
+    e = sub.add_parser("eval", help="evaluate patch specs: " + ", ".join(EVALUATIONS))
+    e.add_argument("what", choices=list(EVALUATIONS))
     e.add_argument("rest", nargs=argparse.REMAINDER,
                    help="the arguments of that evaluation (see hfpatch eval ppl --help)")
+
+    sub.add_parser("lm-eval", help="lm-evaluation-harness's lm_eval command with --model hfpatch registered "
+                                   "(every lm_eval argument follows: hfpatch lm-eval --help)")
     return p
 
 
@@ -109,6 +91,11 @@ def _loading(args) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:  # every following argument is lm_eval's own, --help included
+        from hfpatch.evaluate import harness
+
+        return harness.main(argv[1:])
     return run_main(lambda a: _run(build_parser().parse_args(a)), argv, "hfpatch")
 
 
@@ -117,9 +104,9 @@ def _run(args) -> int:
     from hfpatch.models import load
 
     if args.command == "eval":  # the evaluations parse their own arguments and print their own errors
-        from hfpatch.evaluate import passkey, perplexity
+        from hfpatch.evaluate import evaluation
 
-        return (perplexity if args.what == "ppl" else passkey).main(args.rest)
+        return evaluation(args.what).main(args.rest)
     if args.command == "supported":
         from hfpatch.families import markdown, measure
 

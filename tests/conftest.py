@@ -140,7 +140,7 @@ def smollm2():
 
 def stdlib_text(chars=400_000) -> str:
     """Real text that every install has: Python standard library sources."""
-    from hfpatch.evaluate.data import default_corpus
+    from hfpatch.text import default_corpus
 
     text = ""
     for doc in default_corpus():

@@ -14,8 +14,8 @@ from test_eval_perplexity import save_tiny, strip_timing, tiny_tokenizer
 import hfpatch
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate import passkey
-from hfpatch.evaluate.passkey import FILLER, build_prompt, greedy, is_correct, make_key
-from hfpatch.evaluate.score import causal_lm_parts
+from hfpatch.evaluate.passkey import FILLER, build_prompt, is_correct, make_key
+from hfpatch.lm import causal_lm_parts, greedy
 
 
 @pytest.fixture(autouse=True)
@@ -62,11 +62,33 @@ def test_greedy_stops_at_eos():
     assert greedy(causal_lm_parts(model), prompt, 9, eos={first}) == [first]
 
 
-def test_keys_and_scoring():
+def check_keys(make_key):
+    """What the keys must be: reproducible (resume, every patch spec), 5 digits without a leading zero, different
+    from trial to trial, and different again for another seed, length or depth."""
     keys = [make_key(0, 1024, 0.5, t, 5) for t in range(20)]
-    assert keys == [make_key(0, 1024, 0.5, t, 5) for t in range(20)]  # reproducible (resume, every patch spec)
-    assert all(len(k) == 5 and k[0] != "0" for k in keys) and len(set(keys)) > 15
-    assert make_key(1, 1024, 0.5, 0, 5) != make_key(0, 1024, 0.5, 0, 5) or make_key(1, 1024, 0.5, 1, 5) != keys[1]
+    assert keys == [make_key(0, 1024, 0.5, t, 5) for t in range(20)]
+    # (the keys are fixed by their seeds, so "all different" is checked once for these 20, not left to chance)
+    assert all(len(k) == 5 and k.isdigit() and k[0] != "0" for k in keys) and len(set(keys)) == 20
+    for changed in ((1, 1024, 0.5), (0, 2048, 0.5), (0, 1024, 0.0)):  # seed, length, depth
+        other = [make_key(*changed, t, 5) for t in range(20)]
+        assert all(a != b for a, b in zip(keys, other)), changed
+    assert all(len(make_key(0, 1024, 0.5, 0, d)) == d for d in (1, 3, 8))
+
+
+def test_keys_and_scoring():
+    check_keys(make_key)
+    # the check fails on broken copies of make_key (the assertion this replaces, "a differs or b differs", let
+    # the first one through: only trial 0 ignored the seed)
+    broken = {
+        "seed ignored for trial 0": lambda s, n, d, t, k: make_key(0 if t == 0 else s, n, d, t, k),
+        "seed ignored": lambda s, n, d, t, k: make_key(0, n, d, t, k),
+        "length ignored": lambda s, n, d, t, k: make_key(s, 1024, d, t, k),
+        "one key per cell": lambda s, n, d, t, k: make_key(s, n, d, 0, k),
+        "leading zeros": lambda s, n, d, t, k: str(int(make_key(s, n, d, t, k)) % 10**(k - 1)).zfill(k),
+    }
+    for name, copy in broken.items():
+        with pytest.raises(AssertionError):
+            check_keys(copy)
     assert is_correct(" 68431. Remember", "68431") and is_correct("it is 1, 68431", "68431")
     assert not is_correct(" 684312", "68431") and not is_correct(" 6843", "68431") and not is_correct("", "68431")
 

@@ -17,8 +17,9 @@ from conftest import FAMILIES, REPO, tiny_model, tokens
 
 import hfpatch
 from hfpatch.cli import main as cli_main
-from hfpatch.evaluate import data, perplexity
-from hfpatch.evaluate.score import causal_lm_parts, window_nll, windows
+from hfpatch import text
+from hfpatch.evaluate import perplexity, sweep
+from hfpatch.lm import causal_lm_parts, window_nll, windows
 
 CAUSAL = [f for f in FAMILIES if f != "bert"]
 
@@ -72,15 +73,16 @@ def tiny_run(tmp_path):
 
 
 def strip_timing(obj):
-    """A results file without what differs between two runs of the same work (times, --out in argv)."""
+    """A results file without what differs between two runs of the same work (times, --out in argv, the list of
+    runs with their estimates)."""
     obj = copy.deepcopy(obj)
-    for key in ("started", "updated", "finished", "seconds"):
+    for key in ("started", "updated", "finished", "seconds", "runs"):
         obj.pop(key, None)
     obj.get("settings", {}).pop("argv", None)
     for cell in obj.get("cells", []):
         cell.pop("finished", None)
         cell.pop("seconds", None)
-        for d in cell.get("documents", []) + cell.get("trials", []):
+        for d in cell.get("documents", []) + cell.get("trials", []) + cell.get("samples", []):
             d.pop("seconds", None)
     return obj
 
@@ -245,7 +247,7 @@ def test_interrupted_run_resumes_without_recomputing(tiny_run, tmp_path, monkeyp
     assert strip_timing(final) == strip_timing(whole)
 
     counted.clear()  # a finished run is only reported again, without loading the model
-    monkeypatch.setattr(perplexity, "load_model", lambda args: pytest.fail("loaded the model for nothing"))
+    monkeypatch.setattr(sweep, "load_model", lambda args: pytest.fail("loaded the model for nothing"))
     assert perplexity.main([*common, "--out", str(out)]) == 0 and not counted
 
     # other settings are refused, not mixed into the file
@@ -288,25 +290,25 @@ def test_dataset_equals_the_same_text_files(tiny_run, tmp_path):
 
 
 def test_default_corpus_is_long_stdlib_sources():
-    docs = data.default_corpus()
+    docs = text.default_corpus()
     assert docs and all(d.name.startswith("stdlib/") for d in docs)
     assert sum(len(d.text) > 200_000 for d in docs) >= 1  # _pydecimal.py: far more than 16k tokens
 
 
 def test_tokenization_cache(tmp_path, monkeypatch):
     tok = tiny_tokenizer()
-    doc = data.Document("x", text_of(300, 3))
-    first = data.tokenize(tok, doc)
+    doc = text.Document("x", text_of(300, 3))
+    first = text.tokenize(tok, doc)
     assert list((tmp_path / "cache" / "tokens").rglob("*.npz"))
     def again(*a):
         raise RuntimeError("tokenized again despite the cache")
 
-    monkeypatch.setattr(data, "_tokenize", again)
-    again = data.tokenize(tok, doc)
+    monkeypatch.setattr(text, "_tokenize", again)
+    again = text.tokenize(tok, doc)
     assert (again.ids == first.ids).all() and (again.ends == first.ends).all()
     assert first.ends[-1] == len(doc.text.encode("utf-8"))
     with pytest.raises(RuntimeError, match="tokenized again"):  # other text: another key
-        data.tokenize(tok, data.Document("x", doc.text + "!"))
+        text.tokenize(tok, text.Document("x", doc.text + "!"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -362,3 +364,99 @@ def test_script_is_the_same_command(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "eval" / "perplexity.py"), "--patches", "none,yarm:2"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "unknown position scheme" in r.stderr
+
+
+def test_tokenizer_fingerprint_is_not_reused_by_a_new_tokenizer():
+    """The cache key of a tokenizer must be its own: keyed by id(), a new tokenizer that Python placed where a
+    freed one lived got the freed one's fingerprint (and would read its cached token ids)."""
+    import gc
+    import hashlib
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    wrong = []
+    for i in range(10):
+        tok = PreTrainedTokenizerFast(unk_token="<unk>", tokenizer_object=Tokenizer(
+            models.WordLevel(vocab={"<unk>": 0, "a": 1, f"w{i}": 2}, unk_token="<unk>")))
+        truth = hashlib.sha256(tok.backend_tokenizer.to_str().encode("utf-8")).hexdigest()
+        wrong += [i] if text.tokenizer_fingerprint(tok) != truth else []
+        del tok
+        gc.collect()  # the next tokenizer may now be allocated at the same address
+    assert not wrong
+    tok = tiny_tokenizer()
+    before = text.tokenizer_fingerprint(tok)
+    tok.add_tokens(["<new>"])  # a grown vocabulary tokenizes differently: a new fingerprint
+    assert text.tokenizer_fingerprint(tok) != before
+
+
+def test_given_text_is_scored_whole_by_default(tiny_run, tmp_path, capsys):
+    """Files named by the user: every long-enough document, all of it (chunks: cut to a multiple of the longest
+    length; sliding and rolling: every token). The default corpus stays one document of the longest length."""
+    model_dir, docs = tiny_run
+    (docs / "c.txt").write_text(text_of(75, 3), encoding="utf-8")
+    assert cli_main(["eval", "ppl", "--model", str(model_dir), "--text-files", str(docs), "--lengths", "16,32",
+                     "--windowing", "chunks,sliding", "--patches", "none", "--no-plot",
+                     "--out", str(tmp_path / "o")]) == 0
+    res = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert [d["name"].rsplit("/", 1)[1] for d in res["corpus"]["documents"]] == ["a.txt", "b.txt", "c.txt"]
+    assert res["identity"]["tokens_per_doc"] == "all" and res["corpus"]["skipped"] == 1
+    by = {(c["windowing"], c["length"]): c for c in res["cells"]}
+    lengths = {"a.txt": 130, "b.txt": 110, "c.txt": 75}  # one token per character
+    for (w, n), c in by.items():
+        expected = 0
+        for d in c["documents"]:
+            total = lengths[d["name"].rsplit("/", 1)[1]]
+            span = total // 32 * 32 if w == "chunks" else total  # chunks: a multiple of the longest length
+            expected += span // n * (n - 1) if w == "chunks" else span - 1
+        assert c["tokens"] == expected, (w, n)
+    assert by[("chunks", 16)]["tokens"] == (128 + 96 + 64) - (8 + 6 + 4)  # each window's first token unscored
+
+    err = capsys.readouterr().err
+    assert "tokens to read: about" in err and "estimated from a timed" in err  # the estimate, before scoring
+    assert cli_main(["eval", "ppl", "--model", str(model_dir), "--lengths", "16", "--patches", "none", "--no-plot",
+                     "--out", str(tmp_path / "d")]) == 0
+    res = json.loads((tmp_path / "d" / "results.json").read_text())
+    assert len(res["corpus"]["documents"]) == 1 and res["identity"]["tokens_per_doc"] == 16
+
+
+def test_dry_run_estimates_and_scores_nothing(tiny_run, tmp_path, monkeypatch, capsys):
+    model_dir, docs = tiny_run
+    monkeypatch.setattr(perplexity, "document_nll", lambda *a, **k: pytest.fail("a dry run scored"))
+    assert perplexity.main(["--model", str(model_dir), "--text-files", str(docs), "--lengths", "16",
+                            "--patches", "none,yarn:2", "--dry-run", "--out", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert "2 cell(s), 4 documents and" in err and "about" in err
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["cells"] == []
+
+
+def test_memory_that_cannot_fit_is_refused_before_loading(tiny_run, tmp_path, monkeypatch, capsys):
+    """An estimate from the config alone (weights + activations + the scoring chunk), against the free memory."""
+    from hfpatch.evaluate import budget
+
+    model_dir, docs = tiny_run
+    shape = budget.shape_of(str(model_dir))
+    model = hfpatch.from_pretrained(model_dir)
+    assert shape.params == sum(p.numel() for p in model.parameters())  # the weights, counted on the meta device
+    need = budget.memory_needed(shape, 4, 100_000, score_chunk=1024)
+    assert need["weights"] == shape.params * 4 and need["scoring"] == 1024 * 101 * 8
+    assert need["activations"] == 100_000 * (2 * 64 + max(2 * 4 * 16 + 2 * 2 * 16 + 64, 3 * 128)) * 4
+    assert budget.memory_needed(shape, 4, 200_000)["total"] > budget.memory_needed(shape, 4, 100_000)["total"]
+
+    monkeypatch.setattr(budget, "available_memory", lambda device, device_map: (50 * 2**20, "CPU"))
+    monkeypatch.setattr(sweep, "load_model", lambda args: pytest.fail("loaded the model before refusing"))
+    argv = ["--model", str(model_dir), "--text-files", str(docs), "--lengths", "16", "--tokens-per-doc", "96",
+            "--patches", "none", "--no-plot", "--out", str(tmp_path / "o")]
+    long = ["--model", str(model_dir), "--text-files", str(tmp_path / "long.txt"), "--lengths", "64k",
+            "--patches", "none", "--no-plot", "--out", str(tmp_path / "o")]
+    (tmp_path / "long.txt").write_text("x" * 70_000)
+    capsys.readouterr()
+    assert perplexity.main(long) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "reading 65536 tokens needs about" in err and "50 MiB is free on the CPU" in err
+    assert "--no-memory-check" in err and "up to about" in err
+    monkeypatch.undo()
+    monkeypatch.setenv("HFPATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(budget, "available_memory", lambda device, device_map: (50 * 2**20, "CPU"))
+    assert perplexity.main(argv) == 0  # a short run fits in the same 50 MiB
+    assert perplexity.main([*long[:-1], str(tmp_path / "o2"), "--no-memory-check", "--dry-run"]) == 0

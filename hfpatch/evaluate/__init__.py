@@ -1,11 +1,20 @@
-"""Measuring what a patch did: perplexity at extended lengths and passkey retrieval.
+"""Measuring what a patch did. Every evaluation is one file over one shared sweep (sweep.py):
 
-    hfpatch eval ppl ...        (= python eval/perplexity.py ...)   hfpatch.evaluate.perplexity.main
-    hfpatch eval passkey ...    (= python eval/passkey.py ...)      hfpatch.evaluate.passkey.main
+    hfpatch eval ppl ...        perplexity at extended lengths           perplexity.py
+    hfpatch eval passkey ...    passkey retrieval                         passkey.py
+    hfpatch eval ruler ...      the synthetic RULER tasks                 ruler.py
+    hfpatch eval niah ...       needle-in-a-haystack depth x length map   niah.py
+    hfpatch lm-eval ...         lm-evaluation-harness with --model hfpatch   harness.py
 
-The logic lives in the package (not in eval/) so that an installed hfpatch can run it.
+The logic lives in the package (not in eval/) so that an installed hfpatch runs it; eval/*.py only call it.
 """
 
-from .score import LMParts, causal_lm_parts, document_nll, window_nll, windows
+import importlib
 
-__all__ = ["LMParts", "causal_lm_parts", "document_nll", "window_nll", "windows"]
+# name on the command line -> the module that defines EVALUATION (imported only when that evaluation runs)
+EVALUATIONS = {"ppl": "perplexity", "passkey": "passkey", "ruler": "ruler", "niah": "niah"}
+
+
+def evaluation(name: str):
+    """The module of an evaluation: its EVALUATION and main(argv)."""
+    return importlib.import_module(f"{__name__}.{EVALUATIONS[name]}")

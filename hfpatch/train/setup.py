@@ -20,7 +20,7 @@ def tokenizer(name: str):
     """A tokenizer folder (tokenizer files only), a model folder, a .gguf file, a hub id or "smollm2"."""
     from transformers import AutoTokenizer
 
-    from ..evaluate.common import load_tokenizer
+    from ..text import load_tokenizer
 
     try:
         if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):

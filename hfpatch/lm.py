@@ -1,4 +1,5 @@
-"""Negative log-likelihood of long token sequences without full-vocabulary logits for the whole sequence.
+"""A causal LM split into its body and its head, for what the evaluations do with it: the negative log-likelihood of
+long token sequences without full-vocabulary logits for the whole sequence, and greedy decoding with a KV cache.
 
 `model(ids, labels=ids)` builds [L, vocab] logits, an fp32 copy and the log-softmax: 16k tokens x 49k vocab is
 3.2 GB per copy, about 10 GB at peak for SmolLM2-135M. Here the base model (the transformer without its LM head)
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..apply import unwrap
+from .adapters import adapter_for
+from .apply import unwrap
 
 
 @dataclass
@@ -44,8 +46,6 @@ def causal_lm_parts(model) -> LMParts:
     """Split a causal LM into its body and head; ValueError for models that do not predict the next token."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from ..adapters import adapter_for
-
     target = unwrap(model)
     config = target.config
     name = type(target).__name__
@@ -65,7 +65,8 @@ def causal_lm_parts(model) -> LMParts:
     return LMParts(base, head, getattr(config, "final_logit_softcapping", None), device)
 
 
-def _logits(parts: LMParts, h: torch.Tensor) -> torch.Tensor:
+def head_logits(parts: LMParts, h: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of hidden states h [..., d], soft-capped where the family caps them."""
     w = getattr(parts.head, "weight", None)
     if w is not None and w.device.type != "meta" and h.device != w.device:  # sharded by device_map: the last
         h = h.to(w.device)  # layer and the head may sit on different GPUs
@@ -77,18 +78,19 @@ def _logits(parts: LMParts, h: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def window_nll(parts: LMParts, ids: torch.Tensor, first: int = 1, chunk: int = 1024) -> tuple[float, int]:
-    """(sum of -log p(ids[t] | ids[:t]) for t in first..len-1, number of terms), from one forward of `ids` [n]."""
+    """(sum of -log p(ids[t] | ids[:t]) for t in first..len-1, number of terms), from one forward of ids[:-1] (the
+    last token is only a target: the model reads n - 1 tokens)."""
     n = ids.shape[-1]
     if not 1 <= first < n:
         raise ValueError(f"first scored position must be in [1, {n}), got {first}")
     x = ids.reshape(1, n).to(parts.input_device)
-    out = parts.base(input_ids=x, use_cache=False)
+    out = parts.base(input_ids=x[:, : n - 1], use_cache=False)
     h = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[0, first - 1 : n - 1]
     del out
     targets = x[0, first:n]
     total = torch.zeros((), dtype=torch.float64)
     for i in range(0, h.shape[0], chunk):
-        logits = _logits(parts, h[i : i + chunk])
+        logits = head_logits(parts, h[i : i + chunk])
         nll = F.cross_entropy(logits, targets[i : i + chunk].to(logits.device), reduction="sum")
         total += nll.double().cpu()
         del logits, nll
@@ -96,8 +98,8 @@ def window_nll(parts: LMParts, ids: torch.Tensor, first: int = 1, chunk: int = 1
 
 
 def windows(n_tokens: int, length: int, windowing: str, stride: int | None = None) -> list[tuple[int, int, int]]:
-    """The windows that score a span of n_tokens, as (start, end, first): the model reads ids[start:end] and the
-    tokens at start+first .. end-1 are scored (each given everything before it in the window).
+    """The windows that score a span of n_tokens, as (start, end, first): the tokens at start+first .. end-1 are
+    scored, each given everything before it in ids[start:end] (window_nll reads ids[start:end-1]).
 
     chunks:  non-overlapping windows of `length` tokens, each scored whole (its first token is context only);
              a tail shorter than `length` is not scored.
@@ -105,13 +107,20 @@ def windows(n_tokens: int, length: int, windowing: str, stride: int | None = Non
              each later one scores only the tokens no earlier window scored. The last window ends at the span's
              end (it may move less than `stride`), so every token but the first is scored exactly once and every
              window is `length` tokens long.
+    rolling: lm-evaluation-harness's loglikelihood_rolling. ids[0] is a prefix token (BOS, else EOS) put before
+             the span; every token after it is scored once, in disjoint runs of `length` predictions, each read
+             from the `length` tokens before its last prediction (the first run from the prefix on; the last run
+             may be shorter and reads the `length` tokens before its end). These are sliding windows of
+             length + 1 tokens ending `length` apart, so the model reads `length` tokens per window.
     """
+    if windowing == "rolling":
+        return windows(n_tokens, length + 1, "sliding", length)
     if length < 2 or n_tokens < length:
         raise ValueError(f"a window of {length} tokens does not fit in {n_tokens} tokens")
     if windowing == "chunks":
         return [(k * length, (k + 1) * length, 1) for k in range(n_tokens // length)]
     if windowing != "sliding":
-        raise ValueError(f"windowing must be 'chunks' or 'sliding', got {windowing!r}")
+        raise ValueError(f"windowing must be 'chunks', 'sliding' or 'rolling', got {windowing!r}")
     if not stride or not 1 <= stride < length:  # stride = length would be chunks, less the first token of each
         raise ValueError(f"stride must be between 1 and the length - 1 ({length - 1}), got {stride}")
     ends = list(range(length, n_tokens + 1, stride))
@@ -126,7 +135,8 @@ def windows(n_tokens: int, length: int, windowing: str, stride: int | None = Non
 
 
 def document_nll(parts: LMParts, ids, spans: list[tuple[int, int, int]], chunk: int = 1024, progress=None):
-    """(nll sum, tokens scored, [(a, b)] runs of scored token indices) over the given windows of `ids`."""
+    """(nll sum, tokens scored, [(a, b)] runs of scored token indices) over the given windows of `ids`;
+    progress(n) is told the tokens read after each window."""
     ids = torch.as_tensor(ids)
     total, count, runs = 0.0, 0, []
     for start, end, first in spans:
@@ -135,5 +145,25 @@ def document_nll(parts: LMParts, ids, spans: list[tuple[int, int, int]], chunk: 
         count += n
         runs.append((start + first, end))
         if progress is not None:
-            progress.update(1)
+            progress(end - start - 1)
     return total, count, runs
+
+
+@torch.no_grad()
+def greedy(parts: LMParts, ids: list[int], new_tokens: int, eos: set[int], done=None) -> list[int]:
+    """Greedy decoding with a KV cache: one forward over the prompt, then one token at a time, up to new_tokens,
+    an EOS token, or done(generated) returning True. Only the last position goes through the LM head (no [L,
+    vocab] logits)."""
+    x = torch.tensor([ids], device=parts.input_device)
+    out = parts.base(input_ids=x, use_cache=True)
+    past, generated = out.past_key_values, []
+    h = out.last_hidden_state[:, -1]
+    for _ in range(new_tokens):
+        nxt = int(head_logits(parts, h).argmax(-1)[0])
+        generated.append(nxt)
+        if nxt in eos or len(generated) == new_tokens or (done is not None and done(generated)):
+            break
+        out = parts.base(input_ids=torch.tensor([[nxt]], device=parts.input_device), past_key_values=past,
+                         use_cache=True)
+        past, h = out.past_key_values, out.last_hidden_state[:, -1]
+    return generated

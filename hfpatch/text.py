@@ -1,4 +1,5 @@
-"""Text for the evaluations: local files and folders, a `datasets` dataset, or the default corpus; tokenized once.
+"""Text for the evaluations and the recipes: local files and folders, a `datasets` dataset, or the default corpus;
+the model's tokenizer; tokenization, cached.
 
 The default corpus is a fixed list of long, pure-Python modules of the standard library of the Python that runs
 hfpatch: every install has them, no download is needed. They are source code, so their perplexities are lower than
@@ -14,11 +15,15 @@ import hashlib
 import os
 import sys
 import sysconfig
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
+
+from .lm import check_causal_config
+from .models import resolve
 
 # Long modules present in every CPython >= 3.10, longest first; the default corpus is those found on disk.
 STDLIB_FILES = (
@@ -145,6 +150,29 @@ def documents(text_files_arg=None, dataset=None, config=None, split="test", text
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of a model (hub id, folder, .gguf, "smollm2"), after checking from its config alone that the
+    model is a causal LM: both before any weights are loaded, so that those errors come at once."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    where, gguf_file = resolve(name)
+    if not gguf_file:
+        try:
+            config = AutoConfig.from_pretrained(where)
+        except (OSError, ValueError):
+            config = None  # loading the model will say what is wrong with it
+        if config is not None:
+            check_causal_config(config)
+    try:
+        return AutoTokenizer.from_pretrained(where, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not load a tokenizer for {name!r}: {str(e).strip().splitlines()[0]}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # tokenization (cached)
 
 
@@ -152,22 +180,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HFPATCH_CACHE") or Path.home() / ".cache" / "hfpatch")
 
 
-_FINGERPRINTS: dict[int, str] = {}
+# Keyed by the tokenizer object itself, held weakly: a cache keyed by id() handed a freed tokenizer's fingerprint
+# to a new tokenizer that Python placed at the same address.
+_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def tokenizer_fingerprint(tok) -> str:
     """A hash of everything that decides the ids: the full tokenizer definition for fast tokenizers (vocabulary,
-    merges, normalizer, pre-tokenizer, post-processor), else the class, vocabulary and special tokens."""
-    key = id(tok)
-    if key not in _FINGERPRINTS:
+    merges, normalizer, pre-tokenizer, post-processor), else the class, vocabulary and special tokens. Cached per
+    tokenizer object, and computed again when its vocabulary grows (tokens added after the first call)."""
+    size = len(tok)
+    cached = _FINGERPRINTS.get(tok)
+    if cached is None or cached[0] != size:
         backend = getattr(tok, "backend_tokenizer", None)
         if backend is not None:
             blob = backend.to_str()
         else:
             vocab = sorted(tok.get_vocab().items())
             blob = repr((type(tok).__name__, vocab, tok.all_special_tokens, getattr(tok, "add_bos_token", None)))
-        _FINGERPRINTS[key] = hashlib.sha256(blob.encode("utf-8")).hexdigest()
-    return _FINGERPRINTS[key]
+        cached = (size, hashlib.sha256(blob.encode("utf-8")).hexdigest())
+        _FINGERPRINTS[tok] = cached
+    return cached[1]
 
 
 def _byte_offsets(text: str) -> np.ndarray:

@@ -1,0 +1,169 @@
+"""Kill `hfpatch eval ppl` and `hfpatch eval passkey` with SIGKILL at random moments, resume them, and check that
+the final results equal an uninterrupted run's.
+
+    python eval/soak_eval_kills.py --kills 25          # per evaluation; a tiny random model, a few seconds a kill
+
+Where a run dies (each kill picks one, at a random save of the results file or a random time):
+  half     halfway through writing the temporary results file (half the JSON on disk), before the rename
+  before   the temporary file written in full, not yet renamed over results.json
+  after    right after the rename
+  random   the parent sends SIGKILL at a random time once the work has started
+After every kill, results.json (if any) must be valid JSON; the next run resumes from it. The last run is not
+killed; its results must equal the uninterrupted run's, timings and the list of runs aside.
+
+tests/test_eval_faults.py runs a few kills of each kind through the same functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The child: the hfpatch command, with the results file's writes instrumented to SIGKILL the process itself at
+# the N-th save (FAULT=mode:N). Only results.json's temporary file ends in ".tmp".
+CHILD = r"""
+import os, pathlib, signal, sys
+mode, n = os.environ.get("FAULT", "none:0").split(":")
+n, count = int(n), [0]
+write_text, replace = pathlib.Path.write_text, os.replace
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def faulty_write(self, data, *a, **k):
+    if self.name.endswith(".tmp"):
+        count[0] += 1
+        if count[0] == n and mode == "half":
+            write_text(self, data[: len(data) // 2], *a, **k)
+            die()
+    return write_text(self, data, *a, **k)
+
+def faulty_replace(src, dst, *a, **k):
+    if str(src).endswith(".tmp") and count[0] == n and mode in ("before", "after"):
+        if mode == "before":
+            die()
+        replace(src, dst, *a, **k)
+        die()
+    return replace(src, dst, *a, **k)
+
+pathlib.Path.write_text = faulty_write
+os.replace = faulty_replace
+from hfpatch.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+MODES = ("half", "before", "after", "random")
+
+
+def child(argv: list[str], fault: str, env: dict, kill_after: float | None = None, results: Path | None = None):
+    """Run the instrumented command; with kill_after, SIGKILL it that many seconds after results.json first
+    changes (the work has started). Returns the exit code (-9 when killed)."""
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, *argv], env={**env, "FAULT": fault},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if kill_after is not None:
+        before = results.stat().st_mtime_ns if results.exists() else None
+        while proc.poll() is None:
+            now = results.stat().st_mtime_ns if results.exists() else None
+            if now is not None and now != before:
+                time.sleep(kill_after)
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.005)
+    _, err = proc.communicate(timeout=600)
+    if proc.returncode not in (0, -signal.SIGKILL):
+        raise RuntimeError(f"the run failed with exit code {proc.returncode}:\n{err[-2000:]}")
+    return proc.returncode
+
+
+def saves_of(data: dict) -> int:
+    """How many times a run that produced these results saved its file: once before the work, once per record,
+    once per finished cell."""
+    return 1 + sum(len(_records(c)) + 1 for c in data["cells"])
+
+
+def _records(cell: dict) -> list:
+    return cell.get("documents") or cell.get("trials") or cell.get("samples") or []
+
+
+def kill_and_resume(argv: list[str], out: Path, faults: list[tuple[str, float]], env: dict, saves: int) -> dict:
+    """Run argv (an hfpatch command writing OUT/results.json; an uninterrupted run saves it `saves` times) once
+    per fault, each killed as the fault says (at a save chosen by the fault's fraction of the saves left), then
+    once more to the end. Returns what happened."""
+    results = out / "results.json"
+    log = []
+    for mode, where in faults:
+        if mode == "random":
+            code = child(argv, "none:0", env, kill_after=where, results=results)
+        else:
+            done = saves_of(json.loads(results.read_text())) - 1 if results.exists() else 0
+            code = child(argv, f"{mode}:{1 + int(where * max(saves - done, 1))}", env)
+        if results.exists():
+            json.loads(results.read_text())  # never a half-written results file
+        log.append({"mode": mode, "killed": code == -signal.SIGKILL})
+    assert child(argv, "none:0", env) == 0
+    leftovers = sorted(p.name for p in out.glob("results.json.*.tmp"))
+    return {"runs": log, "leftover_tmp": leftovers, "final": json.loads(results.read_text())}
+
+
+def random_faults(rng: random.Random, count: int) -> list[tuple[str, float]]:
+    return [(m, rng.uniform(0.0, 0.3) if m == "random" else rng.random())
+            for m in (MODES[i % len(MODES)] for i in range(count))]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kills", type=int, default=25, help="kills per evaluation (default 25)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_eval_perplexity import save_tiny, strip_timing, text_of
+
+    rng = random.Random(args.seed)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    summary = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        env["HFPATCH_CACHE"] = str(tmp / "cache")
+        model = save_tiny(tmp / "model")
+        docs = tmp / "docs"
+        docs.mkdir()
+        for i in range(12):
+            (docs / f"d{i:02d}.txt").write_text(text_of(140, i), encoding="utf-8")
+        commands = {
+            "ppl": ["eval", "ppl", "--model", str(model), "--text-files", str(docs), "--lengths", "16,32,64",
+                    "--patches", "none,ntk:2,yarn:2", "--windowing", "both", "--stride", "8", "--no-plot"],
+            "passkey": ["eval", "passkey", "--model", str(model), "--lengths", "300,400,500", "--depths", "0,0.5,1",
+                        "--trials", "3", "--patches", "none,ntk:2", "--new-tokens", "8", "--no-plot"],
+        }
+        for name, command in commands.items():
+            t0 = time.time()
+            assert child([*command, "--out", str(tmp / name / "whole")], "none:0", env) == 0
+            whole = json.loads((tmp / name / "whole" / "results.json").read_text())
+            out = tmp / name / "killed"
+            got = kill_and_resume([*command, "--out", str(out)], out, random_faults(rng, args.kills), env,
+                                  saves_of(whole))
+            same = strip_timing(got["final"]) == strip_timing(whole)
+            summary[name] = {"kills": sum(r["killed"] for r in got["runs"]), "runs": len(got["runs"]) + 1,
+                             "by_mode": {m: sum(r["killed"] for r in got["runs"] if r["mode"] == m) for m in MODES},
+                             "resumed_runs_in_file": len(got["final"].get("runs", [])),
+                             "equal_to_uninterrupted": same, "leftover_tmp": got["leftover_tmp"],
+                             "seconds": round(time.time() - t0, 1)}
+            print(f"{name}: {json.dumps(summary[name])}", flush=True)
+    ok = all(s["equal_to_uninterrupted"] and not s["leftover_tmp"] for s in summary.values())
+    print("all equal to the uninterrupted runs" if ok else "MISMATCH", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""What every hfpatch command shares: an argument parser whose errors are one line, and the run wrapper that turns
+input errors into one line on stderr and exit code 2 (the `hfpatch` command, the evaluations, the lm-eval bridge).
+It sits below all of them, so none imports another to get it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class UsageError(Exception):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse prints the whole usage by default)
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+def run_main(fn, argv, prog: str, interrupted: str | None = None) -> int:
+    """Run a command (`fn(argv)`); bad input is one line on stderr and exit code 2. With `interrupted`, Ctrl-C
+    prints that hint and exits with 130 (the evaluations say how to resume)."""
+    try:
+        return fn(argv)
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if interrupted is None:
+            raise
+        print(f"{prog}: interrupted; {interrupted}", file=sys.stderr)
+        return 130

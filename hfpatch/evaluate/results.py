@@ -1,0 +1,139 @@
+"""The resumable results file of an evaluation: OUT/results.json, rewritten atomically after every finished unit of
+work (a document of a cell, a trial, a sample).
+
+A file is continued only if it was written for the same identity (everything that decides the numbers besides the
+cell coordinates: model, dtype, corpus, seed, ...). Loading it checks what a crash or a hand edit could have broken
+— that it is JSON, that each cell has its fields, and that every finished cell's numbers are what its records give
+— and stops with what is wrong and how to recover, rather than mixing damaged numbers into new results.
+A lock on OUT keeps two runs from writing the same file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: no lock there
+    fcntl = None
+
+FORMAT = 2
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-9)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+class Results:
+    """`records`: the cell field that holds one entry per unit of work ("documents", "trials", "samples");
+    `summarize(records) -> dict`: a finished cell's numbers, recomputed on load to check them."""
+
+    def __init__(self, path: Path, kind: str, identity: dict, records: str, summarize, overwrite: bool = False):
+        self.path = Path(path)
+        self.kind, self.records, self.summarize = kind, records, summarize
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.path.with_name(self.path.name + ".lock"), "w")
+        try:
+            if fcntl is not None:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the OS when the run dies
+        except BlockingIOError:
+            self._lock.close()
+            raise ValueError(f"another run is writing {self.path} now; wait for it or use another --out") from None
+        for stale in self.path.parent.glob(self.path.name + ".*.tmp"):  # left by a killed run (we hold the lock)
+            stale.unlink(missing_ok=True)
+        self.data = None
+        if self.path.exists() and not overwrite:
+            try:
+                self.data = self._load(identity)
+            except ValueError:
+                self.close()
+                raise
+        if self.data is None:
+            self.data = {"kind": kind, "format": FORMAT, "identity": identity, "cells": [], "started": now()}
+        self.resumed = bool(self.data["cells"])
+
+    def _damaged(self, what: str) -> ValueError:
+        return ValueError(f"{self.path}: {what}. The file was damaged or edited by hand: repair it, or start over "
+                          f"with --overwrite (or another --out); the finished cells it holds would be computed again")
+
+    def _load(self, identity: dict) -> dict:
+        try:
+            text = self.path.read_text()
+        except OSError as e:
+            raise ValueError(f"{self.path}: cannot read it ({e.strerror})") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise self._damaged(f"not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
+            raise self._damaged("not an hfpatch results file (no list of cells)")
+        if data.get("kind") != self.kind:
+            raise ValueError(f"{self.path} holds {data.get('kind')!r} results, not {self.kind!r}; use another --out")
+        if data.get("format") != FORMAT:
+            raise ValueError(f"{self.path} was written in results format {data.get('format')} by another version "
+                             f"of hfpatch (this one writes {FORMAT}); use another --out, or --overwrite")
+        old = data.get("identity") if isinstance(data.get("identity"), dict) else {}
+        if old != identity:
+            diff = sorted(k for k in set(identity) | set(old) if identity.get(k) != old.get(k))
+            raise ValueError(f"{self.path} was written by a run with other settings ({', '.join(diff)} differ); "
+                             "use another --out, or --overwrite to discard it")
+        for i, cell in enumerate(data["cells"]):
+            self._check_cell(i, cell)
+        return data
+
+    def _check_cell(self, i: int, cell) -> None:
+        if not isinstance(cell, dict) or not isinstance(cell.get("patch"), str):
+            raise self._damaged(f"cell {i} is not a cell (no patch)")
+        name = f"cell {i} ({', '.join(f'{k}={v}' for k, v in cell.items() if isinstance(v, (str, int, float)))})"
+        records = cell.get(self.records)
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            raise self._damaged(f"{name} has no list of {self.records}")
+        if cell.get("complete") is True:
+            try:
+                expected = self.summarize(records)
+            except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+                raise self._damaged(f"{name}: its {self.records} cannot be summarized ({type(e).__name__}: {e})")
+            wrong = sorted(k for k, v in expected.items() if not _same(cell.get(k), v))
+            if wrong:
+                raise self._damaged(f"{name}: {', '.join(wrong)} differ from what its {self.records} give")
+        elif cell.get("complete") is not False:
+            raise self._damaged(f"{name}: 'complete' is {cell.get('complete')!r}, not true or false")
+
+    def find(self, key: dict) -> dict | None:
+        return next((c for c in self.data["cells"] if all(c.get(k) == v for k, v in key.items())), None)
+
+    def cell(self, key: dict, make) -> dict:
+        """The cell with these coordinates, created by make() if absent."""
+        c = self.find(key)
+        if c is not None:
+            return c
+        c = make()
+        self.data["cells"].append(c)
+        return c
+
+    def finish(self, cell: dict) -> None:
+        cell.update(self.summarize(cell[self.records]), complete=True, finished=now())
+
+    def save(self, **top) -> None:
+        self.data.update(top)
+        self.data["updated"] = now()
+        tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1) + "\n")
+        os.replace(tmp, self.path)  # atomic: a killed run leaves the previous complete file, never half of one
+
+    def close(self) -> None:
+        self._lock.close()

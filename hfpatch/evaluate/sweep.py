@@ -1,0 +1,297 @@
+"""The one loop every evaluation runs, so that adding an evaluation is writing one file.
+
+An evaluation (a subclass of `Evaluation`) says what its cells and units of work are and how to run one unit; the
+sweep does the rest, the same way for all of them:
+  1. parse the command line (the model, dtype, device and patch-spec flags are common), validate everything, plan
+     the cells — all before the model is loaded, so bad input is one line and exit 2 at once;
+  2. open OUT/results.json: the same identity continues it (finished units are not run again), another is refused;
+  3. refuse lengths whose memory cannot fit (estimated from the config, before loading);
+  4. load the model once; apply and remove every spec once (a spec that does not fit fails now), check learned
+     position tables against the longest read; time one forward and print how long the work left will take;
+  5. for each spec: patch, run its cells unit by unit (the file is rewritten atomically after every unit), unpatch;
+  6. write the Markdown table (also printed) and the plot, from the results file alone.
+
+Cells are keyed by (patch spec, the evaluation's coordinates); units run in a fixed order, so a cell's records
+are always a prefix of its units and resuming continues after the last one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import command
+from ..apply import unwrap
+from ..lm import causal_lm_parts
+from ..text import load_tokenizer
+from . import budget
+from .common import applied, length_label, load_model, parse_patches, table_limit, trained_window, versions
+from .results import Results, now
+
+
+@dataclass
+class Unit:
+    id: object  # stored in the unit's record under Evaluation.unit_key (a document name, a trial number)
+    # the forwards it makes, for the time estimate: (tokens read, keys the last one attends to, positions through
+    # the LM head)
+    forwards: list[tuple[int, int, int]]
+    data: object = None  # whatever run_unit needs
+
+    @property
+    def tokens(self) -> int:
+        return sum(f[0] for f in self.forwards)
+
+
+def decoding(prompt_tokens: int, new_tokens: int) -> list[tuple[int, int, int]]:
+    """The forwards of greedy decoding, for Unit.forwards: the prompt, then one token at a time."""
+    return [(prompt_tokens, prompt_tokens, 1)] + [(1, prompt_tokens + k, 1) for k in range(1, new_tokens)]
+
+
+@dataclass
+class Cell:
+    key: dict  # its coordinates besides the patch spec, e.g. {"windowing": "chunks", "length": 2048}
+    units: list[Unit]
+    fields: dict = field(default_factory=dict)  # stored with the cell when it is created
+
+
+@dataclass
+class Plan:
+    identity: dict  # what decides the numbers besides the coordinates: a results file is continued only if equal
+    cells: list[Cell]
+    read: int  # the most tokens the model reads in one forward
+    new_tokens: int = 0  # tokens generated after such a read (0: no generation, no KV cache)
+    score_chunk: int = 0  # positions per LM-head chunk when scoring (0: only the last position goes through it)
+    info: dict = field(default_factory=dict)  # stored at the top of the results file (settings, corpus, ...)
+
+
+@dataclass
+class Run:
+    """What run_unit gets: the loaded model (patched with the cell's spec), its parts and tokenizer, the args."""
+
+    model: object
+    parts: object
+    tok: object
+    args: object
+
+
+class Evaluation:
+    name = ""  # hfpatch eval NAME
+    kind = ""  # the results file's kind
+    records = "records"  # the cell field with one record per unit
+    unit_key = "id"  # the record field that holds the unit's id
+    default_out = "runs/eval"
+    default_patches = "none,yarn:2"
+    description = ""
+
+    @property
+    def prog(self) -> str:
+        return f"hfpatch eval {self.name}"
+
+    def add_arguments(self, parser) -> None:
+        pass
+
+    def plan(self, args, tok) -> Plan:
+        raise NotImplementedError
+
+    def run_unit(self, run: Run, cell: dict, unit: Unit, progress) -> dict:
+        """Run one unit with the cell's spec applied; return its record. progress(n) may report tokens read."""
+        raise NotImplementedError
+
+    def summarize(self, records: list[dict]) -> dict:
+        """A finished cell's numbers: a pure function of its records (the results file is checked with it)."""
+        raise NotImplementedError
+
+    def report(self, data: dict, out: Path, plot: bool) -> str:
+        """The Markdown table of a results file (and the plot, written under out), from the file's data alone."""
+        raise NotImplementedError
+
+
+def build_parser(ev: Evaluation) -> command.Parser:
+    p = command.Parser(prog=ev.prog, description=ev.description)
+    p.add_argument("--model", default="smollm2",
+                   help="hub id, local folder, .gguf file, or smollm2 (the embedded default; default)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
+                   help="weights dtype (default fp32; auto = the checkpoint's)")
+    p.add_argument("--device-map", dest="device_map",
+                   help="'auto' shards the model over the GPUs present (accelerate big-model inference)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu); "
+                                    "ignored with --device-map")
+    p.add_argument("--patches", default=ev.default_patches,
+                   help="comma-separated patch specs, each applied to the same loaded model and removed again: "
+                        f"none, yarn:2, ntk:2, dynamic, linear:2, yarn:4:beta_fast=16, ... (default {ev.default_patches})")
+    ev.add_arguments(p)
+    p.add_argument("--out", default=ev.default_out,
+                   help=f"folder for results.json, table.md and the plot (default {ev.default_out})")
+    p.add_argument("--overwrite", action="store_true", help="discard an existing results file instead of resuming")
+    p.add_argument("--no-plot", action="store_true", dest="no_plot")
+    p.add_argument("--dry-run", action="store_true", dest="dry_run",
+                   help="validate, check memory, load the model and print the time estimate; run nothing")
+    p.add_argument("--no-memory-check", action="store_true", dest="no_memory_check",
+                   help="run even when the estimated memory exceeds what is free")
+    return p
+
+
+def main(ev: Evaluation, argv=None) -> int:
+    return command.run_main(lambda a: _main(ev, a), argv, ev.prog,
+                        interrupted="run the same command again to resume from the results file")
+
+
+def _main(ev: Evaluation, argv) -> int:
+    args = build_parser(ev).parse_args(argv)
+    patches = parse_patches(args.patches)  # every spec validated before any loading
+    tok = load_tokenizer(args.model)
+    plan = ev.plan(args, tok)
+    out = Path(args.out)
+    results = Results(out / "results.json", ev.kind, plan.identity, ev.records, ev.summarize, args.overwrite)
+    try:
+        if results.resumed:
+            print(f"{ev.prog}: resuming from {out / 'results.json'}", file=sys.stderr)
+        results.data.update(plan.info, versions=versions())
+        results.data.setdefault("settings", {}).update(patches=[p for p, _ in patches],
+                                                       argv=list(sys.argv[1:] if argv is None else argv))
+        todo = _todo(ev, results, plan, patches)
+        if todo:
+            if not args.no_memory_check:
+                check_memory(args, plan)
+            model = load_model(args)
+            run = Run(model, _prepare(model, patches, plan, results, args.model), tok, args)
+            estimate = _estimate(ev, run, plan, todo)
+            results.data.setdefault("runs", []).append({"started": now(), "estimate_s": round(estimate, 1)})
+            results.save()
+            if args.dry_run:
+                return 0
+            t0 = time.perf_counter()
+            _run(ev, run, todo, results)
+            took = time.perf_counter() - t0
+            results.data["runs"][-1].update(seconds=round(took, 1), finished=now())
+            results.save()
+            print(f"{ev.prog}: took {budget.duration(took)} (estimated {budget.duration(estimate)})",
+                  file=sys.stderr)
+        elif args.dry_run:
+            print(f"{ev.prog}: nothing left to run in {out / 'results.json'}", file=sys.stderr)
+            return 0
+        text = ev.report(results.data, out, not args.no_plot)
+        (out / "table.md").write_text(text + "\n")
+        print(text)
+        return 0
+    finally:
+        results.close()
+
+
+def _todo(ev: Evaluation, results: Results, plan: Plan, patches) -> list:
+    """[(spec, kwargs, Cell, units left)] for every cell not finished, in run order (grouped by spec)."""
+    todo = []
+    for spec, kwargs in patches:
+        for c in plan.cells:
+            stored = results.find({"patch": spec, **c.key})
+            records = stored[ev.records] if stored else []
+            ids = [r.get(ev.unit_key) for r in records[: len(c.units)]]
+            if ids != [u.id for u in c.units[: len(ids)]]:
+                raise ValueError(f"{results.path}: cell {spec} {c.key} holds {ev.records} {ids}, not the planned "
+                                 f"{[u.id for u in c.units[:len(ids)]]}; use another --out, or --overwrite")
+            left = c.units[len(records):]
+            if left or not (stored and stored.get("complete")):
+                todo.append((spec, kwargs, c, left))
+    return todo
+
+
+def check_memory(args, plan: Plan) -> None:
+    """Refuse, before loading the model, a run whose longest read cannot fit in the memory that is free."""
+    shape = budget.shape_of(args.model)
+    free, where = budget.available_memory(args.device, args.device_map)
+    if shape is None or free is None:
+        return
+    b = {"fp16": 2, "bf16": 2}.get(args.dtype, 4)
+
+    def need(tokens):
+        return budget.memory_needed(shape, b, tokens, plan.new_tokens, plan.score_chunk)
+
+    parts = need(plan.read)
+    if parts["total"] <= free:
+        return
+    fits = 0
+    lo, hi = 1, plan.read
+    while lo <= hi:  # the longest read that fits, for the message
+        mid = (lo + hi) // 2
+        if need(mid)["total"] <= free:
+            fits, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    detail = ", ".join(f"{k} {budget.gb(v)}" for k, v in parts.items() if k != "total")
+    raise ValueError(f"reading {plan.read} tokens needs about {budget.gb(parts['total'])} ({detail}) but "
+                     f"{budget.gb(free)} is free on the {where}; up to about {fits} tokens fit: use shorter lengths, "
+                     "--dtype bf16, or --no-memory-check to try anyway")
+
+
+def _prepare(model, patches, plan: Plan, results: Results, name: str):
+    parts = causal_lm_parts(model)  # a clear error for masked LMs before anything runs
+    need = plan.read + plan.new_tokens
+    for spec, kwargs in patches:  # apply and remove each spec once: one that does not fit fails before any work
+        with applied(model, kwargs, spec):
+            limit = table_limit(model)
+        if limit is not None and need > limit:
+            extra = f" (+ {plan.new_tokens} generated)" if plan.new_tokens else ""
+            raise ValueError(f"patch {spec!r}: the model has learned positions for {limit} tokens only, so "
+                             f"{plan.read} tokens{extra} cannot run; use lengths <= {limit - plan.new_tokens}")
+    target = unwrap(model)
+    results.data["model"] = {"name": name, "class": type(target).__name__, "model_type": target.config.model_type,
+                             "trained_window": trained_window(model),
+                             "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
+                             "parameters": sum(p.numel() for p in target.parameters())}
+    return parts
+
+
+def _estimate(ev: Evaluation, run: Run, plan: Plan, todo) -> float:
+    """Seconds the work left will take, from the cost model and one timed forward; printed before it starts."""
+    shape = budget.shape_of_config(unwrap(run.model).config)
+    limit = table_limit(run.model)  # unpatched now: stay within its table, the decoding step included
+    n = min(max(16, min(1024, plan.read)), limit - 1 if limit else plan.read + 16)
+    speed = budget.measure_speed(run.parts, shape, n)
+    units = [u for *_, left in todo for u in left]
+    seconds = sum(speed.seconds(shape, *f) for u in units for f in u.forwards)
+    tokens = sum(u.tokens for u in units)
+    print(f"{ev.prog}: {len(todo)} cell(s), {len(units)} {ev.records} and {tokens:,} tokens to read: about "
+          f"{budget.duration(seconds)} here (estimated from a timed {n}-token forward: "
+          f"{speed.flops_per_s / 1e9:.0f} GFLOP/s, {speed.step_s * 1e3:.0f} ms per decoding step)", file=sys.stderr)
+    return seconds
+
+
+def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=sum(u.tokens for *_, left in todo for u in left), unit="tok", unit_scale=True, desc=ev.name,
+               file=sys.stderr, dynamic_ncols=True)
+    try:
+        for spec, group in itertools.groupby(todo, key=lambda item: item[0]):
+            group = list(group)
+            with applied(run.model, group[0][1], spec):  # patch once per spec, not per cell
+                for _, kwargs, c, left in group:
+                    bar.set_postfix_str(" ".join([spec] + [_label(k, v) for k, v in c.key.items()]))
+                    cell = results.cell({"patch": spec, **c.key},
+                                        lambda: {"patch": spec, **c.key, **c.fields, "patch_kwargs": kwargs,
+                                                 ev.records: [], "complete": False})
+                    for unit in left:
+                        done = [0]
+
+                        def progress(n, done=done):
+                            done[0] += n
+                            bar.update(n)
+
+                        t0 = time.perf_counter()
+                        record = {ev.unit_key: unit.id, **ev.run_unit(run, cell, unit, progress)}
+                        record["seconds"] = round(time.perf_counter() - t0, 3)
+                        cell["complete"] = False
+                        cell[ev.records].append(record)
+                        results.save()
+                        bar.update(unit.tokens - done[0])
+                    results.finish(cell)
+                    results.save()
+    finally:
+        bar.close()
+
+
+def _label(key: str, value) -> str:
+    return length_label(value) if key == "length" else f"{key} {value}" if isinstance(value, float) else str(value)

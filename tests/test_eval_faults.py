@@ -1,0 +1,111 @@
+"""Evaluations killed anywhere lose nothing: SIGKILL inside the results-file write (half written, written but not
+renamed: eval ppl), right after it or at a random moment (eval passkey); resumed, the results equal an
+uninterrupted run's. A truncated
+or hand-edited results file is refused with what is wrong and how to recover, never used. Two runs cannot write
+the same file. (eval/soak_eval_kills.py runs many more kills through the same functions.)"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import random
+
+import pytest
+from conftest import REPO
+from test_eval_perplexity import save_tiny, strip_timing, text_of
+
+from hfpatch.cli import main as cli_main
+from hfpatch.evaluate import perplexity
+
+_spec = importlib.util.spec_from_file_location("soak_eval_kills", REPO / "eval" / "soak_eval_kills.py")
+soak = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(soak)
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    monkeypatch.setenv("HFPATCH_CACHE", str(tmp_path / "cache"))
+    model = save_tiny(tmp_path / "model")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"d{i}.txt").write_text(text_of(100, i), encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HFPATCH_CACHE": str(tmp_path / "cache")}
+    return model, docs, env
+
+
+def _kill_test(command, tmp_path, env, faults):
+    assert cli_main([*command, "--out", str(tmp_path / "whole")]) == 0  # the uninterrupted run, in process
+    whole = json.loads((tmp_path / "whole" / "results.json").read_text())
+    out = tmp_path / "killed"
+    got = soak.kill_and_resume([*command, "--out", str(out)], out, faults, env, soak.saves_of(whole))
+    assert [r["killed"] for r in got["runs"]] == [True] * len(faults), got["runs"]  # every fault did kill a run
+    assert not got["leftover_tmp"]  # the half-written temporary files were cleared by the runs that resumed
+    assert len(got["final"]["runs"]) >= 2  # it was resumed (each run that got to work appends itself)
+    assert strip_timing(got["final"]) == strip_timing(whole)
+
+
+def test_ppl_killed_anywhere_resumes_to_the_same_results(setup, tmp_path):
+    model, docs, env = setup
+    command = ["eval", "ppl", "--model", str(model), "--text-files", str(docs), "--lengths", "16,32",
+               "--patches", "none,ntk:2", "--no-plot"]
+    _kill_test(command, tmp_path, env, [("half", 0.3), ("before", 0.6)])
+
+
+def test_passkey_killed_anywhere_resumes_to_the_same_results(setup, tmp_path):
+    model, _, env = setup
+    command = ["eval", "passkey", "--model", str(model), "--lengths", "300,400", "--depths", "0,1", "--trials", "2",
+               "--patches", "none,ntk:2", "--new-tokens", "4", "--no-plot"]
+    _kill_test(command, tmp_path, env, [("after", 0.4), ("random", 0.0)])
+
+
+def _finished_ppl(setup, tmp_path):
+    model, docs, _ = setup
+    argv = ["--model", str(model), "--text-files", str(docs), "--lengths", "16", "--patches", "none,ntk:2",
+            "--no-plot", "--out", str(tmp_path / "r")]
+    assert perplexity.main(argv) == 0
+    return argv, tmp_path / "r" / "results.json"
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda t: t[: len(t) // 2], "not valid JSON"),
+    (lambda t: t.replace('"nll_sum": ', '"nll_sum": 1 + ', 1), "not valid JSON"),
+    (lambda t: "[]", "not an hfpatch results file"),
+    (lambda t: _edit(t, lambda d: d["cells"][0]["documents"][1].update(nll_sum=1.0)), "nll_sum, ppl differ"),
+    (lambda t: _edit(t, lambda d: d["cells"][1].update(ppl=2.0)), "ppl differ from what its documents give"),
+    (lambda t: _edit(t, lambda d: d["cells"][0]["documents"][0].pop("bytes")), "cannot be summarized"),
+    (lambda t: _edit(t, lambda d: d["cells"][0].update(complete="yes")), "'complete' is 'yes'"),
+    (lambda t: _edit(t, lambda d: d["cells"][0].update(documents=None)), "has no list of documents"),
+])
+def test_damaged_results_file_is_refused_with_how_to_recover(setup, tmp_path, capsys, damage, message):
+    argv, path = _finished_ppl(setup, tmp_path)
+    path.write_text(damage(path.read_text()))
+    capsys.readouterr()
+    assert perplexity.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err and "--overwrite" in err, err
+    assert perplexity.main([*argv, "--overwrite"]) == 0  # the way out it names works
+
+
+def _edit(text, change):
+    data = json.loads(text)
+    change(data)
+    return json.dumps(data)
+
+
+def test_a_second_run_cannot_write_the_same_results(setup, tmp_path, capsys):
+    argv, path = _finished_ppl(setup, tmp_path)
+    with open(path.with_name("results.json.lock"), "w") as held:  # as a run in progress holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert perplexity.main(argv) == 2
+        assert "another run is writing" in capsys.readouterr().err
+    stale = path.with_name("results.json.12345.tmp")
+    stale.write_text("{half")
+    assert perplexity.main(argv) == 0 and not stale.exists()  # a killed run's temporary file is cleared
+
+
+def test_fault_plan_is_reproducible():
+    assert soak.random_faults(random.Random(1), 8) == soak.random_faults(random.Random(1), 8)
+    assert {m for m, _ in soak.random_faults(random.Random(1), 8)} == set(soak.MODES)

@@ -1,0 +1,125 @@
+"""The lm-evaluation-harness bridge, offline: a local task (rolling loglikelihood over local documents) scored by
+lm-eval's own `hf` model and by `--model hfpatch` gives the same numbers; `hfpatch eval ppl --windowing rolling`
+scores the same tokens as lm-eval's rolling windows and agrees with its bits per byte and word perplexity; the
+`hfpatch lm-eval` command; errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+from test_eval_perplexity import save_tiny, text_of, tiny_tokenizer
+
+pytest.importorskip("lm_eval", reason="the lm-eval bridge tests need the optional extra: pip install 'hfpatch[lm-eval]'")
+
+import lm_eval  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
+
+from hfpatch.cli import main as cli_main  # noqa: E402
+from hfpatch.evaluate import harness  # noqa: E402
+from hfpatch.lm import windows  # noqa: E402
+
+TASK = "hfpatch_local_text"
+LENGTH = 48
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """A tiny saved model, and a local lm-eval task over two documents (also as .txt files for eval ppl)."""
+    base = tmp_path_factory.mktemp("harness")
+    model = save_tiny(base / "model")
+    docs = [text_of(230, 11).strip(), text_of(170, 12).strip()]  # no trailing newline: lm-eval's Jinja drops it
+    (base / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (base / "txt").mkdir()
+    for i, d in enumerate(docs):
+        (base / "txt" / f"d{i}.txt").write_text(d, encoding="utf-8")
+    (base / "task").mkdir()
+    (base / "task" / "local.yaml").write_text(
+        f"task: {TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {base / 'docs.jsonl'}\n"
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")
+    return base, model, docs
+
+
+def _lm_eval(model_name, model_args, base):
+    r = lm_eval.simple_evaluate(model=model_name, model_args=model_args, tasks=[TASK], device="cpu", batch_size=1,
+                                task_manager=TaskManager(include_path=str(base / "task")))
+    res = r["results"][TASK]
+    return {k.split(",")[0]: v for k, v in res.items() if k.endswith(",none") and "stderr" not in k}
+
+
+def test_rolling_windows_are_lm_evals(local):
+    """windows(..., "rolling") over [prefix] + tokens reads and scores exactly what lm-eval's rolling windows do:
+    the same input tokens for each window and the same predicted tokens, every token once."""
+    for n, length in ((100, 48), (96, 48), (48, 48), (30, 48), (1000, 7), (50, 1)):
+        tokens = list(range(1000, 1000 + n))
+        seq = [7] + tokens  # 7 = the prefix token
+        theirs = [make_disjoint_window(w) for w in get_rolling_token_windows(tokens, 7, length, 1)]
+        if n < length or length < 2:
+            continue  # eval ppl needs documents of at least `length` tokens and windows of at least 2
+        ours = windows(len(seq), length, "rolling")
+        assert len(ours) == len(theirs)
+        for (start, end, first), (context, pred) in zip(ours, theirs):
+            assert seq[start + first:end] == pred  # the same predicted tokens ...
+            read = seq[start:end - 1]  # ... from the same input (lm-eval: context + pred[:-1], at most `length`)
+            assert read[-length:] == (context + pred)[:-1][-length:] and len(read) <= length
+
+
+@pytest.fixture(scope="module")
+def scored(local):
+    """lm-eval's numbers for the local task: its own hf model, and the bridge with patch=none and yarn:2."""
+    base, model, _ = local
+    return {"hf": _lm_eval("hf", f"pretrained={model},dtype=float32,max_length={LENGTH}", base),
+            **{p: _lm_eval("hfpatch", f"pretrained={model},patch={p},max_length={LENGTH}", base)
+               for p in ("none", "yarn:2")}}
+
+
+def test_bridge_equals_lm_evals_hf_model(scored):
+    assert scored["none"] == scored["hf"] and set(scored["hf"]) == {"word_perplexity", "byte_perplexity",
+                                                                   "bits_per_byte"}
+    assert scored["yarn:2"]["bits_per_byte"] != scored["hf"]["bits_per_byte"]  # the patch is applied
+
+
+@pytest.mark.parametrize("patch", ["none", "yarn:2"])
+def test_eval_ppl_rolling_agrees_with_lm_eval(local, scored, tmp_path, monkeypatch, patch):
+    """The same tokens scored the same way: lm-eval's rolling windows (every token, the first from a prefix token
+    — here BOS) and eval ppl --windowing rolling; bits per byte and word perplexity agree to float rounding."""
+    base, model, docs = local
+    monkeypatch.setenv("HFPATCH_CACHE", str(tmp_path / "cache"))
+    theirs = scored[patch]
+    assert cli_main(["eval", "ppl", "--model", str(model), "--text-files", str(base / "txt"), "--lengths",
+                     str(LENGTH), "--windowing", "rolling", "--patches", patch, "--no-plot",
+                     "--out", str(tmp_path / "o")]) == 0
+    (cell,) = json.loads((tmp_path / "o" / "results.json").read_text())["cells"]
+    assert cell["prefix_token"] == tiny_tokenizer().bos_token_id
+    assert cell["tokens"] == sum(len(d) for d in docs)  # one token per character: every token was scored
+    assert cell["bytes"] == sum(len(d.encode("utf-8")) for d in docs)
+    words = sum(len(re.split(r"\s+", d)) for d in docs)  # lm-eval's word count
+    assert cell["bpb"] == pytest.approx(theirs["bits_per_byte"], rel=1e-6)
+    assert math.exp(cell["nll_sum"] / words) == pytest.approx(theirs["word_perplexity"], rel=1e-5)
+
+
+def test_hfpatch_lm_eval_command(local, tmp_path, capsys):
+    base, model, _ = local
+    out = tmp_path / "lm"
+    assert cli_main(["lm-eval", "--model", "hfpatch", "--model_args", f"pretrained={model},patch=ntk:2,max_length=32",
+                     "--tasks", TASK, "--include_path", str(base / "task"), "--device", "cpu",
+                     "--output_path", str(out)]) == 0
+    (written,) = out.rglob("results_*.json")
+    data = json.loads(written.read_text())
+    assert data["results"][TASK]["bits_per_byte,none"] > 0
+    assert data["config"]["model"] == "hfpatch" and data["config"]["model_args"]["patch"] == "ntk:2"
+    capsys.readouterr()
+    assert cli_main(["lm-eval", "--model", "hfpatch", "--model_args", f"pretrained={model},patch=yarm:2",
+                     "--tasks", TASK, "--include_path", str(base / "task"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("hfpatch lm-eval: error:") and "unknown position scheme 'yarm'" in err
+
+
+def test_without_lm_eval_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(harness, "HFLM", None)
+    assert harness.main(["--model", "hfpatch"]) == 2
+    assert "pip install 'hfpatch[lm-eval]'" in capsys.readouterr().err
