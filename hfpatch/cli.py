@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from .command import Parser, run_main
+from .command import Parser, UsageError, run_main
 from .evaluate import EVALUATIONS
 
 
