@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedModel
 
 from . import spec as specs
-from .adapters import ADAPTERS, Adapter, adapter_for, get_path
+from .adapters import Adapter, adapter_for, get_path
 from .edits import Edits
 from .norm import convert as norms
-from .norm.placement import MIXINS, apply_placement
-from .position import SCHEMES
+from .norm.placement import apply_placement, placement_forms
 from .position import rotary as rot
-from .position.patch import apply_position
-from .position.rope import ROPE_SCHEMES
+from .position import schemes
+from .position.schemes import SCHEMES
+from .spec import AXES
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: the record carries the adapter (1: without it)
 _STATE = "_hfpatch_state"  # attribute on the transformers model that holds the live PatchState
 
 
@@ -55,9 +55,6 @@ class PatchState:
         return {**self.baked, **self.spec}
 
 
-AXES = ("norm", "placement", "position")  # application order: the exact norm conversion needs the blocks as built
-
-
 def unwrap(model) -> PreTrainedModel:
     """The transformers model to patch: itself, or the base model inside a peft.PeftModel."""
     target = model
@@ -77,7 +74,7 @@ def state_of(model) -> PatchState | None:
 def changes_weights(axis: str, req: dict) -> bool:
     """Whether a patch changes which weights exist (or their shapes): such patches reload by loading the saved
     weights into the patched structure (io.from_pretrained); the others are simply applied again."""
-    return axis == "norm" or (axis == "position" and req["scheme"] == "interpolate")
+    return axis == "norm" or (axis == "position" and SCHEMES[req["scheme"]].changes_weights)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -89,7 +86,11 @@ def _apply_axis(model: PreTrainedModel, adapter: Adapter, axis: str, req: dict, 
         return norms.apply_norm(model, adapter, req, adapter.placement_of(model.config), edits)
     if axis == "placement":
         return apply_placement(model, adapter, req, edits)
-    apply_position(model, adapter, req, edits)
+    scheme = SCHEMES[req["scheme"]]
+    reason = schemes.unavailable(req["scheme"], adapter)
+    if reason:
+        raise ValueError(reason)
+    scheme.apply(model, adapter, req, scheme, edits)
     return None
 
 
@@ -123,11 +124,11 @@ def _write_record(model, state: PatchState, record: Edits) -> None:
     live = touched_config(model.config, [state.layers[a] for a in AXES if a in state.layers])
     touched = {**live, **state.baked_config}  # the values before the baked stages are the originals
     stages = state.baked_stages + ([state.spec] if state.spec else [])
-    record.set(model.config, "hfpatch", _record(state.applied, touched,
-                                                {**state.baked_facts, **state.facts}, stages))
+    record.set(model.config, "hfpatch", _record(state.applied, touched, {**state.baked_facts, **state.facts},
+                                                stages, adapter_for(model).to_dict(model.config)))
 
 
-def _record(spec: dict, touched: dict, facts: dict, stages: list) -> dict:
+def _record(spec: dict, touched: dict, facts: dict, stages: list, adapter: dict) -> dict:
     from .edits import _MISSING
 
     return {
@@ -137,18 +138,19 @@ def _record(spec: dict, touched: dict, facts: dict, stages: list) -> dict:
         "facts": copy.deepcopy(facts),
         "original_config": {k: copy.deepcopy(v) for k, v in touched.items() if v is not _MISSING and k != "hfpatch"},
         "added_config": sorted(k for k, v in touched.items() if v is _MISSING and k != "hfpatch"),
+        "adapter": adapter,
     }
 
 
 def patch(model, position=None, factor=None, norm=None, placement=None, exact=None, **options):
     """Patch `model` in place (and return it). See the README for every scheme and option."""
     target = unwrap(model)
-    adapter = adapter_for(target.config)
     request = specs.request(position=position, factor=factor, norm=norm, placement=placement, exact=exact, **options)
     old: PatchState = getattr(target, _STATE, None) or PatchState(spec={})
     new_spec = specs.merge(old.spec, request)
     if new_spec == old.spec:
         return model
+    adapter = adapter_for(target)  # after validating the request: bad input costs no probe forward
     first = next(i for i, a in enumerate(AXES) if new_spec.get(a) != old.spec.get(a))
     redo = AXES[first:]
     for a in redo:
@@ -197,39 +199,33 @@ def bake(model, stages: list, facts: dict, original_config: dict) -> None:
     """Declare the specs `stages` (applied in that order) part of the model as it is now (used by from_pretrained
     after loading weights that already carry those patches)."""
     state = PatchState(spec={}, baked_stages=copy.deepcopy(stages), baked_facts=facts, baked_config=original_config)
-    model.config.hfpatch = _record(state.baked, original_config, facts, stages)
+    model.config.hfpatch = _record(state.baked, original_config, facts, stages,
+                                   adapter_for(model).to_dict(model.config))
     object.__setattr__(model, _STATE, state)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # describe / supported
 
-_RT_TO_SCHEME = {"default": "rope", "linear": "linear", "dynamic": "dynamic", "yarn": "yarn", "llama3": "llama3",
-                 "longrope": "longrope"}
-
-
 def _position(model, adapter: Adapter, state: PatchState | None) -> dict:
-    config = model.config
+    config = model.config.get_text_config()
     applied = state.applied if state else {}
     if "position" in applied:
         req = applied["position"]
-        if req["scheme"] not in ROPE_SCHEMES:  # a bigger table is still a plain checkpoint; the others are not
-            return {**req, "native": req["scheme"] == "interpolate"}
+        if SCHEMES[req["scheme"]].rope is None:  # a bigger table is still a plain checkpoint; the others are not
+            return {**req, "native": SCHEMES[req["scheme"]].changes_weights}
         rotary = get_path(model.base_model, adapter.rotary)
         return {**req, "rope_parameters": copy.deepcopy(rotary.config.rope_parameters),
                 "native": rotary.config is config}
     if adapter.has_rope:
-        params = config.rope_parameters
-        flat = rot.layer_types(config) == [None]
+        params = get_path(model.base_model, adapter.rotary).config.rope_parameters
+        flat = "rope_type" in params
         rope_type = params["rope_type"] if flat else {lt: p and p["rope_type"] for lt, p in params.items()}
-        scheme = _RT_TO_SCHEME.get(rope_type, rope_type) if flat else "rope"
+        scheme = schemes.from_rope_type(rope_type) if flat else "rope"
         return {"scheme": scheme, "rope_parameters": copy.deepcopy(params), "native": True}
     if adapter.position_table:
         return {"scheme": "learned", "table": adapter.position_table}
-    return {"scheme": "none"}
-
-
-UNBOUNDED_SCHEMES = ("alibi", "nope", "sinusoidal", "dynamic", "dynamic-yarn")
+    return {"scheme": adapter.position_signal}
 
 
 def position_limit(model) -> int | None:
@@ -237,21 +233,21 @@ def position_limit(model) -> int | None:
     (scaled) max_position_embeddings; None for schemes without a fixed window (ALiBi, NoPE, sinusoidal, dynamic
     scaling)."""
     target = unwrap(model)
-    adapter = adapter_for(target.config)
+    adapter = adapter_for(target)
     state = getattr(target, _STATE, None)
     applied = state.applied if state else {}
     scheme = applied.get("position", {}).get("scheme")
-    if scheme in UNBOUNDED_SCHEMES:
+    if scheme is not None and not SCHEMES[scheme].bounded:
         return None
     if adapter.position_table:
         return get_path(target.base_model, adapter.position_table).num_embeddings - adapter.position_offset
-    return int(target.config.max_position_embeddings)
+    return int(target.config.get_text_config().max_position_embeddings)
 
 
 def describe(model) -> dict:
     """What the model is, how it normalizes and encodes position now, and what hfpatch has applied."""
     target = unwrap(model)
-    adapter = adapter_for(target.config)
+    adapter = adapter_for(target)
     state = getattr(target, _STATE, None)
     applied = state.applied if state else {}
     facts = {**state.baked_facts, **state.facts} if state else {}
@@ -270,30 +266,49 @@ def describe(model) -> dict:
         "position_limit": position_limit(target),
         "applied": copy.deepcopy(applied),
         "baked": sorted(state.baked) if state else [],
-        "patches": _available(adapter),
+        "adapter": {"source": adapter.source, "notes": dict(adapter.notes)},
+        "patches": available(target, adapter),
     }
 
 
-def _available(adapter: Adapter) -> dict:
+def available(model, adapter: Adapter) -> dict:
+    """What `patch` accepts for this model, per axis, and why the rest does not apply."""
+    why = {f"position={s}": schemes.unavailable(s, adapter) for s in SCHEMES}
+    has_norms = bool(norms.norm_sites(model, adapter))
+    if not has_norms:
+        why["norm"] = "no norm module of the model computes RMSNorm or LayerNorm"
+    exact = norms.exact_blocker(model, adapter, adapter.placement_of(model.config))
+    why["exact_layernorm_to_rmsnorm"] = exact
+    forms = placement_forms(adapter)
+    if len(forms) < 2:
+        why["placement"] = adapter.notes.get("placement") or "the blocks have no known pre/post form"
     return {
-        "position": [s for s in SCHEMES if (s in ROPE_SCHEMES and adapter.has_rope)
-                     or (s == "interpolate" and adapter.position_table) or s in ("alibi", "nope", "sinusoidal")],
-        "norm": list(specs.NORMS),
-        "exact_layernorm_to_rmsnorm": bool(adapter.residual_readers) and adapter.placement != "post",
-        "placement": sorted({want for (layout, want) in MIXINS if layout == adapter.placement_layout}
-                            | ({adapter.placement} if isinstance(adapter.placement, str) and adapter.placement_layout else set())),
+        "position": [s for s in SCHEMES if why[f"position={s}"] is None],
+        "norm": list(specs.NORMS) if has_norms else [],
+        "exact_layernorm_to_rmsnorm": exact is None,
+        "placement": forms,
+        "not_available": {k: v for k, v in why.items() if v},
     }
 
 
-def supported() -> dict:
-    """{family: {norm, placement, position, patches}} for every family with an adapter."""
+def supported(model=None, model_types=None) -> dict:
+    """What applies to `model`, or {model_type: ...} for every causal-LM model type of the installed transformers
+    (or those named), measured on a tiny model built from each one's config (see hfpatch.families)."""
+    if model is not None:
+        target = unwrap(model)
+        adapter = adapter_for(target)
+        return _summary(target, adapter)
+    from .families import measure
+
+    return measure(model_types)
+
+
+def _summary(model, adapter: Adapter) -> dict:
     return {
-        name: {
-            "norm": a.norm,
-            "placement": a.placement if isinstance(a.placement, str) else "per-config",
-            "position": a.position_kind(),
-            "causal": a.causal,
-            "patches": _available(a),
-        }
-        for name, a in sorted(ADAPTERS.items())
+        "norm": adapter.norm,
+        "placement": adapter.placement_of(model.config),
+        "position": adapter.position_signal,
+        "causal": adapter.causal,
+        "adapter": adapter.source,
+        "patches": available(model, adapter),
     }

@@ -77,6 +77,12 @@ class Edits:
         transformers' dynamic RoPE update adds while the patched model runs."""
         self._log.append((obj, _KEYS, _keys(obj)))
 
+    def absorb(self, other: "Edits") -> None:
+        """Take over `other`'s changes (newest last), as if they had been made through this log; `other` is left
+        empty. Lets a tentative change be made in a log of its own, checked, and then kept or undone."""
+        self._log.extend(other._log)
+        other._log = []
+
     def touched(self, obj) -> dict[str, object]:
         """{attribute: original value} for every attribute of `obj` this log changed (first value wins)."""
         out: dict[str, object] = {}

@@ -18,7 +18,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from . import spec as specs
-from .adapters import adapter_for
+from .adapters import Adapter, adapter_for, set_adapter
 from .apply import AXES, apply_axes, bake, changes_weights, patch, state_of, touched_config, unwrap
 
 
@@ -101,8 +101,8 @@ def from_pretrained(path, **kwargs):
     record = getattr(config, "hfpatch", None)
     if record is None:
         return _model_class(config).from_pretrained(path, config=config, **kwargs)
-    if not isinstance(record, dict) or record.get("version") != 1:
-        raise ValueError(f"{path}: unreadable hfpatch section in config.json (expected version 1): {record!r}")
+    if not isinstance(record, dict) or record.get("version") not in (1, 2):
+        raise ValueError(f"{path}: unreadable hfpatch section in config.json (expected version 1 or 2): {record!r}")
     for key, value in record.get("original_config", {}).items():
         setattr(config, key, value)
     for key in record.get("added_config", []):
@@ -117,16 +117,21 @@ def from_pretrained(path, **kwargs):
     live = {k: v for k, v in spec.items() if not changes_weights(k, v)}
     if not stages:
         model = _model_class(config).from_pretrained(path, config=config, **kwargs)
+        if "adapter" in record:
+            set_adapter(model, Adapter.from_dict(record["adapter"]))
         return patch(model, **specs.to_kwargs(live))
     # transformers builds the model through a subclass whose __init__ applies those patches (by the same code that
     # patched the saved model), then loads the checkpoint into it with its own loader (key renames, tied weights,
     # dtype, device_map), so every saved tensor finds its place.
     cls = _model_class(config)
-    adapter = adapter_for(config)
+    # The structure is read before any weight exists (transformers builds the model on the meta device): from the
+    # adapter the record carries, or, for records written before it did, from a replica built on the CPU.
+    adapter = Adapter.from_dict(record["adapter"]) if "adapter" in record else adapter_for(cls(config))
     built = {}
 
     def __init__(self, config, *args, **kw):
         cls.__init__(self, config, *args, **kw)
+        set_adapter(self, adapter)
         facts, logs = {}, []
         with warnings.catch_warnings():  # the plain-swap warning was given when the patch was made
             warnings.simplefilter("ignore")
@@ -139,6 +144,7 @@ def from_pretrained(path, **kwargs):
     structured = type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
     model = structured.from_pretrained(path, config=config, **kwargs)
     model.__class__ = cls
+    set_adapter(model, adapter)
     # The reloaded structure is the model now: unpatch cannot bring back weights that are not in the folder.
     bake(model, stages, built["facts"], built["config"])
     return patch(model, **specs.to_kwargs(live)) if live else model

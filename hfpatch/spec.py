@@ -7,101 +7,18 @@ Only options the user gave are stored, so two specs are equal when the requests 
 
 from __future__ import annotations
 
-import math
-import numbers
+from .norm.modules import NORMS
+from .norm.placement import PLACEMENTS
+from .position import schemes
 
-from .position import SCHEMES, options_of
-
-AXES = ("position", "norm", "placement")
-
-
-def position_schemes() -> list[str]:
-    return list(SCHEMES)
-
-
-def _number(name: str, value, *, positive=True, above_one=False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if above_one and value <= 1.0:
-        raise ValueError(f"{name} must be > 1 (it is the context extension ratio), got {value:g}")
-    if positive and value <= 0.0:
-        raise ValueError(f"{name} must be > 0, got {value:g}")
-    return value
-
-
-def _check_option(name: str, value):
-    """Type/range checks that need no model. Model-dependent ones (list lengths, layer types) are in apply.py."""
-    if name == "factor":
-        return _number("factor", value, above_one=True)
-    if name == "original_max_position_embeddings":
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-            raise ValueError(f"original_max_position_embeddings must be a positive integer, got {value!r}")
-        return int(value)
-    if name in ("short_factor", "long_factor"):
-        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-            raise ValueError(f"{name} must be a list of numbers (one per rotary frequency), got {value!r}")
-        return [_number(f"{name}[{i}]", v) for i, v in enumerate(value)]
-    if name == "truncate":
-        if not isinstance(value, bool):
-            raise ValueError(f"truncate must be True or False, got {value!r}")
-        return value
-    if name == "layer_types":
-        if isinstance(value, str):
-            value = [value]
-        if not value or not all(isinstance(v, str) for v in value):
-            raise ValueError(f"layer_types must be a non-empty list of layer type names, got {value!r}")
-        return sorted(set(value))
-    if name in ("mscale", "mscale_all_dim"):
-        return _number(name, value, positive=False)
-    return _number(name, value)  # attention_factor, beta_*, *_freq_factor: positive numbers
+# The axes of a spec, in the order they are applied (the exact norm conversion needs the blocks as built, and
+# position patches go last so that a norm or placement change does not have to redo them).
+AXES = ("norm", "placement", "position")
 
 
 def position_request(scheme, options: dict) -> dict:
-    """Validate a position request: {"scheme": ..., **options} or ValueError/TypeError saying what is accepted."""
-    if not isinstance(scheme, str):
-        raise TypeError(f"position must be a string, one of {', '.join(position_schemes())}; got {scheme!r}")
-    name = scheme.strip().lower().replace("_", "-")
-    if name not in SCHEMES:
-        hint = ""
-        if ":" in name or "+" in name or "=" in name:
-            hint = " (a spec string such as 'yarn:4' is for the command line; in Python pass position='yarn', " \
-                   "factor=4, or hfpatch.patch(model, **hfpatch.spec.parse('yarn:4')))"
-        raise ValueError(f"unknown position scheme {scheme!r}; valid: {', '.join(position_schemes())}{hint}")
-    info = SCHEMES[name]
-    options = {k: v for k, v in options.items() if v is not None}
-    allowed = options_of(name)
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(
-            f"position={name!r} does not take {', '.join(unknown)}; it accepts: {', '.join(sorted(allowed)) or 'no options'}"
-        )
-    if info.factor == "required" and options.get("factor") is None:
-        raise ValueError(f"position={name!r} needs factor= (a finite number > 1, the context extension ratio)")
-    out = {"scheme": name}
-    for key in sorted(options):
-        out[key] = _check_option(key, options[key])
-    if name in ("yarn", "dynamic-yarn") and "beta_fast" in out and "beta_slow" in out:
-        if out["beta_fast"] <= out["beta_slow"]:
-            raise ValueError(f"beta_fast must be greater than beta_slow, got {out['beta_fast']} <= {out['beta_slow']}")
-    if name == "llama3":
-        lo, hi = out.get("low_freq_factor", 1.0), out.get("high_freq_factor", 4.0)
-        if hi <= lo:
-            raise ValueError(f"high_freq_factor must be greater than low_freq_factor, got {hi} <= {lo}")
-    if name == "longrope":
-        missing = [k for k in ("short_factor", "long_factor") if k not in out]
-        if missing:
-            raise ValueError(
-                f"position='longrope' needs {' and '.join(missing)}: lists of per-frequency scale factors "
-                "(rotary_dim / 2 numbers each)"
-            )
-    return out
-
-
-NORMS = ("rmsnorm", "layernorm")
-PLACEMENTS = ("pre", "post")
+    """Validate a position request against the scheme registry (position/schemes.py)."""
+    return schemes.request(scheme, options)
 
 
 def _choice(name: str, value, choices) -> str:
@@ -123,7 +40,7 @@ def request(position=None, factor=None, norm=None, placement=None, exact=None, *
         out["placement"] = {"kind": _choice("placement", placement, PLACEMENTS)}
     if position is None:
         given = sorted(k for k, v in {"factor": factor, **options}.items() if v is not None)
-        known = set().union(*(options_of(s) for s in SCHEMES))
+        known = schemes.all_options()
         unknown = [k for k in given if k not in known]
         if unknown:
             raise TypeError(f"patch() got unknown option(s) {', '.join(unknown)}; it accepts position=, factor=, "

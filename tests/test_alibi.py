@@ -267,7 +267,7 @@ def test_sinusoidal_table_formula():
 @pytest.mark.parametrize("family", ["gpt2", "opt", "bert"])
 def test_sinusoidal_replaces_a_learned_table(family):
     model = hfpatch.patch(tiny_model(family), position="sinusoidal")
-    adapter = hfpatch.adapters.adapter_for(model.config)
+    adapter = hfpatch.adapters.adapter_for(model)
     table = hfpatch.adapters.get_path(model.base_model, adapter.position_table)
     seen = {}
     table.register_forward_hook(lambda m, a, out: seen.setdefault("out", out))
@@ -309,7 +309,7 @@ def test_interpolate_stretches_the_table(family, tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     model = tiny_model(family)
-    adapter = hfpatch.adapters.adapter_for(model.config)
+    adapter = hfpatch.adapters.adapter_for(model)
     table = hfpatch.adapters.get_path(model.base_model, adapter.position_table)
     old = table.weight.detach().clone()
     hfpatch.patch(model, position="interpolate", factor=2.5)

@@ -70,20 +70,22 @@ def test_failed_patch_after_training_leaves_the_trained_model_exactly(family, fi
 
 def test_failure_while_applying_puts_back_the_previous_objects(monkeypatch):
     """A failure inside the application (not caught by validation) also restores the previous patch's objects."""
-    import hfpatch.position.patch as position_patch
+    import dataclasses
+
+    from hfpatch.position.schemes import SCHEMES
 
     model = tiny_model("gpt2")
     hfpatch.patch(model, norm="rmsnorm", position="interpolate", factor=2.0)
     _train(model)
     x = tokens(40)
     ref, params = logits(model, x), _params(model)
-    real = position_patch.apply_position
+    real = SCHEMES["interpolate"].apply
 
     def half_then_fail(*args, **kwargs):
         real(*args, **kwargs)
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr("hfpatch.apply.apply_position", half_then_fail)
+    monkeypatch.setitem(SCHEMES, "interpolate", dataclasses.replace(SCHEMES["interpolate"], apply=half_then_fail))
     with pytest.raises(RuntimeError, match="disk full"):
         hfpatch.patch(model, position="interpolate", factor=3.0)
     assert max_diff(logits(model, x), ref) == 0.0

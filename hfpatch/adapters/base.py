@@ -1,13 +1,14 @@
 """What hfpatch needs to know about one model family, as plain data.
 
-Paths are dotted attribute paths. `layers`, `rotary`, `position_table`, `final_norm` and `embedding_norm` are
-relative to the *base* model (`model.base_model`, e.g. `LlamaModel` inside `LlamaForCausalLM`); `attention` and
-`norms` are relative to one entry of `layers`.
+Paths are dotted attribute paths. `layers`, `rotaries`, `position_table`, `final_norm` and `embedding_norm` are
+relative to the *base* model (`model.base_model`, e.g. `LlamaModel` inside `LlamaForCausalLM`); `attention`, `mlp`
+and `norms` are relative to one entry of `layers`. Adapters are read off the live model (infer.py); the few fields
+inference cannot see are overridden by hand (adapters/__init__.OVERRIDES).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
 
@@ -18,22 +19,39 @@ def get_path(root, path: str):
     return root
 
 
+def class_key(module) -> str:
+    """"module.Class" of a module: how Adapter.norm_classes names the family's own norm classes."""
+    t = type(module)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+@dataclass(frozen=True)
+class NormClass:
+    """What one class of norm module computes, read numerically (adapters.infer.classify_norm)."""
+
+    kind: str  # "rmsnorm" | "layernorm"
+    offset: float  # the scale is offset + weight (Gemma: 1)
+    eps: float
+    eps_attr: str | None = None  # the attribute the module keeps eps in (None: eps was matched from the config)
+
+
 @dataclass(frozen=True)
 class Adapter:
     model_type: str
     layers: str  # the list of transformer blocks
-    attention: str  # the attention module inside a block
+    attention: str | None  # the attention module inside a block (None: none found)
     norms: tuple[str, ...]  # the norms inside a block, in forward order
     mlp: str | None = None  # the feed-forward module inside a block (None: its linears sit in the block itself)
     final_norm: str | None = None
     embedding_norm: str | None = None  # BERT normalizes the embeddings
     head_norms: tuple[str, ...] = ()  # norms in task heads, relative to the *top* model (skipped when absent)
     qk_norms: tuple[str, ...] = ()  # per-head norms on queries/keys (qwen3, gemma3, olmo2), relative to a block
-    norm: str = "rmsnorm"  # "rmsnorm" | "layernorm"
+    norm: str = "rmsnorm"  # "rmsnorm" | "layernorm" | "mixed" | "none"
     norm_offset: float = 0.0  # Gemma's norms scale by 1 + weight
     # "pre": x + f(norm(x)); "post": norm(x + f(x)); "sandwich": pre and post norms around each sublayer (gemma2/3);
-    # "post_sublayer": x + norm(f(x)) (olmo2). A callable reads it from the config (OPT can be either).
-    placement: str | Callable = "pre"
+    # "post_sublayer": x + norm(f(x)) (olmo2); None: unknown. A callable reads it from the config (OPT can be either).
+    placement: str | Callable | None = "pre"
+    parallel: bool = False  # attention and MLP both read the block input: x + attn(n1(x)) + mlp(n2(x)) (gpt-neox)
     # The residual stream, for the exact LayerNorm -> RMSNorm conversion (empty: no exact conversion):
     residual_readers: dict = field(default_factory=dict)  # block norm -> the linears it feeds (block-relative)
     residual_writers: tuple[str, ...] = ()  # linears whose output is added to the stream (block-relative)
@@ -41,49 +59,71 @@ class Adapter:
     embedding_writers: tuple[str, ...] = ()
     # what reads the final norm, if not the LM head (base-relative, first one present wins)
     final_readers: tuple[str, ...] = ()
-    # Which pre/post forward pair the blocks follow ("llama", "gpt2", "gpt_neox", "bert"); None: no placement swap
+    # Which pre/post block forms apply: "generic" (adapters/blocks.py, verified on the model), "bert"; None: none
     placement_layout: str | None = None
-    rotary: str | None = None  # the rotary module; None = the family has no RoPE
+    residual_dropouts: tuple = (None, None)  # dropouts on the attention / MLP output before the residual add
+    rotaries: tuple[str, ...] = ()  # the rotary modules (base-relative); empty = the family has no RoPE
     position_table: str | None = None  # learned absolute position embeddings
     position_offset: int = 0  # rows before position 0 in that table (OPT: 2)
     causal: bool = True
-    # RoPE types the family's config class accepts and round-trips through config.json (phi3: default/longrope).
-    native_rope_types: frozenset = field(
-        default_factory=lambda: frozenset({"default", "linear", "dynamic", "yarn", "llama3", "longrope"})
-    )
-    # Models whose config nests rope_parameters per layer type (gemma3): the types a scaling scheme applies to by
-    # default. Transformers' own legacy `rope_scaling` goes to the global-attention layers only; so do we.
-    rope_layer_types: tuple[str, ...] = ()
+    attention_layers: tuple[int, ...] | None = None  # blocks that have `attention` (hybrid stacks); None: all
+    attention_interface: bool = True  # attention runs through transformers' AttentionInterface
+    heads: int | None = None  # query heads per attention module
+    norm_classes: dict = field(default_factory=dict)  # "module.Class" -> NormClass, for the family's own norms
+    source: str = "hand-written"  # or "inferred"
+    notes: dict = field(default_factory=dict)  # what could not be read, and so does not apply: {topic: reason}
+
+    @property
+    def rotary(self) -> str | None:
+        return self.rotaries[0] if self.rotaries else None
 
     @property
     def has_rope(self) -> bool:
-        return self.rotary is not None
+        return bool(self.rotaries)
 
-    def placement_of(self, config) -> str:
+    def placement_of(self, config) -> str | None:
         return self.placement(config) if callable(self.placement) else self.placement
 
+    @property
+    def position_signal(self) -> str:
+        """"rope" | "learned" | "none" | "unknown" (the config has RoPE but no rotary module was found)."""
+        if self.rotaries:
+            return "rope"
+        if self.position_table is not None:
+            return "learned"
+        return "unknown" if "positions" in self.notes else "none"
+
+    def to_dict(self, config) -> dict:
+        """Plain JSON data (the placement evaluated for `config`): saved in the hfpatch record, so that a reload
+        can rebuild the patched structure before the model has weights to probe."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "placement":
+                v = self.placement_of(config)
+            elif f.name == "norm_classes":
+                v = {k: asdict(c) for k, c in v.items()}
+            elif isinstance(v, tuple):
+                v = list(v)
+            elif isinstance(v, dict):
+                v = {k: list(x) if isinstance(x, tuple) else x for k, x in v.items()}
+            out[f.name] = v
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Adapter":
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in data.items() if k in known}
+        for k, v in kw.items():
+            if isinstance(v, list):
+                kw[k] = tuple(v)
+        kw["norm_classes"] = {k: NormClass(**c) for k, c in kw.get("norm_classes", {}).items()}
+        kw["residual_readers"] = {k: tuple(v) for k, v in kw.get("residual_readers", {}).items()}
+        return cls(**kw)
+
     def position_kind(self) -> str:
-        if self.rotary is not None:
+        if self.rotaries:
             return "rope"
         if self.position_table is not None:
             return "learned"
         return "none"
-
-
-# The block layout of Llama and the families that copy it (mistral, qwen2, qwen3, gemma): two pre-norms, q/k/v/o
-# projections, a gated MLP, one rotary module on the base model.
-LLAMA_STYLE = dict(
-    layers="layers",
-    attention="self_attn",
-    norms=("input_layernorm", "post_attention_layernorm"),
-    mlp="mlp",
-    final_norm="norm",
-    residual_readers={
-        "input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj"),
-    },
-    residual_writers=("self_attn.o_proj", "mlp.down_proj"),
-    embedding_writers=("embed_tokens",),
-    placement_layout="llama",
-    rotary="rotary_emb",
-)

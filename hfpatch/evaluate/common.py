@@ -177,11 +177,11 @@ def position_limit(model) -> int | None:
     """The hard limit of a learned absolute position table still in use (gpt2, opt, interpolated or not): past it
     the model fails with an index error deep inside. None otherwise: RoPE only degrades past its window (that is
     what the evaluations measure), and ALiBi / NoPE / sinusoidal no longer read the table."""
-    from ..adapters import ADAPTERS
+    from ..adapters import adapter_for
     from ..apply import position_limit as limit, unwrap
 
-    adapter = ADAPTERS.get(unwrap(model).config.model_type)
-    if adapter is None or not adapter.position_table:
+    adapter = adapter_for(unwrap(model))
+    if not adapter.position_table:
         return None
     return limit(model)
 

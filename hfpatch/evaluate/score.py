@@ -44,15 +44,16 @@ def causal_lm_parts(model) -> LMParts:
     """Split a causal LM into its body and head; ValueError for models that do not predict the next token."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from ..adapters import ADAPTERS
+    from ..adapters import adapter_for
 
     target = unwrap(model)
     config = target.config
     name = type(target).__name__
     causal_classes = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    adapter = ADAPTERS.get(getattr(config, "model_type", None))
-    encoder = adapter is not None and not adapter.causal and not getattr(config, "is_decoder", False)
-    if name not in causal_classes or encoder:
+    if name not in causal_classes:
+        raise _not_causal(name, config.model_type)
+    encoder = not adapter_for(target).causal and not getattr(config, "is_decoder", False)
+    if encoder:
         raise _not_causal(name, config.model_type)
     head = target.get_output_embeddings()
     base = target.base_model

@@ -13,6 +13,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..adapters import Adapter, get_path
+from ..adapters.probe import restore_modes
 from ..edits import Edits
 from . import exact as ex
 from .modules import build, read
@@ -32,17 +33,19 @@ def norm_sites(model, adapter: Adapter) -> list[tuple[str, nn.Module]]:
         paths += [f"{prefix}{adapter.layers}.{i}.{n}" for n in adapter.norms + adapter.qk_norms]
     paths += [prefix + p for p in (adapter.embedding_norm, adapter.final_norm) if p]
     paths += [p for p in adapter.head_norms if _find(model, p) is not None]
-    sites = [(p, get_path(model, p)) for p in paths]
-    return [(p, m) for p, m in sites if m is not None]  # OPT without a final norm
+    sites = [(p, _find(model, p)) for p in paths]
+    return [(p, m) for p, m in sites if m is not None]  # OPT without a final norm; hybrid blocks without them
 
 
 def current_kind(model, adapter: Adapter) -> str:
-    kinds = {read(m, adapter.norm_offset).kind for _, m in norm_sites(model, adapter)}
-    return kinds.pop() if len(kinds) == 1 else "mixed"
+    kinds = {read(m, adapter.norm_classes).kind for _, m in norm_sites(model, adapter)}
+    return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "none")
 
 
 def exact_blocker(model, adapter: Adapter, placement: str) -> str | None:
     """Why LayerNorm -> RMSNorm cannot be function-preserving on this model (None: it can)."""
+    if placement is None:
+        return adapter.notes.get("exact") or adapter.notes.get("placement") or "the block layout is unknown"
     if placement != "pre":
         return {
             "post": "norms after the residual add (post-norm) see the raw stream, whose mean cannot be removed",
@@ -50,7 +53,7 @@ def exact_blocker(model, adapter: Adapter, placement: str) -> str | None:
             "post_sublayer": "the norms after each sublayer write into the residual stream, which cannot be centred",
         }.get(placement, f"placement {placement!r}")
     if not adapter.residual_readers:
-        return f"no residual-stream description for {adapter.model_type}"
+        return adapter.notes.get("exact") or f"no residual-stream description for {adapter.model_type}"
     return None
 
 
@@ -66,14 +69,19 @@ def _warn_once(message: str):
 def apply_norm(model, adapter: Adapter, req: dict, placement: str, edits: Edits) -> dict:
     """Swap the norms; returns facts for describe(): {"exact": bool, "reason": str (when not exact)}."""
     kind, want_exact = req["kind"], req.get("exact", True)
-    sites = [(p, m) for p, m in norm_sites(model, adapter) if read(m, adapter.norm_offset).kind != kind]
+    all_sites = norm_sites(model, adapter)
+    if not all_sites:
+        raise ValueError(f"norm={kind!r}: no norm of {adapter.model_type} was recognised (no module computes RMSNorm "
+                         f"or LayerNorm of its input){'; ' + adapter.notes['unrecognised_norms'] if 'unrecognised_norms' in adapter.notes else ''}")
+    sites = [(p, m) for p, m in all_sites if read(m, adapter.norm_classes).kind != kind]
     if not sites:
         return {"exact": True}
     if kind == "rmsnorm" and want_exact:
         reason = exact_blocker(model, adapter, placement)
         if reason is None:
-            _exact_to_rmsnorm(model, adapter, edits)
-            return {"exact": True}
+            reason = _exact_verified(model, adapter, edits)
+            if reason is None:
+                return {"exact": True}
     elif kind == "layernorm":
         reason = "RMSNorm -> LayerNorm cannot preserve the function: LayerNorm removes the mean, RMSNorm keeps it"
     else:
@@ -88,7 +96,7 @@ def apply_norm(model, adapter: Adapter, req: dict, placement: str, edits: Edits)
 def _plain_swap(model, path, module, kind, adapter, edits):
     """Same weight (and offset), same eps: LayerNorm -> RMSNorm keeps β as a bias; RMSNorm -> LayerNorm gets a
     zero bias, like any LayerNorm."""
-    p = read(module, adapter.norm_offset)
+    p = read(module, adapter.norm_classes)
     like = p.weight if p.weight is not None else p.bias
     bias = p.bias if kind == "rmsnorm" else (p.bias if p.bias is not None else torch.zeros_like(p.weight))
     new = build(kind, like.shape, p.eps, p.offset, p.weight, bias, like)
@@ -142,6 +150,48 @@ def _centre_writer(m, edits):
 
 
 @torch.no_grad()
+def _exact_verified(model, adapter: Adapter, edits: Edits) -> str | None:
+    """The exact conversion, kept only if the model's logits on a probe input stay what they were (the residual
+    stream's readers and writers were read off the model: this checks the reading). None, or why it was undone.
+    A model without weights yet (built on the meta device while a saved conversion is reloaded) is converted
+    unchecked: the check was made when the conversion was saved."""
+    if any(p.device.type == "meta" for p in model.parameters()):
+        _exact_to_rmsnorm(model, adapter, edits)
+        return None
+    ids, modes = _probe_ids(model), [(m, m.training) for m in model.modules()]
+    model.eval()
+    trial = Edits()
+    try:
+        before = _output(model(input_ids=ids, use_cache=False))
+        _exact_to_rmsnorm(model, adapter, trial)
+        after = _output(model(input_ids=ids, use_cache=False))
+    except BaseException:
+        trial.undo()
+        raise
+    finally:
+        restore_modes(modes)
+    diff = float((after - before).abs().max())
+    tol = (1e-3 if next(model.parameters()).dtype == torch.float32 else 5e-2) * max(1.0, float(before.abs().max()))
+    if diff > tol:
+        trial.undo()
+        return (f"the exact conversion did not reproduce the model's logits on a probe input (max diff {diff:.3g}): "
+                "something besides the identified linear layers reads or writes the residual stream")
+    edits.absorb(trial)
+    return None
+
+
+def _output(out) -> torch.Tensor:
+    return (out.logits if getattr(out, "logits", None) is not None else out[0]).double()
+
+
+def _probe_ids(model):
+    vocab = model.get_input_embeddings().num_embeddings
+    g = torch.Generator().manual_seed(4321)
+    device = model.get_input_embeddings().weight.device
+    return torch.randint(min(4, vocab - 1), vocab, (1, 7), generator=g).to(device if device.type != "meta" else "cpu")
+
+
+@torch.no_grad()
 def _exact_to_rmsnorm(model, adapter: Adapter, edits: Edits):
     base = model.base_model
     head = model.get_output_embeddings() if model is not base else None
@@ -170,7 +220,7 @@ def _exact_to_rmsnorm(model, adapter: Adapter, edits: Edits):
 
 def _fold_norm(model, path, readers, adapter, edits):
     norm = get_path(model.base_model, path)
-    p = read(norm, adapter.norm_offset)
+    p = read(norm, adapter.norm_classes)
     gamma, beta = p.scale(), p.bias
     like = readers[0].weight if readers else (p.weight if p.weight is not None else p.bias)
     shape = tuple(getattr(norm, "normalized_shape", None) or p.weight.shape)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..adapters.base import class_key
+
 
 class _Norm(nn.Module):
     def __init__(self, shape, eps, offset=0.0, bias=False, affine=True, dtype=None, device=None):
@@ -59,6 +61,10 @@ class LayerNorm(_Norm):
         return F.layer_norm(x.float(), self.normalized_shape, self._scale(), bias, self.eps).to(x.dtype)
 
 
+# The norm kinds `patch(norm=...)` accepts, and the module each swap builds.
+NORMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
+
+
 @dataclass
 class NormParams:
     kind: str  # "rmsnorm" | "layernorm"
@@ -72,20 +78,21 @@ class NormParams:
         return None if self.weight is None else self.weight + self.offset
 
 
-def read(module: nn.Module, family_offset: float = 0.0) -> NormParams:
-    """What a norm module computes, whatever its class: nn.LayerNorm, a family's RMSNorm (Llama-style
-    `variance_epsilon`, Gemma-style `eps` with scale 1 + w), or ours."""
+def read(module: nn.Module, classes: dict | None = None) -> NormParams:
+    """What a norm module computes: ours, nn.LayerNorm, or a family's own norm class as inference read it
+    numerically (`classes`: Adapter.norm_classes, "module.Class" -> NormClass)."""
     if isinstance(module, _Norm):
         kind = "rmsnorm" if isinstance(module, RMSNorm) else "layernorm"
         return NormParams(kind, module.weight, module.bias, module.eps, module.offset)
     if isinstance(module, nn.LayerNorm):
         return NormParams("layernorm", module.weight, module.bias, module.eps, 0.0)
-    if "rmsnorm" in type(module).__name__.lower():
-        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        if eps is None:
-            raise ValueError(f"cannot read eps of {type(module).__name__}")
-        return NormParams("rmsnorm", module.weight, getattr(module, "bias", None), float(eps), family_offset)
-    raise ValueError(f"{type(module).__name__} is not a norm hfpatch knows how to read")
+    cls = (classes or {}).get(class_key(module))
+    if cls is None:
+        raise ValueError(f"{type(module).__name__} is not a norm hfpatch recognised (it computes neither RMSNorm "
+                         "nor LayerNorm on a probe input)")
+    eps = getattr(module, cls.eps_attr) if cls.eps_attr else cls.eps
+    return NormParams(cls.kind, getattr(module, "weight", None), getattr(module, "bias", None), float(eps),
+                      cls.offset)
 
 
 def build(kind: str, shape, eps: float, offset: float, weight, bias, like: torch.Tensor) -> _Norm:

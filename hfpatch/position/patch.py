@@ -4,14 +4,16 @@ position signal out, put another in), interpolate (stretch a learned table). Eve
 from __future__ import annotations
 
 import copy
+import math
+import warnings
 
 import torch
 
-from ..adapters import ADAPTERS, Adapter, get_path
+from ..adapters import Adapter, get_path
+from ..adapters.probe import position_sources
 from ..edits import Edits
 from . import absolute, alibi
 from . import rotary as rot
-from .rope import ROPE_SCHEMES, max_positions
 
 
 def trained_window(config, params: dict) -> int:
@@ -23,43 +25,75 @@ def trained_window(config, params: dict) -> int:
     return int(config.max_position_embeddings)
 
 
-def apply_position(model, adapter: Adapter, req: dict, edits: Edits) -> None:
-    if req["scheme"] in ROPE_SCHEMES:
-        _apply_rope(model, adapter, req, edits)
-    elif req["scheme"] == "interpolate":
-        _apply_interpolate(model, adapter, req, edits)
-    else:
-        _replace_positions(model, adapter, req, edits)
+def _rotaries(model, adapter: Adapter) -> list:
+    """[(rotary module, the config it reads)], the model's own (text) config first."""
+    out = []
+    for path in adapter.rotaries:
+        rotary = get_path(model.base_model, path)
+        config = getattr(rotary, "config", None)
+        if config is None or getattr(config, "rope_parameters", None) is None:
+            raise ValueError(f"{adapter.model_type}: the rotary module {path} ({type(rotary).__name__}) keeps no "
+                             "config with rope_parameters, so hfpatch cannot rebuild it")
+        out.append((rotary, config))
+    return out
 
 
-def _apply_rope(model, adapter: Adapter, req: dict, edits: Edits) -> None:
-    scheme = req["scheme"]
-    config = model.config
-    if not adapter.has_rope:
-        rope_families = sorted(k for k, a in ADAPTERS.items() if a.has_rope)
-        raise ValueError(
-            f"position={scheme!r} is a RoPE scheme, but {adapter.model_type} has {adapter.position_kind()} absolute "
-            f"position embeddings and no RoPE; RoPE schemes apply to: {', '.join(rope_families)}"
-        )
-    rotary = get_path(model.base_model, adapter.rotary)
+def attention_layers(model, adapter: Adapter) -> list[int]:
+    """Indices of the blocks that hold `adapter.attention` (all of them, except in hybrid stacks)."""
+    n = len(get_path(model.base_model, adapter.layers))
+    return list(adapter.attention_layers) if adapter.attention_layers is not None else list(range(n))
+
+
+def max_positions(scheme, window: int, opts: dict) -> int:
+    """config.max_position_embeddings after a RoPE rescaling: window x factor for schemes with an extended window,
+    the window itself for the others (transformers' dynamic NTK reads it as the original window)."""
+    factor = opts.get("factor")
+    if scheme.max_positions != "extended" or factor is None:
+        return window
+    return int(math.ceil(window * factor))
+
+
+def default_layer_types(types: list) -> list:
+    """Where a config nests RoPE per layer type: the global-attention layers, as transformers' own legacy
+    `rope_scaling` does (gemma3), else every type."""
+    return ["full_attention"] if "full_attention" in types else list(types)
+
+
+def apply_rope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+    name = req["scheme"]
+    text_config = model.config.get_text_config()
     opts = {k: v for k, v in req.items() if k not in ("scheme", "layer_types", "original_max_position_embeddings")}
-    info = ROPE_SCHEMES[scheme]
+    rotaries = _rotaries(model, adapter)
+    n_positions = None
+    done = {}  # id(config) -> (new config the rotaries of that config read, per-type base params, window)
+    for rotary, config in rotaries:
+        if id(config) not in done:
+            done[id(config)] = _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edits)
+        rope_config, base, window, n_positions = done[id(config)]
+        if rope_config is not config:
+            edits.set(rotary, "config", rope_config)
+        rot.rebuild(rotary, rope_config, edits)
+        if name == "dynamic-yarn":
+            rot.make_dynamic_yarn(rotary, base, window, opts, edits)
+
+
+def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edits):
+    """The config `config`'s rotaries should read for this scheme: `config` itself, edited, when transformers can
+    express the scheme there (so save_pretrained writes it natively), else a private copy."""
     original = config.rope_parameters
     all_types = rot.layer_types(config)
-
-    # Which layer types the scheme applies to.
     if all_types == [None]:
         if "layer_types" in req:
-            raise ValueError(f"layer_types= applies to models with per-layer-type RoPE (gemma3); {adapter.model_type} has one RoPE")
+            raise ValueError(f"layer_types= applies to models with per-layer-type RoPE (gemma3); {adapter.model_type} "
+                             "has one RoPE")
         targets = [None]
     else:
-        targets = req.get("layer_types") or list(adapter.rope_layer_types) or all_types
+        targets = req.get("layer_types") or default_layer_types(all_types)
         unknown = sorted(set(targets) - set(all_types))
         if unknown:
             raise ValueError(f"unknown layer_types {unknown}; this model's RoPE layer types: {sorted(all_types)}")
         if any(original[lt] is None for lt in targets):
             raise ValueError(f"layer types {[lt for lt in targets if original[lt] is None]} have no RoPE to scale")
-
     new_params = {}
     window = req.get("original_max_position_embeddings")
     for lt in targets:
@@ -72,40 +106,57 @@ def _apply_rope(model, adapter: Adapter, req: dict, edits: Edits) -> None:
                     f"{key} must have one entry per rotary frequency: {n_freq} for this model "
                     f"(rotary dim {2 * n_freq}), got {len(opts[key])}"
                 )
-        new_params[lt] = info.build(base, window, opts, 2 * n_freq)
+        new_params[lt] = scheme.rope(base, window, opts, 2 * n_freq)
     rope_parameters = new_params[None] if targets == [None] else {**original, **new_params}
     n_positions = max_positions(scheme, window, opts)
-
-    native = scheme != "dynamic-yarn" and all(p["rope_type"] in adapter.native_rope_types for p in new_params.values())
-    edits.set(config, "max_position_embeddings", n_positions)
+    native = scheme.native and config is text_config and native_form_kept(config, rope_parameters)
+    base = {lt: rot.params_of(config, lt) for lt in targets}
     if native:
         # The config describes the patch in transformers' own terms, so plain from_pretrained reloads it.
+        edits.set(config, "max_position_embeddings", n_positions)
         edits.set(config, "rope_parameters", rope_parameters)
         if hasattr(config, "original_max_position_embeddings"):
             # phi3's standardization copies this attribute over rope_parameters' own value: keep them equal.
             edits.set(config, "original_max_position_embeddings", window)
-        rope_config = config
-    else:
-        # The model's config keeps its original RoPE (its class cannot express this scheme); the rotary module
-        # reads a private copy that does, and the hfpatch record carries the scheme through save/reload.
-        rope_config = copy.copy(config)
-        rope_config.rope_parameters = rope_parameters
-        if hasattr(config, "original_max_position_embeddings"):
-            rope_config.original_max_position_embeddings = window
-        edits.set(rotary, "config", rope_config)
-    rot.rebuild(rotary, rope_config, edits)
-    if scheme == "dynamic-yarn":
-        base = {lt: rot.params_of(config if native else rope_config, lt) for lt in targets}
-        rot.make_dynamic_yarn(rotary, base, window, opts, edits)
+        return config, base, window, n_positions
+    # The model's config keeps its original RoPE (its class cannot express this scheme); the rotary module
+    # reads a private copy that does, and the hfpatch record carries the scheme through save/reload.
+    if config is text_config:
+        edits.set(config, "max_position_embeddings", n_positions)
+    rope_config = copy.copy(config)
+    rope_config.rope_parameters = rope_parameters
+    rope_config.max_position_embeddings = n_positions
+    if hasattr(config, "original_max_position_embeddings"):
+        rope_config.original_max_position_embeddings = window
+    return rope_config, base, window, n_positions
 
 
-def _replace_positions(model, adapter: Adapter, req: dict, edits: Edits) -> None:
+def native_form_kept(config, rope_parameters: dict) -> bool:
+    """Whether `config`'s class keeps these rope_parameters as given when it builds a config from them (Phi3Config
+    rewrites yarn to longrope and rejects other types), i.e. whether config.json can carry them natively."""
+    def types(params):
+        if "rope_type" in params:
+            return params["rope_type"]
+        return {k: v and v.get("rope_type") for k, v in params.items()}
+
+    data = {k: v for k, v in config.to_dict().items() if k != "hfpatch"}
+    data["rope_parameters"] = copy.deepcopy(rope_parameters)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            built = type(config).from_dict(data)
+    except Exception:  # noqa: BLE001 - the class refuses them
+        return False
+    got = getattr(built, "rope_parameters", None)
+    return isinstance(got, dict) and types(got) == types(rope_parameters)
+
+
+def replace_positions(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
     """alibi / nope / sinusoidal: take the model's own position signal out, then put the new one in."""
     scheme, config, base = req["scheme"], model.config, model.base_model
-    if adapter.has_rope:  # RoPE becomes the identity: cos = 1, sin = 0 at every position
-        rotary = get_path(base, adapter.rotary)
+    for rotary, rcfg in _rotaries(model, adapter):  # RoPE becomes the identity: cos = 1, sin = 0 everywhere
         edits.track_new_attributes(rotary)
-        types = [lt for lt in rot.layer_types(config) if rot.params_of(config, lt) is not None]
+        types = [lt for lt in rot.layer_types(rcfg) if rot.params_of(rcfg, lt) is not None]
         for lt in types:
             p = rot._prefix(lt)
             edits.set(rotary, f"{p}inv_freq", torch.zeros_like(getattr(rotary, f"{p}inv_freq")))
@@ -120,24 +171,44 @@ def _replace_positions(model, adapter: Adapter, req: dict, edits: Edits) -> None
         edits.mix_in(table, lookup, under=True)
         if scheme == "sinusoidal":
             edits.set(table, "hfpatch_offset", adapter.position_offset)
-    elif scheme == "sinusoidal":
+    _check_removed(model, adapter, scheme)
+    if scheme == "sinusoidal" and not adapter.position_table:
         edits.mix_in(get_path(base, adapter.layers)[0], absolute.SinusoidalInput)
     if scheme == "alibi":
-        slopes = torch.tensor(alibi.alibi_slopes(config.num_attention_heads, req.get("alibi_max_bias", 8.0)))
-        for layer in get_path(base, adapter.layers):
-            edits.set(get_path(layer, adapter.attention), alibi.SLOPES_ATTR, slopes)
+        heads = adapter.heads or config.get_text_config().num_attention_heads
+        slopes = torch.tensor(alibi.alibi_slopes(heads, req.get("alibi_max_bias", 8.0)))
+        for i in attention_layers(model, adapter):
+            edits.set(get_path(get_path(base, adapter.layers)[i], adapter.attention), alibi.SLOPES_ATTR, slopes)
         eager = config._attn_implementation == "eager"
-        edits.set(config, "_attn_implementation_internal", alibi.EAGER_NAME if eager else alibi.SDPA_NAME)
+        name = alibi.EAGER_NAME if eager else alibi.SDPA_NAME
+        for c in {id(c): c for c in (config, config.get_text_config())}.values():
+            edits.set(c, "_attn_implementation_internal", name)
 
 
-def _apply_interpolate(model, adapter: Adapter, req: dict, edits: Edits) -> None:
+def _check_removed(model, adapter: Adapter, scheme: str) -> None:
+    """After the model's own position signal was taken out, no attention block may still tell positions apart
+    (checked on a repeated token: adapters.probe.position_sources). Skipped on a model without weights yet (a
+    reload builds it on the meta device; the check was made when the patch was saved)."""
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return
+    top = "" if model.base_model is model else model.base_model_prefix + "."
+    blocks = [f"{top}{adapter.layers}.{i}" for i in attention_layers(model, adapter)]
+    embedded, sources = position_sources(model, blocks)
+    if sources or (embedded and scheme != "sinusoidal"):
+        where = sources[0] if sources else "the embeddings"
+        raise ValueError(f"position={scheme!r} takes out {adapter.model_type}'s position signal, but one remains "
+                         f"after removing {_signal_of(adapter)} ({where} still tells positions apart on a repeated "
+                         "token): hfpatch cannot find all of it")
+
+
+def _signal_of(adapter) -> str:
+    found = [*(f"the rotary module {r}" for r in adapter.rotaries),
+             *([f"the position table {adapter.position_table}"] if adapter.position_table else [])]
+    return ", ".join(found) or "nothing (none was found)"
+
+
+def apply_interpolate(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
     """A learned position table stretched to factor x its length by linear interpolation of its rows."""
-    if not adapter.position_table:
-        raise ValueError(
-            f"position='interpolate' stretches a learned absolute position table; {adapter.model_type} has "
-            f"{adapter.position_kind()} positions (for RoPE use linear, ntk, yarn, ...); it applies to: "
-            f"{', '.join(sorted(k for k, a in ADAPTERS.items() if a.position_table))}"
-        )
     base = model.base_model
     table = get_path(base, adapter.position_table)
     new = absolute.interpolate_rows(table.weight.detach(), req["factor"], keep=adapter.position_offset)

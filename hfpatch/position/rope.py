@@ -15,10 +15,6 @@ Two schemes have no native rope_type:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Callable
-
 # Keys of the original parameters that describe the model rather than a scaling scheme; they carry over.
 _CARRIED = ("rope_theta", "partial_rotary_factor")
 
@@ -110,40 +106,3 @@ def yarn_parameters_at(base: dict, window: int, opts: dict, seq_len: int) -> dic
     if s == 1.0:
         return plain(base, window, opts, 0)
     return yarn(base, window, {**opts, "factor": s}, 0)
-
-
-@dataclass(frozen=True)
-class RopeScheme:
-    build: Callable[[dict, int, dict, int], dict]
-    factor: str  # "required" | "optional" | "none"
-    options: tuple[str, ...] = ()
-    dynamic: bool = False  # recomputed from the sequence length at run time
-    # How the scheme sets config.max_position_embeddings: "extended" (window * factor) or "window" (transformers'
-    # dynamic NTK reads max_position_embeddings as the *original* window).
-    max_positions: str = "extended"
-
-
-ROPE_SCHEMES: dict[str, RopeScheme] = {
-    "rope": RopeScheme(plain, factor="none", max_positions="window"),
-    "linear": RopeScheme(linear, factor="required"),
-    "ntk": RopeScheme(ntk, factor="required"),
-    "dynamic": RopeScheme(dynamic, factor="optional", dynamic=True, max_positions="window"),
-    "yarn": RopeScheme(yarn, factor="required", options=YARN_OPTIONS),
-    "dynamic-yarn": RopeScheme(
-        dynamic_yarn, factor="optional", options=("attention_factor", "beta_fast", "beta_slow", "truncate"),
-        dynamic=True,
-    ),
-    "llama3": RopeScheme(llama3, factor="required", options=("low_freq_factor", "high_freq_factor")),
-    "longrope": RopeScheme(longrope, factor="required", options=("short_factor", "long_factor", "attention_factor")),
-}
-
-# Options every RoPE scheme takes.
-COMMON_OPTIONS = ("original_max_position_embeddings", "layer_types")
-
-
-def max_positions(scheme: str, window: int, opts: dict) -> int:
-    """config.max_position_embeddings after the patch."""
-    factor = opts.get("factor")
-    if ROPE_SCHEMES[scheme].max_positions == "window" or factor is None:
-        return window
-    return int(math.ceil(window * factor))

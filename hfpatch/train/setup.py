@@ -47,7 +47,7 @@ def load(cfg):
 
 
 def check_causal(model):
-    adapter = hfpatch.adapters.adapter_for(hfpatch.apply.unwrap(model).config)
+    adapter = hfpatch.adapters.adapter_for(hfpatch.apply.unwrap(model))
     if not adapter.causal or hfpatch.apply.unwrap(model).get_output_embeddings() is None:
         raise ConfigError(f"the recipes train causal language models; {adapter.model_type} "
                           f"({type(hfpatch.apply.unwrap(model)).__name__}) is not one")

@@ -1,0 +1,515 @@
+"""Read a family's structure off a live model (see `probe`): the blocks, each block's attention and MLP, its norms in
+forward order and how they are placed, the residual stream's readers and writers, the rotary modules, a learned
+position table. What cannot be read with certainty is left out and the reason goes into `Adapter.notes`, so the
+patches that need it are refused with that reason instead of guessed.
+
+Norms are recognised by what they compute, not by their class name: a module with at most a 1-D weight and bias,
+called on one tensor, whose output equals RMSNorm or LayerNorm of its input with scale `weight` or `1 + weight` and
+one of the eps values the module or config names (checked in float32 at two input scales, where eps matters and
+where it does not).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from . import blocks
+from . import probe as probes
+from .base import Adapter, NormClass, class_key
+
+_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")
+_EPS_CONFIG = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
+_LINEARS = (nn.Linear, Conv1D)
+
+
+class InferenceError(ValueError):
+    """The model's structure could not be read (no blocks, no attention, ...): nothing can be patched."""
+
+
+@dataclass
+class _Info:
+    model: nn.Module
+    probe: probes.Probe
+    prefix: str  # name prefix of the base model inside the top model ("model." or "")
+
+    def call(self, name):
+        return self.probe.calls.get(name)
+
+    def rel(self, name: str) -> str:
+        return name[len(self.prefix):] if name.startswith(self.prefix) else name
+
+
+# --------------------------------------------------------------------------------------------------------- norms
+
+
+def _reference(kind: str, x: torch.Tensor, eps: float, scale, bias):
+    h = x.double()
+    if kind == "layernorm":
+        h = h - h.mean(-1, keepdim=True)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if scale is not None:
+        h = h * scale.double()
+    if bias is not None:
+        h = h + bias.double()
+    return h
+
+
+def classify_norm(module: nn.Module, config=None) -> NormClass | None:
+    """What a norm-like module computes ("rmsnorm"/"layernorm", scale offset, eps), or None if it computes neither.
+    Runs a float32 copy of the module on inputs of its own; the module itself is not touched."""
+    if list(module.children()):
+        return None
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) - {"weight", "bias"} or any(p.dim() != 1 for p in params.values()):
+        return None
+    shapes = {p.shape[0] for p in params.values()}
+    if len(shapes) > 1:
+        return None
+    dim = shapes.pop() if shapes else _norm_dim(module)
+    if dim is None or dim < 2:
+        return None
+    candidates = []
+    for a in _EPS_ATTRS:
+        v = getattr(module, a, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            candidates.append((a, float(v)))
+    for a in _EPS_CONFIG:
+        v = getattr(config, a, None) if config is not None else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            candidates.append((None, float(v)))
+    candidates += [(None, e) for e in (1e-5, 1e-6, 1e-12, 1e-8)]
+    try:
+        twin = copy.deepcopy(module).float()
+    except Exception:  # noqa: BLE001 - not copyable: not something we can swap either
+        return None
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, dim, generator=g) * s + m for s, m in ((1.0, 0.3), (1e-3, 0.0))]
+    try:
+        with torch.no_grad():
+            ys = [twin(x).double() for x in xs]
+    except Exception:  # noqa: BLE001 - needs other inputs: not a plain norm
+        return None
+    if any(y.shape != x.shape for x, y in zip(xs, ys)):
+        return None
+    weight, bias = params.get("weight"), params.get("bias")
+    for kind in ("rmsnorm", "layernorm"):
+        for offset in ((0.0, 1.0) if weight is not None else (0.0,)):
+            scale = None if weight is None else weight.detach().double().cpu() + offset
+            b = None if bias is None else bias.detach().double().cpu()
+            for attr, eps in candidates:
+                if all(torch.allclose(y, _reference(kind, x, eps, scale, b), rtol=1e-4, atol=1e-5 * max(1.0, _mag(y)))
+                       for x, y in zip(xs, ys)):
+                    return NormClass(kind=kind, offset=offset, eps=eps, eps_attr=attr)
+    return None
+
+
+def _mag(y):
+    return float(y.abs().max())
+
+
+def _norm_dim(module):
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1:
+        return int(shape[0])
+    if isinstance(shape, int):
+        return shape
+    return None
+
+
+# ------------------------------------------------------------------------------------------------- block dataflow
+
+_TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-9, 1e-9)}
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None or a.shape != b.shape:
+        return False
+    rtol, atol = _TOL.get(a.dtype, (2e-2, 2e-2))
+    return bool(torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol * max(1.0, float(b.abs().max()))))
+
+
+def _layout(block: probes.Call, norms: list, attn: probes.Call, mlp: probes.Call | None) -> str | None:
+    """Which known block layout the recorded tensors follow (None: none of them). x is the block input, y its
+    output, A/M the attention/MLP calls, N1.. the block norms in call order.
+
+        pre            N1(x) -> A;  h = x + A;  N2(h) -> M;  y = h + M
+        post           A(x);  h = N1(x + A);  M(h);  y = N2(h + M)
+        post_sublayer  A(x);  h = x + N1(A);  M(h);  y = h + N2(M)            (OLMo2)
+        sandwich       N1(x) -> A;  h = x + N2(A);  N3(h) -> M;  y = h + N4(M)  (Gemma2/3)
+        parallel       N1(x) -> A and M;  y = x + A + M                       (GPT-J, Phi-1/2, Cohere)
+        parallel2      N1(x) -> A;  N2(x) -> M;  y = x + A + M                (GPT-NeoX)
+    """
+    if mlp is None or attn is None:
+        return None
+    x, y, a, m = block.input, block.output, attn.output, mlp.output
+    n = [(c.input, c.output) for c in norms]
+    if len(n) == 2:
+        (i1, o1), (i2, o2) = n
+        if _same(i1, x) and _same(attn.input, o1) and _same(i2, x + a) and _same(mlp.input, o2) and _same(y, x + a + m):
+            return "pre"
+        if _same(attn.input, x) and _same(i1, x + a) and _same(mlp.input, o1) and _same(i2, o1 + m) and _same(y, o2):
+            return "post"
+        if _same(attn.input, x) and _same(i1, a) and _same(mlp.input, x + o1) and _same(i2, m) and _same(y, x + o1 + o2):
+            return "post_sublayer"
+        if _same(i1, x) and _same(attn.input, o1) and _same(i2, x) and _same(mlp.input, o2) and _same(y, x + a + m):
+            return "parallel2"
+    if len(n) == 1:
+        (i1, o1), = n
+        if _same(i1, x) and _same(attn.input, o1) and _same(mlp.input, o1) and _same(y, x + a + m):
+            return "parallel"
+    if len(n) == 4:
+        (i1, o1), (i2, o2), (i3, o3), (i4, o4) = n
+        h = x + o2
+        if _same(i1, x) and _same(attn.input, o1) and _same(i2, a) and _same(i3, h) and _same(mlp.input, o3) \
+                and _same(i4, m) and _same(y, h + o4):
+            return "sandwich"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------- inference
+
+
+def _layer_index(name: str, layers: str) -> tuple[int, str] | None:
+    m = re.match(re.escape(layers) + r"\.(\d+)(?:\.(.*))?$", name)
+    return (int(m.group(1)), m.group(2) or "") if m else None
+
+
+def _find_layers(info: _Info, attention_names: list[str]) -> str | None:
+    """The ModuleList (top-model path) whose items hold the attention modules; without them, the one ModuleList of
+    config.num_hidden_layers items."""
+    lists = {n for n, m in info.model.named_modules() if isinstance(m, nn.ModuleList)}
+    found = set()
+    for name in attention_names:
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            head = ".".join(parts[:i])
+            if head in lists and parts[i].isdigit():
+                found.add(head)
+                break
+    if len(found) == 1:
+        return found.pop()
+    if found:
+        return None
+    n = getattr(info.model.config.get_text_config(), "num_hidden_layers", None)
+    sized = [name for name in lists if name.startswith(info.prefix) and len(info.model.get_submodule(name)) == n]
+    return sized[0] if len(sized) == 1 else None
+
+
+def infer(model, model_type: str | None = None) -> Adapter:
+    """The Adapter of `model`, read off one probe forward. InferenceError if not even the blocks can be found."""
+    base = model.base_model
+    prefix = "" if base is model else model.base_model_prefix + "."
+    config = model.config.get_text_config()
+    probe = probes.run(model)
+    if probe.error:  # the recording attention function broke the forward: read the structure without it
+        plain = probes.run(model, probe.ids, record_interface=False)
+        if plain.error:
+            raise InferenceError(f"{type(model).__name__}: a forward pass on {probes.PROBE_TOKENS} tokens failed "
+                                 f"({plain.error}), so hfpatch cannot read its structure")
+        probe = plain
+    info = _Info(model, probe, prefix)
+    notes: dict[str, str] = {}
+    attention_names = sorted(probe.attention, key=lambda n: probe.calls[n].order if n in probe.calls else 0)
+    if not probe.interface:
+        notes["attention"] = ("no module called transformers' attention interface (AttentionInterface); schemes "
+                              "that replace the attention function (alibi) do not apply")
+    layers_top = _find_layers(info, attention_names)
+    if layers_top is None or not layers_top.startswith(prefix):
+        raise InferenceError(f"{type(model).__name__}: cannot find the list of transformer blocks "
+                             "(a ModuleList holding the attention modules)")
+    layers = info.rel(layers_top)
+    stack = list(model.get_submodule(layers_top))
+
+    # attention: the block-relative path that every attention block uses
+    rel_attn = {}
+    for name in attention_names:
+        hit = _layer_index(name, layers_top)
+        if hit:
+            rel_attn.setdefault(hit[0], []).append(hit[1])
+    paths = {tuple(v) for v in rel_attn.values()}
+    attention = None
+    if len(paths) == 1 and len(next(iter(paths))) == 1:
+        attention = next(iter(paths))[0]
+    elif paths:
+        notes["attention"] = f"blocks hold several attention modules or use different paths: {sorted(paths)}"
+    attention_layers = tuple(sorted(rel_attn)) if attention else ()
+    if attention is None and not notes.get("attention"):
+        notes["attention"] = "no attention module found in the blocks"
+
+    # norms: every module the probe saw that computes RMSNorm / LayerNorm
+    norm_classes: dict[str, NormClass] = {}
+    recognised: dict[str, NormClass] = {}
+    for name, call in probe.calls.items():
+        module = model.get_submodule(name)
+        if call.input is None or not torch.is_floating_point(call.input) or list(module.children()):
+            continue
+        cls = classify_norm(module, config)
+        if cls is not None:
+            recognised[name] = cls
+            norm_classes.setdefault(class_key(module), cls)
+    unrecognised = sorted(n for n, m in model.named_modules()
+                          if "norm" in type(m).__name__.lower() and n not in recognised and n in probe.calls
+                          and not list(m.children()))
+    if unrecognised:
+        notes["unrecognised_norms"] = (f"{len(unrecognised)} norm-like module(s) compute neither RMSNorm nor "
+                                       f"LayerNorm and are left as they are by norm swaps, e.g. {unrecognised[0]} "
+                                       f"({type(model.get_submodule(unrecognised[0])).__name__})")
+
+    first_layer = next((i for i in (attention_layers or range(len(stack)))), 0)
+    ref = f"{layers_top}.{first_layer}"
+    in_block = lambda n, i: n.startswith(f"{layers_top}.{i}.")  # noqa: E731
+
+    def block_norms(i):
+        names = [n for n in recognised if in_block(n, i)]
+        inner = f"{layers_top}.{i}.{attention}." if attention else None
+        qk = [n for n in names if inner and n.startswith(inner)]
+        own = [n for n in names if n not in qk]
+        order = lambda n: probe.calls[n].order  # noqa: E731
+        strip = len(f"{layers_top}.{i}.")
+        return [n[strip:] for n in sorted(own, key=order)], [n[strip:] for n in sorted(qk, key=order)]
+
+    norms, qk_norms = block_norms(first_layer)
+    for i in range(len(stack)):
+        if (i in attention_layers or not attention_layers) and block_norms(i) != (norms, qk_norms):
+            notes["norms"] = f"block {i} has other norms than block {first_layer}"
+
+    # the MLP: the one called child of the block that is neither the attention nor a norm
+    block0 = stack[first_layer]
+    kids = [n for n, c in block0.named_children()
+            if f"{ref}.{n}" in probe.calls and any(True for _ in c.parameters())
+            and n != (attention or "").split(".")[0] and n not in norms]
+    mlp = kids[0] if len(kids) == 1 else None
+
+    # placement, by the recorded dataflow of every attention block
+    layouts = set()
+    for i in (attention_layers or range(len(stack))):
+        bcall = info.call(f"{layers_top}.{i}")
+        ncalls = [info.call(f"{layers_top}.{i}.{n}") for n in norms]
+        acall = info.call(f"{layers_top}.{i}.{attention}") if attention else None
+        mcall = info.call(f"{layers_top}.{i}.{mlp}") if mlp else None
+        layouts.add(_layout(bcall, ncalls, acall, mcall) if bcall and None not in ncalls else None)
+    layout = layouts.pop() if len(layouts) == 1 else None
+    placement = "pre" if layout in ("parallel", "parallel2") else layout
+    if attention_layers and len(attention_layers) != len(stack):
+        placement = None
+        notes["placement"] = (f"hybrid stack: {len(attention_layers)} of {len(stack)} blocks have attention, the "
+                              "others another token mixer")
+    elif placement is None:
+        notes["placement"] = ("the block's dataflow matches no known layout (pre, post, post_sublayer, sandwich, "
+                              "parallel): a residual scale, an extra sublayer or several MLP-like modules")
+
+    # final and embedding norms: recognised norms of the base model outside the stack
+    outside = [n for n in recognised if n.startswith(prefix) and not n.startswith(layers_top + ".")]
+    first_start = min(probe.calls[f"{layers_top}.{i}"].order for i in range(len(stack)) if f"{layers_top}.{i}" in probe.calls)
+    last_end = max(probe.calls[f"{layers_top}.{i}"].end for i in range(len(stack)) if f"{layers_top}.{i}" in probe.calls)
+    before = [n for n in outside if probe.calls[n].end < first_start]
+    after = [n for n in outside if probe.calls[n].order > last_end]
+    final_norm = info.rel(after[-1]) if len(after) == 1 else None
+    embedding_norm = info.rel(before[0]) if len(before) == 1 else None
+    head_norms = tuple(n for n in recognised if prefix and not n.startswith(prefix))
+    if len(after) > 1 or len(before) > 1:
+        notes["norms"] = f"several norms outside the blocks: {sorted(map(info.rel, before + after))}"
+
+    rotaries = tuple(info.rel(n) for n, m in model.named_modules()
+                     if n.startswith(prefix) and n in probe.calls
+                     and any(b == "inv_freq" or b.endswith("_inv_freq") for b in m._buffers))
+    table, offset = _position_table(info, layers_top)
+    placement_layout, dropouts = None, (None, None)
+    if placement in ("pre", "post") and len(norms) == 2 and mlp and "placement" not in notes:
+        dropouts = _residual_dropouts(info, ref, attention, mlp)
+        spec = blocks.BlockSpec("parallel" if layout in ("parallel", "parallel2") else placement, attention, mlp,
+                                tuple(norms), dropouts)
+        why = _verify_form(info, ref, spec)
+        if why:
+            notes["placement"] = why
+        else:
+            placement_layout = "generic"
+    elif placement in ("pre", "post") and "placement" not in notes:
+        notes["placement"] = (f"blocks with {len(norms)} norm(s) and {'an' if mlp else 'no'} MLP module: no known "
+                              "pre/post form")
+    if not rotaries and table is None:
+        # nothing found: make sure there is nothing to find (a rotation computed inside attention, GPT-J style)
+        mixers = [f"{layers_top}.{i}" for i in (attention_layers or range(len(stack)))]
+        embedded, sources = probes.position_sources(model, mixers)
+        if embedded or sources:
+            notes["positions"] = ("the model encodes position (on a repeated token, " + (
+                "its embeddings differ by position" if embedded else f"{sources[0]} makes positions differ") +
+                ") but hfpatch found neither a rotary module (an inv_freq buffer) nor a learned position table")
+    readers, writers, embedding_writers, final_readers, why = _residual(
+        info, layers_top, first_layer, attention, mlp, norms, placement, final_norm)
+    if why:
+        notes["exact"] = why
+    kinds = {c.kind for c in recognised.values()}
+    offsets = {c.offset for c in recognised.values()}
+    attn_module = model.get_submodule(f"{ref}.{attention}") if attention else None
+    return Adapter(
+        model_type=model_type or config.model_type,
+        layers=layers,
+        attention=attention,
+        attention_layers=attention_layers if attention_layers and len(attention_layers) != len(stack) else None,
+        norms=tuple(norms),
+        mlp=mlp,
+        final_norm=final_norm,
+        embedding_norm=embedding_norm,
+        head_norms=head_norms,
+        qk_norms=tuple(qk_norms),
+        norm=kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "none"),
+        norm_offset=offsets.pop() if len(offsets) == 1 else 0.0,
+        norm_classes=norm_classes,
+        placement=placement,
+        parallel=layout in ("parallel", "parallel2"),
+        placement_layout=placement_layout,
+        residual_dropouts=dropouts,
+        residual_readers=readers,
+        residual_writers=writers,
+        embedding_writers=embedding_writers,
+        final_readers=final_readers,
+        rotaries=rotaries,
+        position_table=table,
+        position_offset=offset,
+        causal=bool(getattr(attn_module, "is_causal", True)) if attn_module is not None else True,
+        attention_interface=probe.interface and attention is not None,
+        heads=_heads(probe, attention_names),
+        source="inferred",
+        notes=notes,
+    )
+
+
+def _residual_dropouts(info: _Info, ref: str, attention: str, mlp: str):
+    """Dropout modules of the block applied to the attention / MLP output before the residual add (phi3's
+    resid_attn_dropout, GPT-NeoX's post_attention_dropout): identity in eval mode, so found by their input."""
+    out = []
+    for sub in (attention, mlp):
+        sub_call = info.call(f"{ref}.{sub}")
+        hit = None
+        for name, c in info.probe.calls.items():
+            if name.startswith(ref + ".") and name.count(".") == ref.count(".") + 1 \
+                    and isinstance(info.model.get_submodule(name), nn.Dropout) and c.order > sub_call.end \
+                    and _same(c.input, sub_call.output):
+                hit = name[len(ref) + 1:]
+                break
+        out.append(hit)
+    return tuple(out)
+
+
+def _verify_form(info: _Info, ref: str, spec: blocks.BlockSpec) -> str | None:
+    """Run the generic form of the block's own placement on the probe's recorded inputs: None if it reproduces the
+    block's output, else why the generic forms do not apply."""
+    block = info.model.get_submodule(ref)
+    call = info.call(ref)
+    args, kwargs = list(call.args), dict(call.kwargs)
+    if "hidden_states" in kwargs:
+        kwargs.pop("hidden_states")
+    elif args:
+        args.pop(0)
+    try:
+        with torch.no_grad():
+            out = blocks.run(block, spec, block.forward, call.input, tuple(args), kwargs)
+    except Exception as e:  # noqa: BLE001 - the reason is the answer
+        return f"the generic {spec.placement} block form failed on this block ({type(e).__name__}: {e})"
+    out = out[0] if isinstance(out, tuple) else out
+    if not _same(out, call.output):
+        return (f"the block computes something besides the {spec.placement}-norm form (checked on a probe input), "
+                "e.g. a residual scale or an extra sublayer")
+    return None
+
+
+def _heads(probe, attention_names) -> int | None:
+    shapes = {probe.attention[n].query[1] for n in attention_names}
+    return shapes.pop() if len(shapes) == 1 else None
+
+
+def _position_table(info: _Info, layers_top: str):
+    """An nn.Embedding of the base model (not the token embedding) looked up with the position ids 0..T-1 (+ an
+    offset): a learned absolute position table."""
+    model = info.model
+    tok = model.get_input_embeddings()
+    t = info.probe.ids.shape[1]
+    for name, call in info.probe.calls.items():
+        m = model.get_submodule(name)
+        if not isinstance(m, nn.Embedding) or m is tok or not name.startswith(info.prefix) \
+                or name.startswith(layers_top + "."):
+            continue
+        ids = call.args[0] if call.args and isinstance(call.args[0], torch.Tensor) else None
+        if ids is None or ids.dtype not in (torch.int64, torch.int32) or ids.shape[-1] != t:
+            continue
+        k = int(ids.reshape(-1, t)[0, 0])
+        if torch.equal(ids.reshape(-1, t)[0].cpu(), torch.arange(k, k + t)):
+            return info.rel(name), k
+    return None, 0
+
+
+def _is_linear(module) -> bool:
+    """nn.Linear, GPT-2's Conv1D, or a peft tuner layer around one (the exact conversion then refuses with what
+    to do, instead of folding into the wrapped base layer while the adapter keeps reading the norm's output)."""
+    return isinstance(module, _LINEARS) or hasattr(module, "base_layer")
+
+
+def _linear_calls(info: _Info, within: str):
+    return [(n, c) for n, c in info.probe.calls.items()
+            if n.startswith(within) and _is_linear(info.model.get_submodule(n)) and ".base_layer" not in n]
+
+
+def _residual(info: _Info, layers_top, i, attention, mlp, norms, placement, final_norm):
+    """The residual stream's readers (linears fed by each block norm), writers (linears whose output is added to the
+    stream), embedding writers (what starts the stream) and what reads the final norm: what the exact
+    LayerNorm -> RMSNorm conversion folds into. ((), ..., reason) when they cannot all be identified."""
+    if placement != "pre":
+        return {}, (), (), (), f"the block norms are not all pre-norms of the residual stream (layout {placement or 'unknown'})"
+    block = f"{layers_top}.{i}."
+    calls = _linear_calls(info, block)
+    readers = {}
+    for n in norms:
+        out = info.call(block + n).output
+        found = tuple(name[len(block):] for name, c in calls if _same(c.input, out))
+        if not found:
+            return {}, (), (), (), f"cannot find the linear layers that read {n}"
+        readers[n] = found
+    outs = [info.call(block + attention).output, info.call(block + mlp).output]
+    writers = []
+    for o in outs:
+        hit = [name[len(block):] for name, c in calls if _same(c.output, o)]
+        if len(hit) != 1:
+            return {}, (), (), (), ("a sublayer's output is not the output of one linear layer (e.g. a mixture of "
+                                    "experts), so the residual stream's writers cannot be centred")
+        writers.append(hit[0])
+    # what starts the stream: one or two modules before the first block whose outputs (times a constant) sum to it
+    x0 = info.call(f"{layers_top}.0").input
+    first = info.call(f"{layers_top}.0").order
+    cands = [(n, c) for n, c in info.probe.calls.items()
+             if n.startswith(info.prefix) and c.end < first and c.output is not None and c.output.shape == x0.shape
+             and isinstance(info.model.get_submodule(n), (nn.Embedding, *_LINEARS))]
+    embedding = None
+    for size in (1, 2):
+        for combo in _combos(cands, size):
+            s = sum(c.output.double() for _, c in combo)
+            alpha = float((s * x0.double()).sum() / (s * s).sum().clamp(min=1e-30))
+            if _same((alpha * s).to(x0.dtype), x0):
+                embedding = tuple(info.rel(n) for n, _ in combo)
+                break
+        if embedding:
+            break
+    if not embedding:
+        return {}, (), (), (), "cannot account for the residual stream's start (embeddings) as the sum of module outputs"
+    final_readers = ()
+    if final_norm:
+        out = info.call(info.prefix + final_norm).output
+        head = info.model.get_output_embeddings()
+        readers_f = [n for n, c in info.probe.calls.items() if c.input is not None and _same(c.input, out)
+                     and _is_linear(info.model.get_submodule(n)) and ".base_layer" not in n]
+        others = [n for n in readers_f if info.model.get_submodule(n) is not head]
+        if others:
+            final_readers = tuple(info.rel(n) for n in others)
+    return readers, tuple(writers), embedding, final_readers, None
+
+
+def _combos(items, size):
+    if size == 1:
+        return [[x] for x in items]
+    return [[a, b] for k, a in enumerate(items) for b in items[k + 1:]]

@@ -1,0 +1,248 @@
+"""The registry of position schemes: one record per scheme, read by validation (`spec`), application (`apply`),
+`supported()` / `describe()`, saving (`io`) and the evaluations' length limits. Adding a scheme is adding one record
+here (and its builder or applier next to the others).
+
+A record says:
+- `apply(model, adapter, req, scheme, edits)`: how it is put into a model (every change through `edits`);
+- `requires`: what it needs of a model, as names of `REQUIREMENTS` (each a test on the adapter and the reason when
+  it fails), so that a refusal says why and `supported()` lists exactly what `patch` accepts;
+- `factor` ("required" | "optional" | "none") and `options` {name: validator}: the keyword arguments it takes;
+- `check`: validation across options (beta_fast > beta_slow, ...);
+- `rope`: for RoPE rescaling, the pure builder of transformers `rope_parameters` (position/rope.py);
+- `max_positions`: what a RoPE rescaling writes to config.max_position_embeddings: "extended" (trained window x
+  factor, when a factor is given) or "window" (the trained window: transformers' dynamic NTK reads it as such);
+- `bounded`: whether the patched model has a fixed length limit (max_position_embeddings, or a learned table's
+  rows); ALiBi, NoPE, sinusoidal and the dynamic schemes have none;
+- `native`: whether the patch is written as native `rope_parameters`, so plain transformers reloads it;
+- `changes_weights`: whether it changes which weights exist (reloads by loading into the patched structure).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import rope
+from .patch import apply_interpolate, apply_rope, replace_positions
+
+# ------------------------------------------------------------------------------------------------ option checks
+
+
+def number(name: str, value, *, positive=True, above_one=False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if above_one and value <= 1.0:
+        raise ValueError(f"{name} must be > 1 (it is the context extension ratio), got {value:g}")
+    if positive and value <= 0.0:
+        raise ValueError(f"{name} must be > 0, got {value:g}")
+    return value
+
+
+def positive(name, value):
+    return number(name, value)
+
+
+def real(name, value):
+    return number(name, value, positive=False)
+
+
+def factor(name, value):
+    return number(name, value, above_one=True)
+
+
+def positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def flag(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def numbers_list(name, value):
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list of numbers (one per rotary frequency), got {value!r}")
+    return [number(f"{name}[{i}]", v) for i, v in enumerate(value)]
+
+
+def names(name, value):
+    if isinstance(value, str):
+        value = [value]
+    if not value or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name} must be a non-empty list of layer type names, got {value!r}")
+    return sorted(set(value))
+
+
+# Options every RoPE rescaling scheme takes.
+ROPE_COMMON = {"original_max_position_embeddings": positive_int, "layer_types": names}
+YARN_OPTIONS = {"attention_factor": positive, "beta_fast": positive, "beta_slow": positive, "mscale": real,
+                "mscale_all_dim": real, "truncate": flag}
+
+
+def _betas(req):
+    if "beta_fast" in req and "beta_slow" in req and req["beta_fast"] <= req["beta_slow"]:
+        raise ValueError(f"beta_fast must be greater than beta_slow, got {req['beta_fast']} <= {req['beta_slow']}")
+
+
+def _llama3(req):
+    lo, hi = req.get("low_freq_factor", 1.0), req.get("high_freq_factor", 4.0)
+    if hi <= lo:
+        raise ValueError(f"high_freq_factor must be greater than low_freq_factor, got {hi} <= {lo}")
+
+
+def _longrope(req):
+    missing = [k for k in ("short_factor", "long_factor") if k not in req]
+    if missing:
+        raise ValueError(f"position='longrope' needs {' and '.join(missing)}: lists of per-frequency scale factors "
+                         "(rotary_dim / 2 numbers each)")
+
+
+# ------------------------------------------------------------------------------------------------- requirements
+
+
+@dataclass(frozen=True)
+class Requirement:
+    test: Callable  # adapter -> bool
+    why: Callable  # (adapter, scheme name) -> the reason it does not apply
+
+
+REQUIREMENTS: dict[str, Requirement] = {
+    "rope": Requirement(
+        lambda a: a.has_rope,
+        lambda a, s: (f"position={s!r} is a RoPE scheme, but {a.model_type} has {_signal(a)} and no RoPE; RoPE "
+                      "schemes apply to models with a rotary module (an inv_freq buffer)")),
+    "table": Requirement(
+        lambda a: a.position_table is not None,
+        lambda a, s: (f"position={s!r} stretches a learned absolute position table; {a.model_type} has "
+                      f"{_signal(a)} (for RoPE use linear, ntk, yarn, ...)")),
+    # the model's own position signal is known (a rotary module, a learned table, or none at all), so it can be
+    # taken out and replaced
+    "known_positions": Requirement(
+        lambda a: a.position_signal != "unknown",
+        lambda a, s: (f"position={s!r} replaces the model's position signal, but {a.model_type}'s could not be "
+                      f"found: {a.notes.get('positions', 'its config has RoPE but no rotary module was found')}")),
+    "attention_interface": Requirement(
+        lambda a: a.attention_interface,
+        lambda a, s: (f"position={s!r} runs its own attention function, but {a.model_type}'s attention does not "
+                      f"go through transformers' attention interface ({a.notes.get('attention', '')})")),
+}
+
+
+def _signal(a) -> str:
+    return {"rope": "RoPE positions", "learned": "learned absolute position embeddings", "none": "no position "
+            "embeddings", "unknown": "a position encoding hfpatch cannot find"}[a.position_signal]
+
+
+# ------------------------------------------------------------------------------------------------------ schemes
+
+
+@dataclass(frozen=True)
+class Scheme:
+    apply: Callable
+    requires: tuple[str, ...]
+    summary: str
+    factor: str = "none"  # "required" | "optional" | "none"
+    options: dict = field(default_factory=dict)  # name -> validator(name, value) -> normalized value
+    check: Callable | None = None  # validation across options, on the normalized request
+    rope: Callable | None = None  # RoPE rescaling: builder -> rope_parameters
+    max_positions: str = "extended"  # "extended" | "window"
+    bounded: bool = True
+    native: bool = True
+    changes_weights: bool = False
+
+
+def _rope(builder, summary, factor="required", options=None, check=None, max_positions="extended", bounded=True,
+          native=True):
+    return Scheme(apply_rope, ("rope",), summary, factor, {**ROPE_COMMON, **(options or {})}, check, builder,
+                  max_positions, bounded, native)
+
+
+_REPLACE = ("known_positions",)
+
+SCHEMES: dict[str, Scheme] = {
+    "rope": _rope(rope.plain, "plain RoPE at the original theta (undoes a checkpoint's scaling)", factor="none",
+                  max_positions="window"),
+    "linear": _rope(rope.linear, "position interpolation (Chen et al. 2023): positions / factor"),
+    "ntk": _rope(rope.ntk, "NTK-aware base change: theta * factor^(d/(d-2))"),
+    "dynamic": _rope(rope.dynamic, "dynamic NTK: the base grows with the sequence past the window",
+                     factor="optional", max_positions="window", bounded=False),
+    "yarn": _rope(rope.yarn, "YaRN (Peng et al. 2023): NTK-by-parts + attention scaling", options=YARN_OPTIONS,
+                  check=_betas),
+    "dynamic-yarn": _rope(rope.dynamic_yarn, "YaRN with s = max(1, L / window), recomputed per forward",
+                          factor="optional", bounded=False, native=False, check=_betas,
+                          options={k: YARN_OPTIONS[k] for k in ("attention_factor", "beta_fast", "beta_slow",
+                                                                 "truncate")}),
+    "llama3": _rope(rope.llama3, "Llama 3.1's frequency-dependent interpolation",
+                    options={"low_freq_factor": positive, "high_freq_factor": positive}, check=_llama3),
+    "longrope": _rope(rope.longrope, "LongRoPE: per-frequency factors (short/long)",
+                      options={"short_factor": numbers_list, "long_factor": numbers_list,
+                               "attention_factor": positive}, check=_longrope),
+    "alibi": Scheme(replace_positions, (*_REPLACE, "attention_interface"),
+                    "ALiBi (Press et al. 2022): no position embedding, a per-head linear distance bias",
+                    options={"alibi_max_bias": positive}, bounded=False),
+    "nope": Scheme(replace_positions, _REPLACE, "no position signal at all (causal attention only)", bounded=False),
+    "sinusoidal": Scheme(replace_positions, _REPLACE, "the fixed sinusoidal table added to the input",
+                         bounded=False),
+    "interpolate": Scheme(apply_interpolate, ("table",), "a learned table stretched by linear interpolation",
+                          factor="required", changes_weights=True),
+}
+
+
+def options_of(name: str) -> set[str]:
+    s = SCHEMES[name]
+    return set(s.options) | ({"factor"} if s.factor != "none" else set())
+
+
+def all_options() -> set[str]:
+    return set().union(*(options_of(s) for s in SCHEMES))
+
+
+def request(scheme, options: dict) -> dict:
+    """Validate a position request: {"scheme": ..., **options} or ValueError/TypeError saying what is accepted."""
+    if not isinstance(scheme, str):
+        raise TypeError(f"position must be a string, one of {', '.join(SCHEMES)}; got {scheme!r}")
+    name = scheme.strip().lower().replace("_", "-")
+    if name not in SCHEMES:
+        hint = ""
+        if ":" in name or "+" in name or "=" in name:
+            hint = " (a spec string such as 'yarn:4' is for the command line; in Python pass position='yarn', " \
+                   "factor=4, or hfpatch.patch(model, **hfpatch.spec.parse('yarn:4')))"
+        raise ValueError(f"unknown position scheme {scheme!r}; valid: {', '.join(SCHEMES)}{hint}")
+    s = SCHEMES[name]
+    options = {k: v for k, v in options.items() if v is not None}
+    allowed = options_of(name)
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(
+            f"position={name!r} does not take {', '.join(unknown)}; it accepts: {', '.join(sorted(allowed)) or 'no options'}"
+        )
+    if s.factor == "required" and options.get("factor") is None:
+        raise ValueError(f"position={name!r} needs factor= (a finite number > 1, the context extension ratio)")
+    out = {"scheme": name}
+    for key in sorted(options):
+        out[key] = factor(key, options[key]) if key == "factor" else s.options[key](key, options[key])
+    if s.check:
+        s.check(out)
+    return out
+
+
+def unavailable(name: str, adapter) -> str | None:
+    """Why scheme `name` does not apply to a model with this adapter (None: it applies)."""
+    for r in SCHEMES[name].requires:
+        if not REQUIREMENTS[r].test(adapter):
+            return REQUIREMENTS[r].why(adapter, name)
+    return None
+
+
+def from_rope_type(rope_type: str) -> str:
+    """The scheme a native rope_type reads as (describe() of an unpatched model)."""
+    named = {"default": "rope"}
+    return named.get(rope_type, rope_type if rope_type in SCHEMES else rope_type)
