@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import REPO, WINDOW, stdlib_text, tiny_model, tokens
 
 import hfpatch
-from hfpatch.position.rope import ROPE_SCHEMES
+from hfpatch.position import SCHEMES
 from hfpatch.train import memory
 from hfpatch.train.cli import run
 from hfpatch.train.loop import CausalLMLoss
@@ -94,7 +94,7 @@ def _rope_request(scheme):
     return dict(position=scheme, factor=4.0)
 
 
-@pytest.mark.parametrize("scheme", sorted(ROPE_SCHEMES))
+@pytest.mark.parametrize("scheme", sorted(s for s, record in SCHEMES.items() if record.rope))
 def test_pose_reaches_every_rope_scheme(scheme):
     """The PoSE positions reach the (patched) rotary module, and the loss is the full causal computation at them."""
     model = tiny_model("llama").train()
@@ -301,10 +301,10 @@ def test_sequence_parallel_configs_reach_the_recipe(name, sizes, monkeypatch):
 
 
 @pytest.mark.parametrize("split,args,message", [
-    ("cp", ["patch={position: alibi}"], "ALiBi cannot train under context parallelism (cp_size=2)"),
-    ("sp", ["patch={position: alibi}"], "ALiBi cannot train under Ulysses sequence parallelism (sp_size=2)"),
-    ("cp", ["patch={position: dynamic}"], "dynamic RoPE cannot train under context parallelism"),
-    ("sp", ["patch={position: dynamic-yarn}"], "dynamic-YaRN RoPE cannot train under Ulysses"),
+    ("cp", ["patch={position: alibi}"], "position='alibi' cannot train under context parallelism (cp_size=2)"),
+    ("sp", ["patch={position: alibi}"], "position='alibi' cannot train under Ulysses sequence parallelism (sp_"),
+    ("cp", ["patch={position: dynamic}"], "position='dynamic' cannot train under context parallelism"),
+    ("sp", ["patch={position: dynamic-yarn}"], "position='dynamic-yarn' cannot train under Ulysses"),
     ("sp", ["patch={position: yarn, factor: 4}", "pose.target_len=256"], "pose cannot train under Ulysses"),
     ("cp", ["seq_len=62"], "seq_len=62 must be a multiple of 4 under context parallelism"),
     ("sp", ["seq_len=63"], "seq_len=63 must be a multiple of 2 under Ulysses"),

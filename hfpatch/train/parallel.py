@@ -35,9 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..position import SCHEMES
 from .config import ConfigError
-
-REFUSED_SCHEMES = {"alibi": "ALiBi", "dynamic": "dynamic RoPE", "dynamic-yarn": "dynamic-YaRN RoPE"}
 
 
 @dataclass(frozen=True)
@@ -64,12 +63,10 @@ def check(cfg, scheme: str) -> None:
     if cp == 1 and sp == 1:
         return
     name = f"context parallelism (cp_size={cp})" if cp > 1 else f"Ulysses sequence parallelism (sp_size={sp})"
-    if scheme in REFUSED_SCHEMES:
-        why = ("its attention function takes key positions from the local shard and one slope per head of the "
-               "whole model" if scheme == "alibi" else
-               "each shard would scale RoPE by the largest position it holds, so shards would disagree")
-        raise ConfigError(f"{REFUSED_SCHEMES[scheme]} cannot train under {name}: {why}; use a static RoPE scheme "
-                          f"(e.g. yarn) or train without splitting sequences")
+    why = refusal(scheme)
+    if why:
+        raise ConfigError(f"position={scheme!r} cannot train under {name}: {why}; use a static RoPE scheme (e.g. "
+                          f"yarn) or train without splitting sequences")
     pose = cfg.get("pose")
     if sp > 1 and pose and pose.target_len is not None:
         raise ConfigError(f"pose cannot train under {name}: DeepSpeed reads PoSE's position jumps as document "
@@ -80,6 +77,19 @@ def check(cfg, scheme: str) -> None:
     parts = 2 * cp if cp > 1 else sp
     if cfg.seq_len % parts:
         raise ConfigError(f"seq_len={cfg.seq_len} must be a multiple of {parts} under {name}")
+
+
+def refusal(scheme: str) -> str | None:
+    """Why a position scheme cannot train with split sequences (None: it can), read off its registry record."""
+    record = SCHEMES.get(scheme)
+    if record is None:
+        return None
+    if "attention_interface" in record.requires:  # ALiBi: its own attention function
+        return ("its attention function takes key positions from the local shard's indices and one slope per "
+                "head of the whole model")
+    if record.rope is not None and not record.bounded:  # dynamic, dynamic-yarn
+        return "each shard would scale RoPE by the largest position it holds, so the shards would disagree"
+    return None
 
 
 def layout(accelerator) -> Layout:

@@ -9,7 +9,7 @@ import torch
 import hfpatch
 
 from ..models import load as load_model
-from ..position import OTHER_SCHEMES
+from ..position import SCHEMES
 from . import memory, parallel
 from .config import ConfigError
 
@@ -70,7 +70,8 @@ def apply_patch(model, cfg):
                           f"{spec!r}; lower seq_len or extend the context (e.g. patch.position=yarn, patch.factor)")
     pose = cfg.get("pose")
     if pose and pose.target_len is not None:
-        if not hfpatch.adapters.adapter_for(hfpatch.apply.unwrap(model)).has_rope or scheme in OTHER_SCHEMES:
+        rope = scheme in SCHEMES and SCHEMES[scheme].rope is not None
+        if not rope or not hfpatch.adapters.adapter_for(hfpatch.apply.unwrap(model)).has_rope:
             raise ConfigError(f"pose needs a RoPE model (PoSE moves the position ids that RoPE reads); this model's "
                               f"position encoding is {scheme!r}")
         if limit is not None and pose.target_len > limit:
