@@ -162,7 +162,7 @@ def run(args) -> dict:
         step_module = None
     else:
         edits = memory.apply(model, gradient_checkpointing=True, mlp_tile=args.mlp_tile)
-        step_module = CausalLMLoss(model, chunk=args.loss_chunk)
+        step_module = CausalLMLoss(model, chunk=args.loss_chunk, fused=args.fused_loss)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if args.fused else {}))
     tracker = LiveTensors()
@@ -265,6 +265,7 @@ def main(argv=None):
     p.add_argument("--loss-chunk", type=int, default=512, dest="loss_chunk")
     p.add_argument("--mlp-tile", type=int, default=None, dest="mlp_tile")
     p.add_argument("--fused", action="store_true", help="torch's fused AdamW (fused_optimizer: true)")
+    p.add_argument("--fused-loss", action="store_true", dest="fused_loss", help="the recipe's fused_loss: true")
     p.add_argument("--rope", action="store_true", help="report what RoPE allocates and keeps instead")
     p.add_argument("--json")
     args = p.parse_args(argv)

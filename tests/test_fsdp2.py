@@ -23,7 +23,8 @@ from hfpatch.train import memory
 from hfpatch.train.loop import CausalLMLoss
 from hfpatch.train.pose import batch_position_ids
 
-# (family, patch, memory options, PoSE target): each kind of edit hfpatch makes to a model
+# (family, patch, memory options, PoSE target): each kind of edit hfpatch makes to a model. The first case also
+# runs the fused loss and fused AdamW on the sharded side.
 CASES = [
     ("llama", dict(position="yarn", factor=4.0), dict(gradient_checkpointing=True, mlp_tile=16), 256),  # rotary rebuilt
     ("llama", dict(position="dynamic-yarn"), {}, None),  # rotary class swapped
@@ -66,7 +67,7 @@ def _case(rank, world, index, out_dir):
     # FSDP2 as accelerate applies it to the recipes' loss module: each block, then the root (the loss module); each
     # rank its own rows of the batch
     memory.apply(sharded, **options)
-    root = CausalLMLoss(sharded)
+    root = CausalLMLoss(sharded, chunk=20, fused=index == 0)
     mesh = init_device_mesh("cpu", (world,))
     for block in get_path(sharded.base_model, adapter_for(sharded).layers):
         fully_shard(block, mesh=mesh)
@@ -74,7 +75,7 @@ def _case(rank, world, index, out_dir):
     assert all(type(p).__name__ == "DTensor" for p in root.parameters())
     mine = slice(rank, rank + 1)
     pos_mine = None if positions is None else positions[mine]
-    opt = torch.optim.AdamW(root.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(root.parameters(), lr=1e-2, fused=index == 0)
     local = _losses(root, ids[mine], pos_mine)
     local.backward()  # FSDP2 averages the gradients over the ranks: the whole batch's mean gradient
     opt.step()

@@ -160,6 +160,46 @@ def test_tiled_mlp_equals_the_plain_step(family):
         assert type(mlp).__name__ != "TiledMLP" and "TiledMLP" not in type(mlp).__name__
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_fused_loss_equals_cross_entropy_with_its_gradients(softcap):
+    """The fused loss (gradients made in the forward pass, chunk not dividing the rows, ignored labels, a bias,
+    soft-capped logits) against the formula: F.cross_entropy of the (capped) logits, autograd's gradients."""
+    from hfpatch.train.losses import fused_lm_loss
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    h = torch.randn(2, 30, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 30))
+    labels[0, 5:9] = -100
+    loss = fused_lm_loss(h, labels, head, chunk=7, softcap=softcap)[0]
+    (3.0 * loss).backward()  # an upstream gradient other than 1 reaches every gradient
+    got = [h.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
+    h.grad = head.weight.grad = head.bias.grad = None
+    logits = head(h)
+    logits = torch.tanh(logits / softcap) * softcap if softcap else logits
+    ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    (3.0 * ref).backward()
+    assert abs(loss.item() - ref.item()) <= 1e-6 * ref.item()
+    for a, b in zip(got, [h.grad, head.weight.grad, head.bias.grad]):
+        assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_all_memory_options_together_equal_the_plain_step(family):
+    """Checkpointed blocks, tiled MLP and the fused loss in small chunks: loss and gradients of the plain step
+    (gemma2: soft-capped logits; llama and gpt2: the head tied to the embedding)."""
+    ids = tokens(50, batch=2)
+    plain = _step(_training_model(family), ids)
+    model = _training_model(family)
+    edits = memory.apply(model, gradient_checkpointing=True, mlp_tile=16)
+    model.zero_grad(set_to_none=True)
+    loss = CausalLMLoss(model, chunk=12, fused=True)(ids)[0]
+    loss.backward()
+    _assert_same_step((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}),
+                      plain)
+    edits.undo()
+
+
 def test_tiled_mlp_with_pose_positions_equals_the_plain_step():
     ids = tokens(64, batch=1)
     pos = batch_position_ids(64, 4 * WINDOW, 2, seed=0, first_sample=0, batch=1)
@@ -239,6 +279,7 @@ def test_pose_run_resumes_exactly(tiny_folder, text, tmp_path):
     (["pose.target_len=256", "patch={position: nope}"], "pose needs a RoPE model"),
     (["mlp_tile=0"], "mlp_tile must be > 0, got 0"),
     (["mlp_tile=-4"], "mlp_tile must be > 0, got -4"),
+    (["fused_loss=maybe"], "fused_loss must be bool"),
     (["pose.target=256"], "unknown config key 'pose.target'"),
 ])
 def test_bad_long_training_configs_fail_before_training(tiny_folder, text, tmp_path, capsys, args, message):
@@ -247,6 +288,13 @@ def test_bad_long_training_configs_fail_before_training(tiny_folder, text, tmp_p
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], errors
     assert not (tmp_path / "o").exists()
+
+
+def test_fused_loss_with_distillation_is_refused():
+    from hfpatch.train.config import ConfigError, load
+
+    with pytest.raises(ConfigError, match="fused_loss computes the plain cross-entropy only"):
+        load("heal", None, ["model=x", "distill.enabled=true", "fused_loss=true"])
 
 
 def test_mlp_tile_on_a_model_without_an_mlp_module_fails_before_training(tmp_path, text, tiny_tokenizer_dir, capsys):

@@ -48,6 +48,9 @@ COMMON = {
     # positions per tile of each block's feed-forward module, each tile recomputed in the backward pass (memory.py);
     # null = off
     "mlp_tile": ((int, type(None)), None),
+    # the loss's gradient made in the forward pass, chunk by chunk (losses.fused_lm_loss): one [loss_chunk, vocab]
+    # buffer at a time and no second pass through the LM head; the plain CE only (not with distillation)
+    "fused_loss": (bool, False),
     # torch's fused AdamW kernel: the step makes no parameter-sized temporaries (the default for-each-tensor AdamW
     # makes a few per parameter: three times the embedding matrix's size at its peak)
     "fused_optimizer": (bool, False),
@@ -201,6 +204,9 @@ def _validate(cfg: Config, recipe: str) -> None:
                               f"spreads seq_len positions over target_len")
         if not 2 <= pose.chunks <= cfg.seq_len:
             raise ConfigError(f"pose.chunks must be between 2 and seq_len={cfg.seq_len}, got {pose.chunks}")
+    if cfg.fused_loss and "distill" in cfg and cfg.distill.enabled:
+        raise ConfigError("fused_loss computes the plain cross-entropy only; distillation scores the KL to the teacher "
+                          "through loss_chunk: remove fused_loss")
     if "distill" in cfg and cfg.distill.enabled and not 0.0 <= cfg.distill.alpha <= 1.0:
         raise ConfigError(f"distill.alpha must be in [0, 1], got {cfg.distill.alpha}")
     try:

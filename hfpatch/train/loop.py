@@ -33,7 +33,7 @@ import hfpatch
 
 from . import memory, parallel
 from .data import batch_indices
-from .losses import auto_chunk, chunked_lm_loss, shift
+from .losses import auto_chunk, chunked_lm_loss, fused_lm_loss, shift
 from .pose import batch_position_ids
 
 
@@ -46,16 +46,19 @@ def output_head(lm):
     return lambda h: torch.tanh(head(h) / cap) * cap
 
 
+FUSED_CHUNK = 512  # positions per chunk of the fused loss when loss_chunk is not set
+
+
 class CausalLMLoss(nn.Module):
     """Wraps the trained model so that accelerate's wrappers (DDP, FSDP, DeepSpeed) see one forward that returns
     the loss. The teacher is a plain attribute, not a submodule: it is neither trained, synchronised, sharded nor
     saved."""
 
-    def __init__(self, model, chunk=None, teacher=None, alpha=0.0, temperature=1.0):
+    def __init__(self, model, chunk=None, teacher=None, alpha=0.0, temperature=1.0, fused=False):
         super().__init__()
         self.model = model
         object.__setattr__(self, "teacher", teacher)
-        self.chunk, self.alpha, self.temperature = chunk, alpha, temperature
+        self.chunk, self.alpha, self.temperature, self.fused = chunk, alpha, temperature, fused
 
     @property
     def config(self):
@@ -82,6 +85,10 @@ class CausalLMLoss(nn.Module):
             extra = {"position_ids": position_ids, "attention_mask": torch.ones_like(ids)}
         hidden = lm.base_model(input_ids=ids, use_cache=False, **extra).last_hidden_state
         labels = shift(ids) if labels is None else labels
+        if self.fused and self.teacher is None:  # gradients made in the forward pass, chunk by chunk (losses.py)
+            out = fused_lm_loss(hidden, labels, lm.get_output_embeddings(), self.chunk or FUSED_CHUNK,
+                                getattr(lm.config, "final_logit_softcapping", None))
+            return out if scale is None else tuple(x * (labels != -100).sum() * scale for x in out)
         teacher_hidden = teacher_head = None
         if self.teacher is not None:
             with torch.no_grad():
@@ -160,7 +167,7 @@ def prepare(cfg, model, teacher=None) -> Run:
     distill = getattr(cfg, "distill", None)
     loss_module = CausalLMLoss(model, chunk=cfg.loss_chunk, teacher=teacher,
                                alpha=distill.alpha if distill else 0.0,
-                               temperature=distill.temperature if distill else 1.0)
+                               temperature=distill.temperature if distill else 1.0, fused=cfg.fused_loss)
     optimizer = torch.optim.AdamW([p for p in loss_module.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay, **({"fused": True} if cfg.fused_optimizer else {}))
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)

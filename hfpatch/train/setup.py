@@ -82,5 +82,8 @@ def apply_patch(model, cfg):
             memory.feed_forward_modules(model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    head = hfpatch.apply.unwrap(model).get_output_embeddings()
+    if cfg.fused_loss and not isinstance(head, torch.nn.Linear):
+        raise ConfigError(f"fused_loss needs a linear LM head; this model's is {type(head).__name__}: remove fused_loss")
     parallel.check(cfg, scheme)
     return model
