@@ -58,7 +58,7 @@ def recipe_overrides(args, length: int, out: str) -> list[str]:
     """The recipe's configuration in this benchmark (the same keys a user puts in the YAML)."""
     return [f"seq_len={length}", "batch_size=1", f"max_steps={args.steps}", "warmup_steps=1", "lr=1e-4",
             "gradient_checkpointing=true", f"mlp_tile={args.mlp_tile}", f"fused_optimizer={str(args.fused).lower()}",
-            "fused_loss=true",
+            "fused_loss=true", "release_memory=true",
             f"output_dir={out}", "model=smollm2"] + ([f"loss_chunk={args.loss_chunk}"] if args.loss_chunk else [])
 
 
@@ -134,14 +134,21 @@ def _hwm_kb(pid: int) -> int:
     return 0
 
 
+# what each measured variant runs: (worker, environment). "trainer, malloc 1 MiB" gives Trainer the allocator setting
+# the recipe's release_memory sets from inside (glibc's mmap threshold fixed at 1 MiB), through the environment.
+VARIANTS = {"trainer": ("trainer", {}), "trainer, malloc 1 MiB": ("trainer", {"MALLOC_MMAP_THRESHOLD_": "1048576"}),
+            "recipe": ("recipe", {}), "idle": ("idle", {})}
+
+
 def measure(args, variant: str, length: int, steps: int, budget: int | None) -> dict:
     """One fresh process: `steps` steps at `length`. Stopped as soon as its peak passes `budget` bytes."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--length", str(length), "--steps",
+    worker, env = VARIANTS[variant]
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--length", str(length), "--steps",
            str(steps), "--layers", str(args.layers), "--max-len", str(args.max_len), "--mlp-tile", str(args.mlp_tile),
            "--loss-chunk", str(args.loss_chunk or 0)] + ([] if args.fused else ["--no-fused"])
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env={**os.environ, **env})
         peak_kb, over = 0, False
         while proc.poll() is None:
             peak_kb = max(peak_kb, _hwm_kb(proc.pid))
@@ -165,38 +172,48 @@ def measure(args, variant: str, length: int, steps: int, budget: int | None) -> 
             "stopped": False, "seconds": seconds, **result}
 
 
-def longest(args, variant: str, budget: int, log: list) -> tuple[int, dict]:
-    """Doubling from args.start, then bisection to args.resolution: the longest length that fits."""
+def longest(args, variant: str, start: int, budget: int, log: list) -> tuple[int, dict]:
+    """The longest length that fits, to args.resolution: doubling from `start` until a step does not fit, then
+    bisection between the last length that fit and the first that did not. Each new probe is placed where the
+    straight line through the two longest steps that fit reaches the budget (the peak grows about linearly with
+    the length), moved inside the bracket, so that the long, slow probes are few."""
     def probe(length):
         m = measure(args, variant, length, 1, budget)
         log.append(m)
-        print(f"  {variant:8s} {length:7d} tokens: {'fits' if m['fits'] else 'does not fit'} "
+        print(f"  {variant:22s} {length:7d} tokens: {'fits' if m['fits'] else 'does not fit'} "
               f"(peak {m['peak_gb']:.2f} GB{', stopped' if m['stopped'] else ''}, {m['seconds']:.0f} s)",
               file=sys.stderr, flush=True)
         return m
 
-    fit, fit_m, miss = None, None, None
-    length = args.start
+    fits: list[tuple[int, dict]] = []
+    miss, length = None, start
     while miss is None:
         if length > args.max_len:
             raise SystemExit(f"{variant} still fits at --max-len {args.max_len}: raise it or lower the budget")
         m = probe(length)
         if m["fits"]:
-            fit, fit_m, length = length, m, length * 2
+            fits.append((length, m))
+            length *= 2
         else:
             miss = length
-    if fit is None:
-        raise SystemExit(f"{variant} does not fit {args.start} tokens in {args.budget_gb} GB: lower --start")
-    while miss - fit > args.resolution:
-        mid = (fit + miss) // 2 // args.resolution * args.resolution
-        if mid in (fit, miss):
-            break
+    if not fits:
+        raise SystemExit(f"{variant} does not fit {start} tokens in {args.budget_gb} GB: lower the start length")
+    r = args.resolution
+    while miss - fits[-1][0] > r:
+        fit = fits[-1][0]
+        mid = (fit + miss) // 2
+        if len(fits) >= 2:
+            (l0, m0), (l1, m1) = fits[-2], fits[-1]
+            slope = (m1["peak_gb"] - m0["peak_gb"]) / (l1 - l0)
+            if slope > 0:
+                mid = int(l1 + (budget / GB - m1["peak_gb"]) / slope)
+        mid = min(max(mid // r * r, fit + r), miss - r)
         m = probe(mid)
         if m["fits"]:
-            fit, fit_m = mid, m
+            fits.append((mid, m))
         else:
             miss = mid
-    return fit, fit_m
+    return fits[-1]
 
 
 def floor_bytes(config, length: int, idle: dict, layers: int) -> dict:
@@ -222,7 +239,8 @@ def main(argv=None):
     p.add_argument("--budget-gb", type=float, default=3.0, dest="budget_gb",
                    help="peak resident memory of the whole process, GiB")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--start", type=int, default=1024, help="first length tried (doubling from there)")
+    p.add_argument("--start", type=int, default=1024, help="Trainer's first length (doubling from there)")
+    p.add_argument("--recipe-start", type=int, default=4096, dest="recipe_start", help="the recipe's first length")
     p.add_argument("--resolution", type=int, default=512, help="bisection stops at this many tokens")
     p.add_argument("--max-len", type=int, default=131072, dest="max_len",
                    help="longest length tried; the model's YaRN window covers it")
@@ -250,12 +268,11 @@ def main(argv=None):
     budget = int(args.budget_gb * GB)
     idle = measure(args, "idle", 0, 0, None)
     log: list[dict] = []
-    best = {}
-    for variant in ("trainer", "recipe"):
-        best[variant] = longest(args, variant, budget, log)
-    both = args.timing_length or best["trainer"][0]
+    best = {v: longest(args, v, args.recipe_start if v == "recipe" else args.start, budget, log)
+            for v in ("trainer", "trainer, malloc 1 MiB", "recipe")}
+    both = args.timing_length or min(best["trainer"][0], best["trainer, malloc 1 MiB"][0])
     timing = {}
-    for variant in ("trainer", "recipe", "recipe", "trainer")[: 2 if args.timing_steps else 0]:
+    for variant in ("trainer", "trainer, malloc 1 MiB", "recipe") if args.timing_steps else ():
         m = measure(args, variant, both, args.timing_steps, None)
         timed = m["times"][1:]
         timing[variant] = {"tokens_per_s": both * len(timed) / sum(timed), "peak_gb": m["peak_gb"],
@@ -271,20 +288,21 @@ def main(argv=None):
         floor = floor_bytes(config, length, idle, args.layers)
         rows.append([variant, length, f"{m['peak_gb']:.2f}", f"{floor['total'] / GB:.2f}",
                      f"{m['peak_gb'] * GB / floor['total']:.2f}", f"{m['times'][0]:.0f}"])
-    ratio = best["recipe"][0] / best["trainer"][0]
+    ratio = best["recipe"][0] / max(best["trainer"][0], best["trainer, malloc 1 MiB"][0])
     print(f"process with the model loaded: {idle['peak_gb']:.2f} GB; floor per token "
           f"{floor_bytes(config, 0, idle, args.layers)['per_token'] / 1024:.1f} KiB")
     print(f"SmolLM2 shape, {args.layers} blocks, fp32, batch 1; budget {args.budget_gb} GiB of peak RSS per process; "
-          f"recipe: gradient checkpointing, mlp_tile {args.mlp_tile}, loss_chunk {args.loss_chunk or 'auto'}, "
-          f"{'fused' if args.fused else 'for-each'} AdamW (Trainer: {'adamw_torch_fused' if args.fused else 'adamw_torch'}, "
-          f"gradient checkpointing)")
+          f"recipe: gradient checkpointing, mlp_tile {args.mlp_tile}, fused_loss (chunks of "
+          f"{args.loss_chunk or 512}), release_memory, {'fused' if args.fused else 'for-each'} AdamW (Trainer: "
+          f"{'adamw_torch_fused' if args.fused else 'adamw_torch'}, gradient checkpointing)")
     print(markdown_table(["loop", "longest step that fits (tokens)", "its peak RSS (GB)",
                           "floor at that length (GB)", "peak / floor", "step (s)"], rows))
-    print(f"\nlongest sequence, recipe / Trainer: {ratio:.1f}x")
+    print(f"\nlongest sequence, recipe / Trainer's longer: {ratio:.1f}x")
     if timing:
-        tr, rc = timing["trainer"], timing["recipe"]
-        print(f"tokens/s at {both} tokens: Trainer {tr['tokens_per_s']:.0f}, recipe {rc['tokens_per_s']:.0f}, "
-              f"ratio {rc['tokens_per_s'] / tr['tokens_per_s']:.3f}")
+        rc = timing["recipe"]["tokens_per_s"]
+        print(markdown_table(["loop", f"tokens/s at {both} tokens", "recipe / this", "peak RSS (GB)"],
+                             [[v, f"{t['tokens_per_s']:.1f}", f"{rc / t['tokens_per_s']:.3f}", f"{t['peak_gb']:.2f}"]
+                              for v, t in timing.items()]))
     result = {"args": vars(args), "idle": idle, "longest": {v: {"length": b[0], **b[1]} for v, b in best.items()},
               "ratio": ratio, "timing_length": both, "timing": timing, "probes": log}
     write_json(args.json, result)

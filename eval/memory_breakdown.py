@@ -47,6 +47,7 @@ class LiveTensors(TorchDispatchMode):
         self.phase, self.module, self.last_block = "forward", "-", "-"
         self.shapes: list[tuple[tuple, tuple, int]] = []  # (label, shape, nbytes) of every new storage
         self.phase_peak: dict[str, int] = {}  # the largest live total seen in each phase
+        self.phase_snap: dict[str, tuple] = {}  # phase -> (live total, [(nbytes, label)]) near its peak
         # the process's resident set after each op: it also holds what the tracker cannot see (memory inside one
         # op, and memory the allocator keeps after tensors are freed)
         self._status = open("/proc/self/statm", "rb", buffering=0)
@@ -91,6 +92,9 @@ class LiveTensors(TorchDispatchMode):
                     self.at_peak = [(p, e[0], e[1]) for p, e in self.live.items()]
                     self._snap_total = self.total
                     self.peak_label = entry[1]
+            phase = entry[1][0]
+            if self.total > self.phase_snap.get(phase, (0, None))[0] + MB:  # the live set at each phase's peak
+                self.phase_snap[phase] = (self.total, [(e[0], e[1]) for e in self.live.values()])
         entry[2] += 1
         weakref.finalize(t, self._release, ptr, entry)
 
@@ -157,6 +161,8 @@ def run(args) -> dict:
     model = smollm2_shaped(args.layers, args.length)
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
+    if args.release:
+        memory.release_freed_memory()
     if args.variant == "plain":
         model.activation_checkpointing_enable({"use_reentrant": False})
         step_module = None
@@ -205,6 +211,9 @@ def run(args) -> dict:
         "after_forward_by_part_mb": {k: v / MB for k, v in after_forward.items()},
         "at_peak_by_phase_mb": {k: v / MB for k, v in group(at_peak, lambda lab: lab[0]).items()},
         "at_peak_by_part_mb": {k: v / MB for k, v in group(at_peak, lambda lab: f"{lab[0]}: {part_of(lab)}").items()},
+        "at_phase_peaks_by_part_mb": {
+            phase: {k: v / MB for k, v in group(entries, lambda lab: f"{lab[0]}: {part_of(lab)}").items()}
+            for phase, (_, entries) in tracker.phase_snap.items()},
         "at_peak_by_layer_mb": {k: v / MB for k, v in group(
             at_peak, lambda lab: ".".join(lab[1].split(".")[:3]) if ".layers." in lab[1] else lab[1]).items()},
     }
@@ -266,6 +275,7 @@ def main(argv=None):
     p.add_argument("--mlp-tile", type=int, default=None, dest="mlp_tile")
     p.add_argument("--fused", action="store_true", help="torch's fused AdamW (fused_optimizer: true)")
     p.add_argument("--fused-loss", action="store_true", dest="fused_loss", help="the recipe's fused_loss: true")
+    p.add_argument("--release", action="store_true", help="the recipe's release_memory: true")
     p.add_argument("--rope", action="store_true", help="report what RoPE allocates and keeps instead")
     p.add_argument("--json")
     args = p.parse_args(argv)

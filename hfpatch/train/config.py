@@ -51,6 +51,8 @@ COMMON = {
     # the loss's gradient made in the forward pass, chunk by chunk (losses.fused_lm_loss): one [loss_chunk, vocab]
     # buffer at a time and no second pass through the LM head; the plain CE only (not with distillation)
     "fused_loss": (bool, False),
+    # CPU (glibc): freed tensors of 1 MiB or more go back to the OS instead of staying in malloc's heaps (memory.py)
+    "release_memory": (bool, False),
     # torch's fused AdamW kernel: the step makes no parameter-sized temporaries (the default for-each-tensor AdamW
     # makes a few per parameter: three times the embedding matrix's size at its peak)
     "fused_optimizer": (bool, False),

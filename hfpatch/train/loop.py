@@ -88,14 +88,14 @@ class CausalLMLoss(nn.Module):
         if self.fused and self.teacher is None:  # gradients made in the forward pass, chunk by chunk (losses.py)
             out = fused_lm_loss(hidden, labels, lm.get_output_embeddings(), self.chunk or FUSED_CHUNK,
                                 getattr(lm.config, "final_logit_softcapping", None))
-            return out if scale is None else tuple(x * (labels != -100).sum() * scale for x in out)
-        teacher_hidden = teacher_head = None
-        if self.teacher is not None:
-            with torch.no_grad():
-                teacher_hidden = self.teacher.base_model(input_ids=ids, use_cache=False).last_hidden_state
-            teacher_head = output_head(self.teacher)
-        out = chunked_lm_loss(hidden, labels, output_head(lm), chunk, teacher_hidden, teacher_head,
-                              self.temperature, self.alpha if self.teacher is not None else 0.0)
+        else:
+            teacher_hidden = teacher_head = None
+            if self.teacher is not None:
+                with torch.no_grad():
+                    teacher_hidden = self.teacher.base_model(input_ids=ids, use_cache=False).last_hidden_state
+                teacher_head = output_head(self.teacher)
+            out = chunked_lm_loss(hidden, labels, output_head(lm), chunk, teacher_hidden, teacher_head,
+                                  self.temperature, self.alpha if self.teacher is not None else 0.0)
         if scale is None:
             return out
         scored = (labels != -100).sum()
@@ -157,6 +157,8 @@ def prepare(cfg, model, teacher=None) -> Run:
     accelerator = Accelerator(mixed_precision=cfg.precision, log_with=cfg.log_with, project_dir=cfg.output_dir,
                               cpu=not torch.cuda.is_available())
     set_seed(cfg.seed)
+    if cfg.release_memory and accelerator.device.type == "cpu":
+        memory.release_freed_memory()
     memory_edits = memory.apply(model, gradient_checkpointing=cfg.gradient_checkpointing, mlp_tile=cfg.mlp_tile)
     if cfg.lora.enabled:
         import peft

@@ -79,19 +79,23 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
             h, y = hidden[s:s + chunk], labels[s:s + chunk]
-            z = F.linear(h, weight, bias).float()
+            z = F.linear(h, weight, bias).float()  # the one [chunk, vocab] buffer, reused in place below
+            slope = None
             if softcap:
-                z = torch.tanh(z / softcap).mul_(softcap)
+                z.div_(softcap).tanh_()
+                slope = 1 - z * z  # d softcap(x) / dx at x, from tanh(x / cap)
+                z.mul_(softcap)
             scored = y != -100
             target = y.clamp(min=0)[:, None]
-            lse = torch.logsumexp(z, dim=-1)
-            total += ((lse - z.gather(1, target)[:, 0]) * scored).sum()
-            if softcap:
-                slope = 1 - (z / softcap) ** 2  # d softcap(x) / dx, from the capped value
-            g = z.sub_(lse[:, None]).exp_()  # softmax, in the logits' buffer
+            picked = z.gather(1, target)[:, 0]
+            top = z.amax(dim=-1, keepdim=True)
+            g = z.sub_(top).exp_()
+            norm = g.sum(dim=-1, keepdim=True)
+            total += ((top[:, 0] + norm[:, 0].log() - picked) * scored).sum()  # logsumexp - target logit
+            g.div_(norm)  # softmax
             g.scatter_add_(1, target, -scored[:, None].to(g.dtype))  # - one-hot on the scored rows
             g.mul_(scored[:, None])  # rows not scored contribute nothing
-            if softcap:
+            if slope is not None:
                 g.mul_(slope)
                 del slope
             grad_h[s:s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
@@ -104,10 +108,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # scaled in place: the saved gradients are used once (a second backward through this graph is an error)
         grad_h, grad_w, grad_b = ctx.saved_tensors
         scale = grad_out / ctx.count
-        gb = None if grad_b is None else (grad_b * scale).to(ctx.dtypes[1])
-        return grad_h * scale.to(grad_h.dtype), (grad_w * scale).to(ctx.dtypes[0]), gb, None, None, None, None
+        gb = None if grad_b is None else grad_b.mul_(scale).to(ctx.dtypes[1])
+        return grad_h.mul_(scale.to(grad_h.dtype)), grad_w.mul_(scale).to(ctx.dtypes[0]), gb, None, None, None, None
 
 
 def fused_lm_loss(hidden, labels, head: torch.nn.Linear, chunk: int, softcap: float | None = None):
