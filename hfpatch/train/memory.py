@@ -5,6 +5,9 @@ arithmetic of a step: the loss and the gradients equal those of the plain step (
   forward and the backward pass and is run again in the backward pass.
 - loss_chunk (losses.py): the LM head and the loss run `loss_chunk` positions at a time, each chunk recomputed in
   the backward pass, so [seq_len, vocab] logits never exist at once.
+- fused_loss (losses.py): the cross-entropy's gradient made in the forward pass, one [chunk, vocab] buffer at a
+  time, the LM head run once.
+- fused_optimizer (loop.py): torch's fused AdamW, without the parameter-sized temporaries of the per-tensor one.
 - release_memory (CPU, glibc): freed tensors go back to the operating system. glibc raises its mmap threshold as
   large blocks are freed (up to 32 MiB), after which tensors below it come from heaps that keep freed memory: in a
   long step the process held 0.76 GB more than its live tensors (measured: eval/memory_breakdown.py, 8 blocks at 8k).
