@@ -87,3 +87,22 @@ def write_json(path: str | None, result: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def smollm2_shaped(layers: int, max_positions: int):
+    """SmolLM2-135M's architecture (its config, read from the embedded GGUF's metadata) with `layers` blocks and
+    random weights, its window scaled with YaRN to cover max_positions."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hfpatch
+    from hfpatch.models import SMOLLM2, resolve
+
+    where, gguf = resolve(SMOLLM2)
+    config = AutoConfig.from_pretrained(where, gguf_file=gguf)
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    factor = max(2.0, 2 ** (max_positions - 1).bit_length() / config.max_position_embeddings)
+    hfpatch.patch(model, position="yarn", factor=factor)
+    return model

@@ -48,6 +48,17 @@ COMMON = {
     # positions per chunk when scoring against the LM head, each chunk recomputed in the backward pass; null =
     # auto: one piece while the [batch, seq_len, vocab] fp32 logits stay under 1 GiB, else chunks of 512
     "loss_chunk": ((int, type(None)), None),
+    # positions per tile of each block's feed-forward module, each tile recomputed in the backward pass (memory.py);
+    # null = off
+    "mlp_tile": ((int, type(None)), None),
+    # the loss's gradient made in the forward pass, chunk by chunk (losses.fused_lm_loss): one [loss_chunk, vocab]
+    # buffer at a time and no second pass through the LM head; the plain CE only (not with distillation)
+    "fused_loss": (bool, False),
+    # CPU (glibc): freed tensors of 1 MiB or more go back to the OS instead of staying in malloc's heaps (memory.py)
+    "release_memory": (bool, False),
+    # torch's fused AdamW kernel: the step makes no parameter-sized temporaries (the default for-each-tensor AdamW
+    # makes a few per parameter: three times the embedding matrix's size at its peak)
+    "fused_optimizer": (bool, False),
     "lora": {
         "enabled": (bool, False),
         "r": (int, 8),
@@ -75,8 +86,15 @@ DISTILL = {
 
 PRETRAIN = {"model_config": (dict, {})}  # model built from a config: {model_type: llama, hidden_size: ...}
 
+POSE = {
+    "pose": {  # positional skip-wise training (pose.py): seq_len tokens, positions spread over target_len
+        "target_len": ((int, type(None)), None),  # null = off
+        "chunks": (int, 2),  # pieces per sequence, each shifted by its own skip (the paper uses 2)
+    }
+}
+
 SCHEMAS = {
-    "context_extension": COMMON,
+    "context_extension": {**COMMON, **POSE},
     "heal": {**COMMON, **DISTILL},
     "pretrain": {**COMMON, **PRETRAIN},
 }
@@ -197,7 +215,7 @@ def _validate(cfg: Config, recipe: str) -> None:
     if recipe == "pretrain" and not cfg.tokenizer:
         raise ConfigError("tokenizer is required for pretrain (a folder, a .gguf file or 'smollm2')")
     for key in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "save_every", "eval_batches",
-                "loss_chunk"):
+                "loss_chunk", "mlp_tile"):
         if cfg[key] is not None and cfg[key] <= 0:
             raise ConfigError(f"{key} must be > 0, got {cfg[key]}")
     if cfg.warmup_steps < 0 or cfg.lr <= 0:
@@ -219,6 +237,16 @@ def _validate(cfg: Config, recipe: str) -> None:
         if not Path(f).exists():
             raise ConfigError(f"data path not found: {f}")
     _check_trackers(cfg.log_with)
+    pose = cfg.get("pose")
+    if pose and pose.target_len is not None:
+        if pose.target_len <= cfg.seq_len:
+            raise ConfigError(f"pose.target_len={pose.target_len} must be greater than seq_len={cfg.seq_len}: PoSE "
+                              f"spreads seq_len positions over target_len")
+        if not 2 <= pose.chunks <= cfg.seq_len:
+            raise ConfigError(f"pose.chunks must be between 2 and seq_len={cfg.seq_len}, got {pose.chunks}")
+    if cfg.fused_loss and "distill" in cfg and cfg.distill.enabled:
+        raise ConfigError("fused_loss computes the plain cross-entropy only; distillation scores the KL to the teacher "
+                          "through loss_chunk: remove fused_loss")
     if "distill" in cfg and cfg.distill.enabled and not 0.0 <= cfg.distill.alpha <= 1.0:
         raise ConfigError(f"distill.alpha must be in [0, 1], got {cfg.distill.alpha}")
     try:

@@ -5,7 +5,9 @@ was given.
   module that accelerate wraps, so DDP/FSDP see a normal forward.
 - Gradient accumulation by hand (no_sync on all but the last micro-batch), clipping, AdamW, linear warm-up + cosine
   decay stepped once per optimizer step (an accelerate-prepared scheduler would step once per process).
-- Data order: batch `step` is a pure function of (seed, step) (data.batch_indices), each process taking its slice.
+- Data order: batch `step` is a pure function of (seed, step) (data.batch_indices), each process taking its slice;
+  so are PoSE's position ids (pose.py), per sequence.
+- Memory options (memory.py): activation checkpointing, the tiled MLP; the chunked loss (losses.py).
 - A checkpoint every `save_every` steps (accelerate's save_state: model, optimizer, RNG states; the step and the
   scheduler in a JSON marker), published by one rename once complete (checkpoint.py); resuming loads the newest
   complete one and continues at the next step, so a run killed at any moment ends with the uninterrupted loss curve.
@@ -16,6 +18,7 @@ was given.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -30,10 +33,11 @@ from transformers import get_cosine_schedule_with_warmup
 
 import hfpatch
 
-from . import checkpoint
+from . import checkpoint, memory, parallel
 from .config import ConfigError
 from .data import batch_indices
-from .losses import auto_chunk, chunked_lm_loss, shift
+from .losses import auto_chunk, chunked_lm_loss, fused_lm_loss, shift
+from .pose import batch_position_ids
 
 
 def output_head(lm):
@@ -45,32 +49,64 @@ def output_head(lm):
     return lambda h: torch.tanh(head(h) / cap) * cap
 
 
-class CausalLMLoss(nn.Module):
-    """Wraps the trained model so that accelerate's wrappers (DDP, FSDP) see one forward that returns the loss.
-    The teacher is a plain attribute, not a submodule: it is neither trained, synchronised, sharded nor saved."""
+FUSED_CHUNK = 512  # positions per chunk of the fused loss when loss_chunk is not set
 
-    def __init__(self, model, chunk=None, teacher=None, alpha=0.0, temperature=1.0):
+
+class CausalLMLoss(nn.Module):
+    """Wraps the trained model so that accelerate's wrappers (DDP, FSDP, DeepSpeed) see one forward that returns
+    the loss. The teacher is a plain attribute, not a submodule: it is neither trained, synchronised, sharded nor
+    saved."""
+
+    def __init__(self, model, chunk=None, teacher=None, alpha=0.0, temperature=1.0, fused=False):
         super().__init__()
         self.model = model
         object.__setattr__(self, "teacher", teacher)
-        self.chunk, self.alpha, self.temperature = chunk, alpha, temperature
+        self.chunk, self.alpha, self.temperature, self.fused = chunk, alpha, temperature, fused
 
-    def forward(self, ids):
+    @property
+    def config(self):
+        """The model's config: DeepSpeed's Ulysses reads the attention layout from the module it is given."""
+        return hfpatch.apply.unwrap(self.model).config
+
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The classes of the model's blocks, patched ones included (a placement patch gives them a subclass):
+        accelerate's FSDP wraps each block by these names."""
+        lm = hfpatch.apply.unwrap(self.model)
+        blocks = hfpatch.adapters.get_path(lm.base_model, hfpatch.adapters.adapter_for(lm).layers)
+        return sorted({type(block).__name__ for block in blocks})
+
+    def forward(self, ids, position_ids=None, labels=None, scale=None):
+        """(loss, ce, kl), means over the scored positions of `ids`. `labels` default to the next tokens of `ids`;
+        with `scale`, each is (sum over this piece) x scale instead: a piece of a sequence split over processes."""
         lm = hfpatch.apply.unwrap(self.model)
         chunk = auto_chunk(ids.shape[0], ids.shape[1], lm.config.get_text_config().vocab_size, self.chunk)
-        hidden = lm.base_model(input_ids=ids, use_cache=False).last_hidden_state
-        labels = shift(ids)
-        teacher_hidden = teacher_head = None
-        if self.teacher is not None:
-            with torch.no_grad():
-                teacher_hidden = self.teacher.base_model(input_ids=ids, use_cache=False).last_hidden_state
-            teacher_head = output_head(self.teacher)
-        return chunked_lm_loss(hidden, labels, output_head(lm), chunk, teacher_hidden, teacher_head,
-                               self.temperature, self.alpha if self.teacher is not None else 0.0)
+        extra = {}
+        if position_ids is not None:
+            # An explicit all-ones mask: without one, transformers reads positions that jump (PoSE's skips, a
+            # shard of a split sequence) as the starts of separate packed documents and masks attention between them
+            extra = {"position_ids": position_ids, "attention_mask": torch.ones_like(ids)}
+        hidden = lm.base_model(input_ids=ids, use_cache=False, **extra).last_hidden_state
+        labels = shift(ids) if labels is None else labels
+        if self.fused and self.teacher is None:  # gradients made in the forward pass, chunk by chunk (losses.py)
+            out = fused_lm_loss(hidden, labels, lm.get_output_embeddings(), self.chunk or FUSED_CHUNK,
+                                getattr(lm.config, "final_logit_softcapping", None))
+        else:
+            teacher_hidden = teacher_head = None
+            if self.teacher is not None:
+                with torch.no_grad():
+                    teacher_hidden = self.teacher.base_model(input_ids=ids, use_cache=False).last_hidden_state
+                teacher_head = output_head(self.teacher)
+            out = chunked_lm_loss(hidden, labels, output_head(lm), chunk, teacher_hidden, teacher_head,
+                                  self.temperature, self.alpha if self.teacher is not None else 0.0)
+        if scale is None:
+            return out
+        scored = (labels != -100).sum()
+        return tuple(x * scored * scale for x in out)
 
 
 class Progress:
-    """The step reached and the tokens seen (saved in the checkpoint marker, with the scheduler's state)."""
+    """What accelerate checkpoints besides model/optimizer/scheduler/RNG: the step reached and tokens seen."""
 
     def __init__(self):
         self.step, self.tokens = 0, 0
@@ -82,16 +118,47 @@ class Progress:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
 
 
-def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
+class Run:
+    """What a training run holds besides the model: built by `prepare`, stepped by `train_step`."""
+
+    def __init__(self, accelerator, loss_module, optimizer, scheduler, params, memory_edits):
+        self.accelerator, self.loss_module, self.optimizer = accelerator, loss_module, optimizer
+        self.scheduler, self.params, self.memory_edits = scheduler, params, memory_edits
+        self.layout = parallel.layout(accelerator)
+
+    @contextlib.contextmanager
+    def pieces(self, ids, positions):
+        """The loss module's arguments (ids, positions, labels, scale) for one micro-batch: the whole sequences, or
+        this process's shard of them (parallel.py). The forward and the backward pass both run inside (context
+        parallelism's ring attention is active there)."""
+        lay = self.layout
+        if lay.split is None:
+            yield ids, positions, None, None
+            return
+        labels = shift(ids)  # before the split: a shard's last label is the next shard's first token
+        scale = lay.size / (labels != -100).sum()  # shard's sum x size / all scored; averaged -> the batch's mean
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).repeat(ids.shape[0], 1)
+        if lay.split == "sp":
+            ids, labels, positions = parallel.contiguous_shard(lay, ids, labels, positions)
+            yield ids, positions, labels, scale
+            return
+        buffers = [ids, labels, positions]  # sharded in place by torch's context_parallel
+        with self.accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                                                     no_restore_buffers=set(buffers)):
+            yield ids, positions, labels, scale
+
+
+def prepare(cfg, model, teacher=None) -> Run:
+    """The accelerator, the memory options on the model, LoRA, the loss module, AdamW and the schedule, prepared."""
     # cpu=True where there is no GPU: processes started by torchrun (accelerate's multi-process launcher) then
     # form a gloo group on the CPU instead of failing to find devices
     accelerator = Accelerator(mixed_precision=cfg.precision, log_with=cfg.log_with, project_dir=cfg.output_dir,
                               cpu=not torch.cuda.is_available())
     set_seed(cfg.seed)
-    out = Path(cfg.output_dir)
-    if cfg.gradient_checkpointing:
-        # every block is recomputed in the backward pass (patched blocks included: they swap classes, not forwards)
-        hfpatch.apply.unwrap(model).activation_checkpointing_enable({"use_reentrant": False})
+    if cfg.release_memory and accelerator.device.type == "cpu":
+        memory.release_freed_memory()
+    memory_edits = memory.apply(model, gradient_checkpointing=cfg.gradient_checkpointing, mlp_tile=cfg.mlp_tile)
     if cfg.lora.enabled:
         import peft
 
@@ -100,19 +167,60 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
             model = peft.get_peft_model(model, peft.LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
                                                                lora_dropout=cfg.lora.dropout, target_modules=targets))
         except ValueError as e:  # e.g. target modules the model does not have
+            memory_edits.undo()
             raise ConfigError(f"lora: {' '.join(str(e).split())}") from None
     distill = getattr(cfg, "distill", None)
     loss_module = CausalLMLoss(model, chunk=cfg.loss_chunk, teacher=teacher,
                                alpha=distill.alpha if distill else 0.0,
-                               temperature=distill.temperature if distill else 1.0)
-    params = [p for p in loss_module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+                               temperature=distill.temperature if distill else 1.0, fused=cfg.fused_loss)
+    optimizer = torch.optim.AdamW([p for p in loss_module.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay, **({"fused": True} if cfg.fused_optimizer else {}))
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
     loss_module, optimizer = accelerator.prepare(loss_module, optimizer)
-    progress = Progress()
-    states = {"progress": progress, "scheduler": scheduler}  # saved as JSON in the checkpoint marker
+    params = [p for p in loss_module.parameters() if p.requires_grad]  # after prepare: FSDP2 replaces them
     if teacher is not None:
         teacher.to(accelerator.device).eval().requires_grad_(False)
+    return Run(accelerator, loss_module, optimizer, scheduler, params, memory_edits)
+
+
+def train_step(cfg, run: Run, train_seqs, step: int) -> torch.Tensor:
+    """Optimizer step `step` (0-based): cfg.grad_accum micro-batches of this process's rows of the global batch
+    (with their PoSE positions), gradients synchronised on the last one, clipping, AdamW, the schedule. Returns
+    this process's (loss, ce, kl), averaged over the micro-batches."""
+    accelerator, loss_module = run.accelerator, run.loss_module
+    # processes that split one sequence between them (parallel.py) train on the same rows
+    rank, world, bs = run.layout.data_rank, run.layout.data_size, cfg.batch_size
+    pose = cfg.get("pose") if cfg.get("pose") and cfg.pose.target_len is not None else None
+    loss_module.train()
+    totals = torch.zeros(3, device=accelerator.device)
+    for a in range(cfg.grad_accum):
+        micro = step * cfg.grad_accum + a
+        idx = batch_indices(len(train_seqs), bs * world, micro, cfg.seed)[rank * bs:(rank + 1) * bs]
+        ids = train_seqs[idx].to(accelerator.device)
+        positions = None
+        if pose:  # numbered like the data: sequence (micro-batch * global batch + rank * bs + row) of the run
+            positions = batch_position_ids(cfg.seq_len, pose.target_len, pose.chunks, cfg.seed,
+                                           micro * bs * world + rank * bs, len(idx)).to(accelerator.device)
+        sync = a == cfg.grad_accum - 1
+        ctx = accelerator.no_sync(loss_module) if not sync else contextlib.nullcontext()
+        with ctx, run.pieces(ids, positions) as pieces:
+            loss, ce, kl = loss_module(*pieces)
+            accelerator.backward(loss / cfg.grad_accum)
+        totals += torch.stack([loss.detach(), ce.detach(), kl.detach()]).float() / cfg.grad_accum
+    if cfg.clip:
+        accelerator.clip_grad_norm_(run.params, cfg.clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return totals
+
+
+def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
+    run = prepare(cfg, model, teacher)
+    accelerator, loss_module = run.accelerator, run.loss_module
+    out = Path(cfg.output_dir)
+    progress = Progress()
+    states = {"progress": progress, "scheduler": run.scheduler}  # saved as JSON in the checkpoint marker
 
     log = out / "log.jsonl"
     if cfg.resume:
@@ -121,33 +229,16 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         accelerator.init_trackers("hfpatch", config={k: v for k, v in cfg.items() if not isinstance(v, dict)})
 
-    rank, world, bs = accelerator.process_index, accelerator.num_processes, cfg.batch_size
-    tokens_per_step = bs * world * cfg.grad_accum * cfg.seq_len
+    tokens_per_step = cfg.batch_size * run.layout.data_size * cfg.grad_accum * cfg.seq_len
     bar = tqdm(total=cfg.max_steps, initial=progress.step, disable=not accelerator.is_main_process, desc="train")
     t_start, last = time.perf_counter(), {}
     while progress.step < cfg.max_steps:
-        step = progress.step
-        loss_module.train()
-        totals = torch.zeros(3, device=accelerator.device)
-        for a in range(cfg.grad_accum):
-            idx = batch_indices(len(train_seqs), bs * world, step * cfg.grad_accum + a, cfg.seed)[rank * bs:(rank + 1) * bs]
-            ids = train_seqs[idx].to(accelerator.device)
-            sync = a == cfg.grad_accum - 1
-            ctx = accelerator.no_sync(loss_module) if not sync else _null()
-            with ctx:
-                loss, ce, kl = loss_module(ids)
-                accelerator.backward(loss / cfg.grad_accum)
-            totals += torch.stack([loss.detach(), ce.detach(), kl.detach()]).float() / cfg.grad_accum
-        if cfg.clip:
-            accelerator.clip_grad_norm_(params, cfg.clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        progress.step, progress.tokens = step + 1, progress.tokens + tokens_per_step
+        totals = train_step(cfg, run, train_seqs, progress.step)
+        progress.step, progress.tokens = progress.step + 1, progress.tokens + tokens_per_step
         totals = accelerator.reduce(totals, reduction="mean")
         elapsed = time.perf_counter() - t_start
         last = {"step": progress.step, "loss": totals[0].item(), "ce": totals[1].item(), "kl": totals[2].item(),
-                "lr": scheduler.get_last_lr()[0], "tokens": progress.tokens, "seconds": round(elapsed, 3)}
+                "lr": run.scheduler.get_last_lr()[0], "tokens": progress.tokens, "seconds": round(elapsed, 3)}
         if progress.step % cfg.eval_every == 0 or progress.step == cfg.max_steps:
             last["eval_loss"] = evaluate(cfg, loss_module, eval_seqs, accelerator)
         if accelerator.is_main_process:
@@ -166,15 +257,8 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
     if progress.step >= cfg.max_steps:
         final = save_final(cfg, accelerator, loss_module, tok, out / "final")
     accelerator.end_training()
+    run.memory_edits.undo()
     return {"step": progress.step, "last": last, "final": str(final) if final else None}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @torch.no_grad()

@@ -1,6 +1,11 @@
 """Causal-LM losses scored chunk by chunk: full-vocabulary logits exist for `chunk` positions at a time, and each
 chunk is recomputed in the backward pass (activation checkpointing), so long sequences and big vocabularies fit.
 Recomputing costs one more pass through the LM head, so it is only done when the logits would be big (`auto_chunk`).
+
+`fused_lm_loss` (config `fused_loss`) goes further for the plain cross-entropy: each chunk's gradient is computed in
+the forward pass, straight from its logits (softmax - one-hot), so one [chunk, vocab] buffer exists at a time
+instead of the four a recomputed chunk makes (logits, log-softmax, and their gradients), and the LM head is not run a
+second time (Liger's fused linear cross-entropy, ALST's tiled logits loss).
 """
 
 from __future__ import annotations
@@ -60,3 +65,60 @@ def shift(ids: torch.Tensor) -> torch.Tensor:
     labels = torch.full_like(ids, -100)
     labels[:, :-1] = ids[:, 1:]
     return labels
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """sum of CE(softcap(hidden @ weight.T + bias), labels) over the scored rows, / count. The gradients are made in
+    the forward pass, chunk by chunk, and only scaled by the incoming gradient in the backward pass."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk, count, softcap):
+        grad_h = torch.empty_like(hidden)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk):
+            h, y = hidden[s:s + chunk], labels[s:s + chunk]
+            z = F.linear(h, weight, bias).float()  # the one [chunk, vocab] buffer, reused in place below
+            slope = None
+            if softcap:
+                z.div_(softcap).tanh_()
+                slope = 1 - z * z  # d softcap(x) / dx at x, from tanh(x / cap)
+                z.mul_(softcap)
+            scored = y != -100
+            target = y.clamp(min=0)[:, None]
+            picked = z.gather(1, target)[:, 0]
+            top = z.amax(dim=-1, keepdim=True)
+            g = z.sub_(top).exp_()
+            norm = g.sum(dim=-1, keepdim=True)
+            total += ((top[:, 0] + norm[:, 0].log() - picked) * scored).sum()  # logsumexp - target logit
+            g.div_(norm)  # softmax
+            g.scatter_add_(1, target, -scored[:, None].to(g.dtype))  # - one-hot on the scored rows
+            g.mul_(scored[:, None])  # rows not scored contribute nothing
+            if slope is not None:
+                g.mul_(slope)
+                del slope
+            grad_h[s:s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+            grad_w.addmm_(g.t(), h.float())
+            if grad_b is not None:
+                grad_b += g.sum(0)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.count, ctx.dtypes = count, (weight.dtype, None if bias is None else bias.dtype)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # scaled in place: the saved gradients are used once (a second backward through this graph is an error)
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        scale = grad_out / ctx.count
+        gb = None if grad_b is None else grad_b.mul_(scale).to(ctx.dtypes[1])
+        return grad_h.mul_(scale.to(grad_h.dtype)), grad_w.mul_(scale).to(ctx.dtypes[0]), gb, None, None, None, None
+
+
+def fused_lm_loss(hidden, labels, head: torch.nn.Linear, chunk: int, softcap: float | None = None):
+    """(loss, ce, kl=0) like chunked_lm_loss without a teacher, for a linear LM head (optionally soft-capped)."""
+    count = (labels != -100).sum().clamp(min=1)
+    ce = _FusedLinearCrossEntropy.apply(hidden.flatten(0, 1), head.weight, head.bias, labels.flatten(), chunk, count,
+                                        softcap)
+    return ce, ce, torch.zeros((), device=hidden.device)
+

@@ -9,6 +9,8 @@ import torch
 import hfpatch
 
 from ..models import load as load_model
+from ..position.schemes import SCHEMES
+from . import memory, parallel
 from .config import ConfigError
 
 
@@ -57,15 +59,36 @@ def check_causal(model):
 
 
 def apply_patch(model, cfg):
-    """hfpatch.patch with the config's spec, then the sequence-length check against what the patch supports."""
+    """hfpatch.patch with the config's spec, then the checks that need the patched model: the sequence lengths
+    against what the patch supports, PoSE's need for RoPE, mlp_tile's need for a feed-forward module, and what
+    cannot train with sequences split over processes (parallel.check)."""
     if cfg.patch:
         try:
             hfpatch.patch(model, **cfg.patch)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"patch: {e}") from None
     limit = hfpatch.apply.position_limit(model)
+    info = hfpatch.describe(model)
+    spec, scheme = hfpatch.spec.describe_string(info["applied"]), info["position"]["scheme"]
     if limit is not None and cfg.seq_len > limit:
-        spec = hfpatch.spec.describe_string(hfpatch.describe(model)["applied"])
         raise ConfigError(f"seq_len={cfg.seq_len} is above the {limit} positions the model supports with patch "
                           f"{spec!r}; lower seq_len or extend the context (e.g. patch.position=yarn, patch.factor)")
+    pose = cfg.get("pose")
+    if pose and pose.target_len is not None:
+        rope = scheme in SCHEMES and SCHEMES[scheme].rope is not None
+        if not rope or not hfpatch.adapters.adapter_for(hfpatch.apply.unwrap(model)).has_rope:
+            raise ConfigError(f"pose needs a RoPE model (PoSE moves the position ids that RoPE reads); this model's "
+                              f"position encoding is {scheme!r}")
+        if limit is not None and pose.target_len > limit:
+            raise ConfigError(f"pose.target_len={pose.target_len} is above the {limit} positions the model supports "
+                              f"with patch {spec!r}; extend the context first (e.g. patch.position=yarn, patch.factor)")
+    if cfg.mlp_tile is not None:
+        try:
+            memory.feed_forward_modules(model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    head = hfpatch.apply.unwrap(model).get_output_embeddings()
+    if cfg.fused_loss and not isinstance(head, torch.nn.Linear):
+        raise ConfigError(f"fused_loss needs a linear LM head; this model's is {type(head).__name__}: remove fused_loss")
+    parallel.check(cfg, scheme)
     return model
