@@ -257,7 +257,7 @@ def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
                              f"apply_rotary_pos_emb, and {type(attn).__module__} has none")
         targets.append((attn, Maps(G, W, rotary, None if types == [None] else text.layer_types[i], apply)))
     check = not any(p.device.type == "meta" for p in model.parameters())  # a reload builds on meta: no check
-    before = _logits(model) if check else None
+    before = _logits(model, "as it is") if check else None
 
     edits.mix_in(rotary, SelfExtendRotary)
     name = EAGER_NAME if model.config._attn_implementation == "eager" else SDPA_NAME
@@ -266,7 +266,7 @@ def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
     if check:  # with every key inside the window, the model must be itself again
         for attn, maps in targets:
             edits.set(attn, STATE_ATTR, dataclasses.replace(maps, window=_EVERYTHING_NEAR))
-        after = _logits(model)
+        after = _logits(model, "with position='self-extend'")
         if not _close(before, after):
             raise ValueError(
                 f"position='self-extend' does not reproduce {adapter.model_type}'s own RoPE attention (with every "
@@ -279,8 +279,10 @@ def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
     edits.set(text, "max_position_embeddings", extended_window(trained, G, W))
 
 
-def _logits(model) -> torch.Tensor:
+def _logits(model, state: str) -> torch.Tensor:
+    """The model's output on the adapter probe's input (a few seeded random tokens)."""
     probe = probe_run(model, record_interface=False)
     if probe.error:
-        raise ValueError(f"position='self-extend': the model could not run with it ({probe.error})")
+        raise ValueError(f"position='self-extend' is checked on a probe forward, and the model {state} could not "
+                         f"run it: {probe.error}")
     return probe.calls[""].output
