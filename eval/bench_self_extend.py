@@ -58,7 +58,7 @@ def worker(args):
 
         def explicit(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
             maps = getattr(module, self_extend.STATE_ATTR)
-            qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"))
+            qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"), attention_mask)
             return self_extend._explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, 0.0, False, None,
                                          block=True)
 

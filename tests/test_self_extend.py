@@ -285,3 +285,10 @@ def test_a_deep_copy_rotates_with_its_own_rotary_module():
     hfpatch.unpatch(twin)
     assert max_diff(logits(twin, x), logits(tiny_model("llama"), x)) == 0.0
     assert max_diff(logits(model, x), patched) == 0.0
+
+
+def test_a_static_cache_is_refused_with_a_clear_error():
+    """Cached keys' positions are inferred (consecutive, ending at the newest query): a StaticCache breaks that."""
+    model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=4, window=8)
+    with pytest.raises(ValueError, match="a DynamicCache, what generate.. uses by default"):
+        model.generate(tokens(20), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="static")

@@ -88,6 +88,24 @@ def positions(position_ids, batch: int, q_len: int, kv_len: int, device) -> tupl
     return q, torch.arange(kv_len, device=device)[None] + (q[:, -1:] - (kv_len - 1))
 
 
+def _check_cache(attention_mask, q_len: int, kv_len: int) -> None:
+    """Cached keys are taken to end at the newest query: refuse a cache with empty slots after it (a StaticCache),
+    where the key positions would come out wrong. Transformers gives no mask for more queries than one but fewer than
+    keys only when the queries are the first slots of a static cache; otherwise the newest query sees its own slot,
+    the last one."""
+    if q_len == kv_len:
+        return
+    if attention_mask is None:
+        ends = q_len == 1
+    else:
+        last = attention_mask[:, :, -1, kv_len - 1]
+        ends = bool(last.all() if last.dtype == torch.bool else (last == 0).all())
+    if not ends:
+        raise ValueError("position='self-extend' takes cached keys to be consecutive and to end at the newest query "
+                         "(a DynamicCache, what generate() uses by default); this cache has empty slots after it "
+                         "(a StaticCache?)")
+
+
 @dataclass(frozen=True)
 class Maps:
     """What one attention module needs: G, W, and how its model rotates (the rotary module, the layer type it is
@@ -104,8 +122,9 @@ class Maps:
         cos, sin = self.rotary.hfpatch_cos_sin(x, pos, *(() if self.layer_type is None else (self.layer_type,)))
         return self.apply(x, x[:, :1], cos, sin)[0]  # the second operand is a one-head stand-in, discarded
 
-    def both(self, query, key, position_ids):
+    def both(self, query, key, position_ids, attention_mask):
         """(q, k) at their own positions and (q, k) at the grouped ones."""
+        _check_cache(attention_mask, query.shape[2], key.shape[2])
         q_pos, k_pos = positions(position_ids, query.shape[0], query.shape[2], key.shape[2], query.device)
         G, W = self.group_size, self.window
         return (self.rotate(query, q_pos), self.rotate(key, k_pos),
@@ -207,7 +226,7 @@ def _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, tra
 def self_extend_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     maps: Maps = getattr(module, STATE_ATTR)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"))
+    qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"), attention_mask)
     softcap = kwargs.get("softcap")
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if query.device.type == "cpu" and softcap is None and not grad and not (dropout and module.training):
@@ -221,7 +240,7 @@ def self_extend_sdpa(module, query, key, value, attention_mask, dropout=0.0, sca
 def self_extend_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     maps: Maps = getattr(module, STATE_ATTR)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"))
+    qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"), attention_mask)
     return _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, module.training,
                      kwargs.get("softcap"), block=False)
 
