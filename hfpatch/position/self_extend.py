@@ -147,11 +147,12 @@ class SelfExtendRotary:
 # ------------------------------------------------------------------------------------------------------ piece path
 
 def _additive(mask, dtype):
-    """The model's mask slice as an additive float mask (sdpa_mask gives bool, True = attend); None stays None."""
-    if mask is None or mask.dtype != torch.bool:
-        return None if mask is None else mask.to(dtype)
-    return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min) \
-        .expand(mask.shape)
+    """A slice of the model's mask as the additive float mask the kernel takes (sdpa_mask gives bool, True =
+    attend). Masked scores get the dtype's lowest finite value, so that a piece in which a row sees no key still has
+    a finite log-sum-exp, which the merge then weighs by zero."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 def _attend(q, k, v, mask, causal, scaling, flip=False):
@@ -179,10 +180,9 @@ def _pieces(qn, kn, qg, kg, v, attention_mask, window: int, scaling: float):
     for s in range(first, kv_len, rows_per_block):
         e = min(kv_len, s + rows_per_block)
         r = slice(s - first, e - first)
-        mask = None if attention_mask is None else _additive(attention_mask[:, :, r], qn.dtype)
 
         def piece(q, k, lo, hi, rows=slice(None), causal=False, flip=False):
-            m = None if mask is None else mask[:, :, rows, lo:hi]
+            m = None if attention_mask is None else _additive(attention_mask[:, :, r][:, :, rows, lo:hi], q.dtype)
             return _attend(q[:, :, r][:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], m, causal, scaling, flip)
 
         out, lse = piece(qn, kn, s, e, causal=True)
