@@ -13,11 +13,10 @@ import argparse
 import json
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from benchutil import markdown_table, median, peak_rss, reset_peak_rss, rss, run_worker  # noqa: E402
+from benchutil import markdown_table, median, run_worker, timed_forwards  # noqa: E402
 
 GB = 1024**3
 NAIVE = "bench_alibi_full_bias"
@@ -62,17 +61,7 @@ def worker(args):
         AttentionInterface.register(NAIVE, naive_full_bias)
         AttentionMaskInterface.register(NAIVE, sdpa_mask)
         model.config._attn_implementation_internal = NAIVE
-    ids = torch.randint(0, 1000, (1, args.length), generator=torch.Generator().manual_seed(1))
-    times = []
-    with torch.no_grad():
-        model.model(ids[:, :256])  # warm-up of kernels and allocations
-        base = rss()
-        reset_peak_rss()
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            model.model(ids)
-            times.append(time.perf_counter() - t0)
-    return {"seconds": times, "peak": peak_rss(), "base": base}
+    return timed_forwards(model, args.length, args.repeats)
 
 
 def accuracy(lengths, heads=8, dim=32):

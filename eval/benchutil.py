@@ -70,6 +70,24 @@ def peak_rss() -> int:
     return kb * 1024
 
 
+def timed_forwards(model, length: int, repeats: int, vocab: int = 1000) -> dict:
+    """Forwards of the base model on one sequence of `length` seeded random tokens, after a short warm-up: {"seconds":
+    [per forward], "peak": peak RSS during them, "base": RSS before them} (for a worker process of its own)."""
+    import torch
+
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(1))
+    times = []
+    with torch.no_grad():
+        model.model(ids[:, :256])  # warm-up of kernels and allocations
+        base = rss()
+        reset_peak_rss()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.model(ids)
+            times.append(time.perf_counter() - t0)
+    return {"seconds": times, "peak": peak_rss(), "base": base}
+
+
 def run_worker(argv: list[str]) -> dict:
     """Run `python <argv>` in a fresh process (its own peak memory) and parse the JSON it prints last."""
     import json

@@ -26,6 +26,7 @@ from typing import Callable
 
 from . import rope
 from .patch import apply_interpolate, apply_rope, replace_positions
+from .self_extend import apply_self_extend
 
 # ------------------------------------------------------------------------------------------------ option checks
 
@@ -137,6 +138,9 @@ REQUIREMENTS: dict[str, Requirement] = {
         lambda a, r: a.attention_interface,
         lambda a, s: (f"position={s!r} runs its own attention function, but {a.model_type}'s attention does not "
                       f"go through transformers' attention interface ({a.notes.get('attention', '')})")),
+    "causal": Requirement(
+        lambda a: a.causal,
+        lambda a, s: f"position={s!r} is defined for causal (decoder) attention; {a.model_type} attends both ways"),
 }
 
 
@@ -198,6 +202,22 @@ SCHEMES: dict[str, Scheme] = {
     "interpolate": Scheme(apply_interpolate, ("table",), "a learned table stretched by linear interpolation",
                           factor="required", changes_weights=True),
 }
+
+# Self-Extend (issue 12): hfpatch/position/self_extend.py
+
+
+def _self_extend(req):
+    missing = [k for k in ("group_size", "window") if k not in req]
+    if missing:
+        raise ValueError(f"position='self-extend' needs {' and '.join(missing)}: group_size= (G, an integer >= 1: "
+                         "far keys are grouped by G positions) and window= (W, the neighbour window in tokens, at "
+                         "most the trained window)")
+
+
+SCHEMES["self-extend"] = Scheme(
+    apply_self_extend, ("rope", "attention_interface", "causal"),
+    "Self-Extend (Jin et al. 2024): exact RoPE positions within W tokens, positions grouped by G beyond; no training",
+    options={"group_size": positive_int, "window": positive_int}, check=_self_extend, native=False)
 
 
 def options_of(name: str) -> set[str]:

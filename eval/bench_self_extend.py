@@ -1,0 +1,179 @@
+"""What Self-Extend costs: forward time and peak memory of a SmolLM2-shaped model (d=576, 9 query heads, 3 KV heads,
+head_dim 64, RoPE theta 1e5; fewer layers, random weights) at long lengths, unpatched (sdpa) vs
+position="self-extend" (the piece path: log-sum-exp merge of CPU flash-attention pieces), and optionally the
+explicit path (scores written out a block of queries at a time: what gradients, dropout and softcapping use). Each
+(variant, length) runs in its own fresh process, so its peak memory is its own; the ratios come from one run.
+
+Also the numerical cost of computing q and k at the two position maps: the attention output for a few query rows
+against float64, in fp32 and bf16, for hfpatch's way (rotate the un-rotated q/k once at each map) and for the
+alternative it avoids (take the q/k the model rotated at their own positions and rotate them again by the
+difference to the grouped positions).
+
+    python eval/bench_self_extend.py                       # L = 4k and 16k, 4 layers, G = 8, W = 1024
+    python eval/bench_self_extend.py --lengths 4096 --repeats 1 --explicit-lengths 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from benchutil import markdown_table, median, run_worker, timed_forwards, write_json  # noqa: E402
+
+GB = 1024**3
+THETA = 1e5
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def config(layers, window):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
+                       num_key_value_heads=3, vocab_size=1000, max_position_embeddings=window,
+                       rope_parameters={"rope_type": "default", "rope_theta": THETA})
+
+
+def worker(args):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import hfpatch
+    from hfpatch.position import self_extend
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config(args.layers, args.trained)).eval()
+    if args.worker != "unpatched":
+        hfpatch.patch(model, position="self-extend", group_size=args.group_size, window=args.window)
+    if args.worker == "explicit":  # the path the sdpa name takes for gradients, dropout or softcapping
+        model.config._attn_implementation_internal = "hfpatch_self_extend_explicit"
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        def explicit(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+            maps = getattr(module, self_extend.STATE_ATTR)
+            qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"), attention_mask)
+            return self_extend._explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, 0.0, False, None,
+                                         block=True)
+
+        AttentionInterface.register("hfpatch_self_extend_explicit", explicit)
+        AttentionMaskInterface.register("hfpatch_self_extend_explicit", sdpa_mask)
+    return timed_forwards(model, args.length, args.repeats)
+
+
+def accuracy(lengths, group_size, window, rows=8):
+    """Max abs error of the Self-Extend attention output (a few query rows, all their keys) against float64, with
+    q/k rotated once at each map (hfpatch) or rotated at their own positions and then again by the difference
+    (re-rotation), in fp32 and bf16. The pieces path does the attention in both cases."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from hfpatch.position.self_extend import _pieces, grouped_key_positions, grouped_query_positions
+
+    rotary = LlamaRotaryEmbedding(config(1, window))
+    d = 64
+
+    def rotate(x, pos):
+        cos, sin = rotary(x if x.dtype != torch.float64 else x.float(), pos)
+        if x.dtype == torch.float64:  # float64 cos/sin from the definition, for the reference
+            inv = 1.0 / THETA ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+            angle = pos[..., None].double() * inv
+            cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+        return apply_rotary_pos_emb(x, x[:, :1], cos, sin)[0]
+
+    out = {}
+    for L in lengths:
+        g = torch.Generator().manual_seed(L)
+        q, k, v = (torch.randn(1, h, L, d, generator=g, dtype=torch.float64) for h in (9, 3, 3))
+        pos = torch.arange(L)[None]
+        qg_pos, kg_pos = grouped_query_positions(pos, group_size, window), grouped_key_positions(pos, group_size)
+        picked = torch.linspace(0, L - 1, rows).long()
+        qg_ref, kg_ref = rotate(q, qg_pos), rotate(k, kg_pos)
+        ref = _reference(rotate(q, pos), rotate(k, pos), qg_ref, kg_ref, v, picked, window)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = {n: t.to(dtype) for n, t in (("q", q), ("k", k), ("v", v))}
+            qn, kn = rotate(x["q"], pos), rotate(x["k"], pos)
+            ways = {"once": (rotate(x["q"], qg_pos), rotate(x["k"], kg_pos)),
+                    "re-rotated": (rotate(qn, qg_pos - pos), rotate(kn, kg_pos - pos))}
+            for way, (qg, kg) in ways.items():
+                with torch.no_grad():
+                    got = _pieces(qn, kn, qg, kg, x["v"], None, window, d ** -0.5)[:, :, picked]
+                name = f"{way}/{str(dtype).replace('torch.', '')}@{L}"
+                out[name] = (got.double() - ref).abs().max().item()
+                out["qk " + name] = max((a.double() - b).abs().max().item() / b.abs().max().item()
+                                        for a, b in ((qg, qg_ref), (kg, kg_ref)))
+    return out
+
+
+def _reference(qn, kn, qg, kg, v, rows, window):
+    import torch
+
+    groups = qn.shape[1] // kn.shape[1]
+    kn, kg, v = (t.repeat_interleave(groups, 1) for t in (kn, kg, v))
+    i, j = rows[:, None], torch.arange(kn.shape[2])[None]
+    s = torch.where(i - j < window, qn[:, :, rows] @ kn.transpose(-1, -2), qg[:, :, rows] @ kg.transpose(-1, -2))
+    s = (s * qn.shape[-1] ** -0.5).masked_fill(j > i, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=_ints, default=[4096, 16384])
+    p.add_argument("--explicit-lengths", type=_ints, default=[4096],
+                   help="lengths for the explicit (blocked) path as well")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--trained", type=int, default=8192, help="the model's trained window (max_position_embeddings)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json")
+    p.add_argument("--worker", choices=["unpatched", "self-extend", "explicit"], help=argparse.SUPPRESS)
+    p.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+
+    me = os.path.abspath(__file__)
+    shape = ["--layers", str(args.layers), "--group-size", str(args.group_size), "--window", str(args.window),
+             "--trained", str(args.trained), "--repeats", str(args.repeats)]
+    results = {}
+    for L in args.lengths:
+        for variant in ["unpatched", "self-extend"] + (["explicit"] if L in args.explicit_lengths else []):
+            results[(variant, L)] = run_worker([me, "--worker", variant, "--length", str(L), *shape])
+    acc = accuracy(args.lengths, args.group_size, args.window)
+
+    def t(v, L):
+        return median(results[(v, L)]["seconds"])
+
+    def mem(v, L):
+        return results[(v, L)]["peak"]
+
+    rows = []
+    for (v, L), r in results.items():
+        rows.append([L, v, f"{t(v, L):.2f}", f"{mem(v, L) / GB:.2f}", f"{(mem(v, L) - r['base']) / GB:.2f}",
+                     f"{t(v, L) / t('unpatched', L):.2f}", f"{mem(v, L) / mem('unpatched', L):.2f}"])
+    print(f"SmolLM2-shaped Llama (d=576, 9/3 heads, head_dim 64), {args.layers} layers, random weights; "
+          f"G={args.group_size}, W={args.window}; forward of the base model, batch 1, median of {args.repeats}; "
+          "peak = process peak RSS during the forwards")
+    print(markdown_table(["L", "variant", "forward (s)", "peak RSS (GB)", "peak above steady state (GB)",
+                          "time / unpatched", "peak / unpatched"], rows))
+    print("\nAgainst float64: the Self-Extend attention output (max abs error, 8 query rows, all their keys) and the "
+          "grouped q/k (max abs error / max abs value):")
+    print(markdown_table(["q/k at the grouped positions", "dtype", *[f"output {L}" for L in args.lengths],
+                          *[f"q/k {L}" for L in args.lengths]],
+                         [[way, dt, *[f"{acc[f'{way}/{dt}@{L}']:.1e}" for L in args.lengths],
+                           *[f"{acc[f'qk {way}/{dt}@{L}']:.1e}" for L in args.lengths]]
+                          for way in ("once", "re-rotated") for dt in ("float32", "bfloat16")]))
+    write_json(args.json, {"args": vars(args), "accuracy": acc,
+                           "results": {f"{v}@{L}": r for (v, L), r in results.items()}})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""Self-Extend (Jin et al., 2024, "LLM Maybe LongLM: Self-Extend LLM Context Window Without Tuning").
+
+Query i attends key j (positions) with RoPE at
+- their own positions when i - j < W, the neighbour window: exactly what the model was trained on;
+- grouped positions otherwise: the key at floor(j / G), the query at floor(i / G) + W - floor(W / G). The shift makes
+  the two regions meet: at i - j = W the grouped distance is W again (W or W + 1 when G does not divide W), and
+  beyond it grows G times slower, so L tokens use relative positions up to about W + (L - W) / G.
+One softmax runs over both regions. Neighbour and grouped regions are told apart by the distance in the sequence
+(slots), the maps are computed from the positions the model is given.
+
+Two position maps, acting at the rotary level. Transformers' attention function receives q and k after RoPE; rather
+than undoing that rotation, the rotary module is given a class that hands the attention layers cos = 1, sin = 0, so
+the family's own `apply_rotary_pos_emb` leaves q and k as they are, and the attention function rotates them itself,
+at both maps, with the rotary module's own cos/sin and the family's own `apply_rotary_pos_emb`. So the neighbour
+attention sees bit for bit the q and k of the unpatched model, the grouped one gets one rotation at its position
+(not a rotation composed with an inverse one, which would round twice), and no RoPE layout (rotate-half,
+interleaved, partial) or per-layer-type frequency (gemma3) is written here. The KV cache holds un-rotated keys: each
+call rotates the keys it uses at both maps (O(keys x head_dim), small next to the attention itself). Cached keys'
+positions are taken as consecutive, ending at the last query's position (true for a DynamicCache, with or without
+left padding, and for generate()).
+
+Whether this reproduces the family's attention is checked numerically when patching: with every key inside the
+window, the patched model must give the unpatched model's logits on a probe input; if not, the patch is refused.
+
+Attention functions registered with transformers (each with its mask function):
+- "hfpatch_self_extend" (models on sdpa or any other implementation). On the CPU, without gradients, dropout or
+  softcapping: queries in blocks; per block three pieces, each one call of torch's CPU flash-attention kernel, which
+  also returns the log-sum-exp of its scores: the grouped keys every row of the block sees in full (no mask), the
+  grouped keys at the block's lower edge and the neighbour band (small [block, keys] masks). The pieces are merged
+  by their log-sum-exp into one softmax. Memory is O(L) (no [L, L] tensor), and the work about that of causal
+  attention. Otherwise (gradients, dropout, softcapping, other devices): the explicit path a block of queries at a
+  time (at most 2^24 scores per block).
+- "hfpatch_self_extend_eager" (models loaded with attn_implementation="eager"): the explicit path on all queries at
+  once, returning the attention weights like eager attention does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+from ..adapters import Adapter, get_path
+from ..adapters.probe import _close
+from ..adapters.probe import run as probe_run
+from ..edits import Edits
+from . import rotary as rot
+from .attention import explicit_attention
+from .patch import _rotaries, attention_layers, trained_window
+
+SDPA_NAME = "hfpatch_self_extend"
+EAGER_NAME = "hfpatch_self_extend_eager"
+STATE_ATTR = "hfpatch_self_extend"
+PIECE_ROWS = 1024  # queries per block on the piece path (also at most W - 1, see _pieces)
+_EVERYTHING_NEAR = 1 << 62  # a window no sequence reaches: the patch-time check
+
+
+# ------------------------------------------------------------------------------------------------ the position maps
+
+def grouped_query_positions(pos: torch.Tensor, group_size: int, window: int) -> torch.Tensor:
+    return pos // group_size + window - window // group_size
+
+
+def grouped_key_positions(pos: torch.Tensor, group_size: int) -> torch.Tensor:
+    return pos // group_size
+
+
+def extended_window(trained: int, group_size: int, window: int) -> int:
+    """The longest sequence whose grouped positions stay inside the trained window: (trained - W)·G + W."""
+    return (trained - window) * group_size + window
+
+
+def positions(position_ids, batch: int, q_len: int, kv_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query positions [b, q], key positions [b, kv]). Without a cache the keys are the queries; with one, the
+    cached keys continue the queries' positions backwards, one per slot."""
+    if position_ids is None:
+        q = torch.arange(kv_len - q_len, kv_len, device=device)[None]
+    else:
+        q = position_ids.to(device)
+    q = q.expand(batch, q_len)
+    if q_len == kv_len:
+        return q, q
+    return q, torch.arange(kv_len, device=device)[None] + (q[:, -1:] - (kv_len - 1))
+
+
+def _check_cache(attention_mask, q_len: int, kv_len: int) -> None:
+    """Cached keys are taken to end at the newest query: refuse a cache with empty slots after it (a StaticCache),
+    where the key positions would come out wrong. Transformers gives no mask for more queries than one but fewer than
+    keys only when the queries are the first slots of a static cache; otherwise the newest query sees its own slot,
+    the last one."""
+    if q_len == kv_len:
+        return
+    if attention_mask is None:
+        ends = q_len == 1
+    else:
+        last = attention_mask[:, :, -1, kv_len - 1]
+        ends = bool(last.all() if last.dtype == torch.bool else (last == 0).all())
+    if not ends:
+        raise ValueError("position='self-extend' takes cached keys to be consecutive and to end at the newest query "
+                         "(a DynamicCache, what generate() uses by default); this cache has empty slots after it "
+                         "(a StaticCache?)")
+
+
+@dataclass(frozen=True)
+class Maps:
+    """What one attention module needs: G, W, and how its model rotates (the rotary module, the layer type it is
+    asked for, the family's apply_rotary_pos_emb)."""
+
+    group_size: int
+    window: int
+    rotary: torch.nn.Module
+    layer_type: str | None
+    apply: Callable
+
+    def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [b, heads, n, d] rotated at positions pos [b, n]."""
+        cos, sin = self.rotary.hfpatch_cos_sin(x, pos, *(() if self.layer_type is None else (self.layer_type,)))
+        return self.apply(x, x[:, :1], cos, sin)[0]  # the second operand is a one-head stand-in, discarded
+
+    def both(self, query, key, position_ids, attention_mask):
+        """(q, k) at their own positions and (q, k) at the grouped ones."""
+        _check_cache(attention_mask, query.shape[2], key.shape[2])
+        q_pos, k_pos = positions(position_ids, query.shape[0], query.shape[2], key.shape[2], query.device)
+        G, W = self.group_size, self.window
+        return (self.rotate(query, q_pos), self.rotate(key, k_pos),
+                self.rotate(query, grouped_query_positions(q_pos, G, W)),
+                self.rotate(key, grouped_key_positions(k_pos, G)))
+
+
+class SelfExtendRotary:
+    """Mixed into the model's rotary class: the attention layers get cos = 1, sin = 0 (their RoPE leaves q and k
+    as they are); `hfpatch_cos_sin` is the class's own forward, for the attention function to rotate with."""
+
+    def forward(self, x, position_ids, *args, **kwargs):
+        cos, sin = super().forward(x, position_ids, *args, **kwargs)
+        return torch.ones_like(cos), torch.zeros_like(sin)
+
+    def hfpatch_cos_sin(self, x, position_ids, *args):
+        return super().forward(x, position_ids, *args)
+
+
+# ------------------------------------------------------------------------------------------------------ piece path
+
+def _additive(mask, dtype):
+    """A slice of the model's mask as the additive float mask the kernel takes (sdpa_mask gives bool, True =
+    attend). Masked scores get the dtype's lowest finite value, so that a piece in which a row sees no key still has
+    a finite log-sum-exp, which the merge then weighs by zero."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def _attend(q, k, v, mask, causal, scaling, flip=False):
+    """(output, log-sum-exp of the scores) of one piece by torch's CPU flash-attention kernel (GQA as given,
+    causal = top-left aligned). flip: rows and keys in reverse order, which turns the upper triangle into the
+    lower one the kernel skips to."""
+    if flip:
+        q, k, v = q.flip(2), k.flip(2), v.flip(2)
+        mask = None if mask is None else mask.flip(2, 3)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scaling)
+    return (out.flip(2), lse.flip(-1)) if flip else (out, lse)
+
+
+def _pieces(qn, kn, qg, kg, v, attention_mask, window: int, scaling: float):
+    """Self-Extend attention over blocks of B <= W - 1 query slots [s, e) (the queries are the last q_len key slots),
+    five pieces per block, each a causal or unmasked kernel call, merged by log-sum-exp:
+      neighbour keys (i - W < j <= i): [s, e) causal; [s - W + 1, e - W + 1) where j >= i - W + 1, causal once
+      rows and keys are reversed; [e - W + 1, s) in full (empty when B = W - 1);
+      grouped keys (j <= i - W), rows i >= W only: [max(s, W) - W, e - W) causal; [0, max(s, W) - W) in full."""
+    q_len, kv_len = qn.shape[2], kn.shape[2]
+    first = kv_len - q_len
+    rows_per_block = max(1, min(PIECE_ROWS, window - 1))
+    outs = []
+    for s in range(first, kv_len, rows_per_block):
+        e = min(kv_len, s + rows_per_block)
+        r = slice(s - first, e - first)
+
+        def piece(q, k, lo, hi, rows=slice(None), causal=False, flip=False):
+            m = None if attention_mask is None else _additive(attention_mask[:, :, r][:, :, rows, lo:hi], q.dtype)
+            return _attend(q[:, :, r][:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], m, causal, scaling, flip)
+
+        out, lse = piece(qn, kn, s, e, causal=True)
+        acc = out.float()
+        low, high = max(0, s - window + 1), min(s, e - window + 1)  # high < e - W + 1 only when W = 1 (no keys)
+        parts = [(slice(None), piece(qn, kn, low, high, causal=True, flip=True)) if high > low else None]
+        if s > max(0, e - window + 1):
+            parts.append((slice(None), piece(qn, kn, max(0, e - window + 1), s)))
+        g = max(s, window)  # the first row with grouped keys
+        if e > g:
+            rows = slice(g - s, None)
+            parts.append((rows, piece(qg, kg, g - window, e - window, rows, causal=True)))
+            if g > window:
+                parts.append((rows, piece(qg, kg, 0, g - window, rows)))
+        for rows, (o, l) in filter(None, parts):
+            total = torch.logaddexp(lse[..., rows], l)
+            acc[:, :, rows] = (acc[:, :, rows] * (lse[..., rows] - total).exp()[..., None]
+                               + o.float() * (l - total).exp()[..., None])
+            lse[..., rows] = total
+        outs.append(acc.to(v.dtype))
+    return torch.cat(outs, dim=2)
+
+
+# ------------------------------------------------------------------------------------------- attention functions
+
+def _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, training, softcap, block):
+    kv_len = kn.shape[2]
+    slots = torch.arange(kv_len, device=qn.device)
+    q_slots = slots[kv_len - qn.shape[2]:]
+    groups = qn.shape[1] // kn.shape[1]
+    kn, kg, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (kn, kg, value))
+
+    def scores(s, e):
+        near = (q_slots[s:e, None] - slots[None]) < maps.window
+        return torch.where(near, qn[:, :, s:e] @ kn.transpose(2, 3), qg[:, :, s:e] @ kg.transpose(2, 3)) * scaling
+
+    return explicit_attention(scores, value, attention_mask, q_slots, slots, softcap=softcap, dropout=dropout,
+                              training=training, block=block)
+
+
+def self_extend_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    maps: Maps = getattr(module, STATE_ATTR)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"), attention_mask)
+    softcap = kwargs.get("softcap")
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if query.device.type == "cpu" and softcap is None and not grad and not (dropout and module.training):
+        out = _pieces(qn, kn, qg, kg, value, attention_mask, maps.window, scaling)
+        return out.transpose(1, 2).contiguous(), None
+    out, _ = _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, module.training, softcap,
+                       block=True)
+    return out, None
+
+
+def self_extend_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    maps: Maps = getattr(module, STATE_ATTR)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"), attention_mask)
+    return _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, module.training,
+                     kwargs.get("softcap"), block=False)
+
+
+AttentionInterface.register(SDPA_NAME, self_extend_sdpa)
+AttentionInterface.register(EAGER_NAME, self_extend_eager)
+AttentionMaskInterface.register(SDPA_NAME, sdpa_mask)
+AttentionMaskInterface.register(EAGER_NAME, eager_mask)
+
+
+# ---------------------------------------------------------------------------------------------------------- apply
+
+def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+    G, W = req["group_size"], req["window"]
+    rotaries = _rotaries(model, adapter)
+    if len(rotaries) != 1:
+        raise ValueError(f"position='self-extend' needs to know which rotary module each attention layer reads; "
+                         f"{adapter.model_type} has {len(rotaries)} ({', '.join(adapter.rotaries)})")
+    rotary, config = rotaries[0]
+    types = rot.layer_types(config)
+    trained = trained_window(config, config.rope_parameters if types == [None] else {})
+    if W > trained:
+        raise ValueError(f"window={W} is beyond the {trained} tokens {adapter.model_type} was trained on; "
+                         f"Self-Extend keeps exact positions only inside the window, so window must be <= {trained}")
+    text = model.config.get_text_config()
+    layers = get_path(model.base_model, adapter.layers)
+    targets = []
+    for i in attention_layers(model, adapter):
+        attn = get_path(layers[i], adapter.attention)
+        apply = getattr(inspect.getmodule(type(attn)), "apply_rotary_pos_emb", None)
+        if apply is None:
+            raise ValueError(f"position='self-extend' rotates queries and keys with the family's own "
+                             f"apply_rotary_pos_emb, and {type(attn).__module__} has none")
+        targets.append((attn, Maps(G, W, rotary, None if types == [None] else text.layer_types[i], apply)))
+    check = not any(p.device.type == "meta" for p in model.parameters())  # a reload builds on meta: no check
+    before = _logits(model, "as it is") if check else None
+
+    edits.mix_in(rotary, SelfExtendRotary)
+    name = EAGER_NAME if model.config._attn_implementation == "eager" else SDPA_NAME
+    for c in {id(c): c for c in (model.config, text)}.values():
+        edits.set(c, "_attn_implementation_internal", name)
+    if check:  # with every key inside the window, the model must be itself again
+        for attn, maps in targets:
+            edits.set(attn, STATE_ATTR, dataclasses.replace(maps, window=_EVERYTHING_NEAR))
+        after = _logits(model, "with position='self-extend'")
+        if not _close(before, after):
+            raise ValueError(
+                f"position='self-extend' does not reproduce {adapter.model_type}'s own RoPE attention (with every "
+                f"key inside the window its logits should not change, but they differ by "
+                f"{(before.float() - after.float()).abs().max().item():.3g}): its attention layers do not rotate "
+                f"queries and keys only by {targets[0][1].apply.__module__}.apply_rotary_pos_emb with the rotary "
+                "module's cos/sin")
+    for attn, maps in targets:
+        edits.set(attn, STATE_ATTR, maps)
+    edits.set(text, "max_position_embeddings", extended_window(trained, G, W))
+
+
+def _logits(model, state: str) -> torch.Tensor:
+    """The model's output on the adapter probe's input (a few seeded random tokens)."""
+    probe = probe_run(model, record_interface=False)
+    if probe.error:
+        raise ValueError(f"position='self-extend' is checked on a probe forward, and the model {state} could not "
+                         f"run it: {probe.error}")
+    return probe.calls[""].output

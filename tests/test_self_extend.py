@@ -1,0 +1,294 @@
+"""position="self-extend" against a reference written here from the paper: llama, qwen3 and gemma2 forwards computed
+by hand from their weights in float64, with the neighbour / grouped attention written out (GQA, padding, batch 2);
+cached decoding against the full forward; G = 1 and a window covering everything against the unpatched model;
+errors leave the model exactly as it was."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import (ROPE_FAMILIES, WINDOW, assert_same_fingerprint, fingerprint, logits, max_diff, tiny_model,
+                      tokens)
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb  # noqa: F401 (the attention below rotates with it)
+
+import hfpatch
+from hfpatch.evaluate.common import parse_patches
+from hfpatch.position import self_extend
+from hfpatch.position.self_extend import EAGER_NAME, SDPA_NAME
+
+# ------------------------------------------------------------------------------------------------ hand reference
+
+
+def rope(x, pos, theta):
+    """RoPE from its definition (rotate-half layout), float64. x [b, h, L, d], pos [b, L]."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = pos[..., None].double() * inv
+    cos, sin = torch.cat([angle.cos()] * 2, -1)[:, None], torch.cat([angle.sin()] * 2, -1)[:, None]
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+
+def self_extend_attention(q, k, v, pos, G, W, theta, scale, keep, softcap=None, sliding=None):
+    """Jin et al. 2024: for i - j < W the scores of RoPE at the true positions, else of the query at
+    floor(p_i / G) + W - floor(W / G) and the key at floor(p_j / G); one softmax. Un-rotated q/k/v, float64."""
+    H, KV, L = q.shape[1], k.shape[1], q.shape[2]
+    k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    near = rope(q, pos, theta) @ rope(k, pos, theta).transpose(-1, -2)
+    far = rope(q, pos // G + W - W // G, theta) @ rope(k, pos // G, theta).transpose(-1, -2)
+    s = torch.where(i - j < W, near, far) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    allowed = (j <= i)[None] & keep[:, None, :].bool()
+    if sliding is not None:
+        allowed = allowed & (i - j < sliding)
+    s = s.masked_fill(~allowed[:, None], -1e30)
+    return torch.softmax(s, -1) @ v
+
+
+def rms(x, norm, offset=0.0):
+    eps = getattr(norm, "variance_epsilon", None) or norm.eps
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + norm.weight.double())
+
+
+def by_hand(model, ids, keep, pos, G, W):
+    """llama / qwen3 (q and k norms) / gemma2 (scaled embeddings, 1 + w norms, sandwich norms, softcapping, sliding
+    layers, query_pre_attn_scalar) written from their weights, float64."""
+    cfg, m = model.config, model.model
+    fam, gemma = cfg.model_type, cfg.model_type == "gemma2"
+    H, KV, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    b, L = ids.shape
+    off = 1.0 if gemma else 0.0
+    lin = lambda t, layer: t @ layer.weight.double().T  # noqa: E731
+    x = m.embed_tokens.weight.double()[ids] * (cfg.hidden_size ** 0.5 if gemma else 1.0)
+    for idx, layer in enumerate(m.layers):
+        a = layer.self_attn
+        h = rms(x, layer.input_layernorm, off)
+        q, k, v = (lin(h, p).view(b, L, -1, d) for p in (a.q_proj, a.k_proj, a.v_proj))
+        if fam == "qwen3":
+            q, k = rms(q, a.q_norm), rms(k, a.k_norm)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        sliding = cfg.sliding_window if gemma and cfg.layer_types[idx] == "sliding_attention" else None
+        o = self_extend_attention(q, k, v, pos, G, W, cfg.rope_parameters["rope_theta"],
+                                  (cfg.query_pre_attn_scalar if gemma else d) ** -0.5, keep,
+                                  cfg.attn_logit_softcapping if gemma else None, sliding)
+        o = lin(o.transpose(1, 2).reshape(b, L, H * d), a.o_proj)
+        x = x + (rms(o, layer.post_attention_layernorm, off) if gemma else o)
+        h = rms(x, layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm, off)
+        act = (lambda t: F.gelu(t, approximate="tanh")) if gemma else F.silu
+        f = lin(act(lin(h, layer.mlp.gate_proj)) * lin(h, layer.mlp.up_proj), layer.mlp.down_proj)
+        x = x + (rms(f, layer.post_feedforward_layernorm, off) if gemma else f)
+    out = lin(rms(x, m.norm, off), model.lm_head)
+    if gemma:
+        out = torch.tanh(out / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+    return out
+
+
+def padded(batch_len, padding):
+    """(ids, attention mask, position ids as generate() makes them: counting real tokens only)."""
+    ids = tokens(batch_len, batch=2)
+    keep = torch.ones(2, batch_len, dtype=torch.long)
+    if padding == "left":
+        keep[1, :13] = 0
+    elif padding == "right":
+        keep[1, -13:] = 0
+    pos = (keep.cumsum(-1) - 1).clamp(min=0)
+    return ids, keep, pos
+
+
+@pytest.mark.parametrize("family,attn,padding,G,W", [
+    ("llama", "sdpa", "none", 4, 16),
+    ("llama", "sdpa", "left", 3, 8),  # G does not divide W: the regions meet at W or W + 1
+    ("llama", "eager", "right", 4, 16),
+    ("llama", "sdpa", "none", 2, 1),  # the smallest window: each token is its only neighbour
+    ("qwen3", "sdpa", "left", 4, 16),
+    ("gemma2", "eager", "left", 4, 12),  # sliding layers (window 16) see grouped keys too
+    ("gemma2", "sdpa", "none", 3, 8),  # softcapping on the sdpa name: the explicit path, blocked
+])
+def test_equals_the_hand_computation(family, attn, padding, G, W):
+    # transformers will not load gemma2 on sdpa (softcapping): the sdpa name is set by hand below
+    model = tiny_model(family, attn_implementation="eager" if family == "gemma2" else attn)
+    ids, keep, pos = padded(90, padding)
+    hfpatch.patch(model, position="self-extend", group_size=G, window=W)
+    if attn == "sdpa" and family == "gemma2":
+        model.config._attn_implementation_internal = SDPA_NAME
+    assert model.config._attn_implementation == (EAGER_NAME if attn == "eager" else SDPA_NAME)
+    with torch.no_grad():
+        out = model(ids, attention_mask=keep, position_ids=pos).logits
+    expected = by_hand(model, ids, keep, pos, G, W)
+    real = keep.bool()
+    assert max_diff(out[real].double(), expected[real]) <= 1e-4
+    unpatched = hfpatch.unpatch(model)(ids, attention_mask=keep, position_ids=pos).logits
+    assert max_diff(unpatched[real], out[real]) > 1e-3  # the grouping is visible at this length
+
+
+@pytest.mark.parametrize("family", ROPE_FAMILIES)
+def test_every_rope_family(family):
+    """G = 1, or a window covering the sequence, is the unpatched model; the log-sum-exp merge of flash-attention
+    pieces equals the written-out scores (the eager name): sliding windows (mistral, gemma2/3), per-layer-type RoPE
+    (gemma3), partial rotary (gpt_neox); unpatch is exact."""
+    model = tiny_model(family)
+    x = tokens(120, batch=2)
+    base = logits(model, x)
+    hfpatch.patch(model, position="self-extend", group_size=1, window=8)
+    assert max_diff(logits(model, x), base) <= 2e-6
+    hfpatch.patch(model, position="self-extend", group_size=8, window=WINDOW)
+    assert max_diff(logits(model, x[:, :WINDOW]), base[:, :WINDOW]) <= 2e-6
+    hfpatch.patch(model, position="self-extend", group_size=4, window=20)
+    eager = hfpatch.patch(tiny_model(family, attn_implementation="eager"), position="self-extend", group_size=4,
+                          window=20)
+    assert eager.config._attn_implementation == EAGER_NAME
+    assert max_diff(logits(model, x), logits(eager, x)) <= 2e-5
+    hfpatch.unpatch(model)
+    assert max_diff(logits(model, x), base) == 0.0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text", "gpt_neox"])
+def test_cached_decoding_equals_the_full_forward(family):
+    """The cache holds un-rotated keys; each step rotates them at both maps. Padding on the left, as generate()
+    pads: the positions count real tokens only."""
+    model = hfpatch.patch(tiny_model(family), position="self-extend", group_size=3, window=10)
+    ids, keep, pos = padded(70, "left")
+    with torch.no_grad():
+        full = model(ids, attention_mask=keep, position_ids=pos).logits
+        out = model(ids[:, :-5], attention_mask=keep[:, :-5], position_ids=pos[:, :-5], use_cache=True)
+        chunk = model(ids[:, -5:-1], attention_mask=keep[:, :-1], position_ids=pos[:, -5:-1],
+                      past_key_values=out.past_key_values, use_cache=True).logits
+        step = model(ids[:, -1:], attention_mask=keep, position_ids=pos[:, -1:],
+                     past_key_values=out.past_key_values, use_cache=True).logits
+    assert max_diff(torch.cat([chunk, step], 1), full[:, -5:]) <= 1e-5
+    kw = dict(attention_mask=keep, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, use_cache=True, **kw), model.generate(ids, use_cache=False, **kw))
+
+
+def test_gradients_match_the_eager_path():
+    """With gradients the sdpa name takes the explicit path; same gradients as the eager name."""
+    grads = {}
+    for attn in ("sdpa", "eager"):
+        model = hfpatch.patch(tiny_model("llama", attn_implementation=attn), position="self-extend", group_size=2,
+                              window=8).train()
+        x = tokens(40, batch=2)
+        model(x, labels=x).loss.backward()
+        grads[attn] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["sdpa"].keys() == grads["eager"].keys()
+    for n in grads["sdpa"]:
+        assert torch.allclose(grads["sdpa"][n], grads["eager"][n], atol=1e-5), n
+    assert grads["sdpa"]["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------- composes like any
+
+
+def test_describe_unpatch_and_limits():
+    model = tiny_model("llama")
+    before = fingerprint(model)
+    hfpatch.patch(model, position="self-extend", group_size=4, window=16)
+    info = hfpatch.describe(model)
+    assert info["position"] == {"scheme": "self-extend", "group_size": 4, "window": 16, "native": False}
+    assert info["position_limit"] == info["max_position_embeddings"] == (WINDOW - 16) * 4 + 16
+    assert "self-extend" in info["patches"]["position"]
+    hfpatch.patch(model, position="yarn", factor=2.0)  # replaces it
+    assert type(model.model.rotary_emb).__name__ == "LlamaRotaryEmbedding"
+    hfpatch.unpatch(model)
+    assert_same_fingerprint(before, fingerprint(model))
+
+
+def test_save_and_reload(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = hfpatch.patch(tiny_model("qwen3"), position="self-extend", group_size=4, window=16)
+    x = tokens(100)
+    with pytest.warns(UserWarning, match="plain transformers loads the model.s original position"):
+        hfpatch.save_pretrained(model, tmp_path)
+    assert max_diff(logits(hfpatch.from_pretrained(tmp_path), x), logits(model, x)) == 0.0
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert max_diff(logits(plain, x), logits(tiny_model("qwen3"), x)) == 0.0
+
+
+def test_spec_strings():
+    assert hfpatch.spec.parse("self-extend:group_size=4:window=1024") == dict(position="self-extend", group_size=4,
+                                                                             window=1024)
+    [(name, kwargs)] = parse_patches("self-extend:group_size=8:window=1024")
+    assert hfpatch.spec.request(**kwargs)["position"] == {"scheme": "self-extend", "group_size": 8, "window": 1024}
+
+
+BAD = [
+    (dict(group_size=0, window=16), "group_size must be a positive integer, got 0"),
+    (dict(group_size=2.5, window=16), "group_size must be a positive integer"),
+    (dict(group_size=4, window=0), "window must be a positive integer, got 0"),
+    (dict(group_size=4, window=-3), "window must be a positive integer"),
+    (dict(group_size=4, window=WINDOW + 1), f"window={WINDOW + 1} is beyond the {WINDOW} tokens llama was trained on"),
+    (dict(group_size=4), "needs window"),
+    (dict(window=16), "needs group_size"),
+    (dict(group_size=4, window=16, factor=2.0), "does not take factor"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD, ids=[m for _, m in BAD])
+def test_bad_options_leave_the_model_untouched(kwargs, message):
+    model = tiny_model("llama")
+    before = fingerprint(model)
+    with pytest.raises(ValueError, match=message):
+        hfpatch.patch(model, position="self-extend", **kwargs)
+    assert_same_fingerprint(before, fingerprint(model))
+
+
+@pytest.mark.parametrize("family,message", [("gpt2", "is a RoPE scheme, but gpt2 has learned absolute position"),
+                                            ("bert", "is a RoPE scheme")])
+def test_models_without_rope_are_refused(family, message):
+    model = tiny_model(family)
+    before = fingerprint(model)
+    with pytest.raises(ValueError, match=message):
+        hfpatch.patch(model, position="self-extend", group_size=4, window=16)
+    assert_same_fingerprint(before, fingerprint(model))
+
+
+class OwnRopeAttention(LlamaAttention):
+    """An attention that computes RoPE itself from position_ids instead of using the rotary module's cos/sin."""
+
+    def forward(self, hidden_states, position_embeddings=None, **kwargs):
+        return super().forward(hidden_states, self.own_rotary(hidden_states, kwargs["position_ids"]), **kwargs)
+
+
+def test_an_attention_it_cannot_reproduce_is_refused():
+    model = tiny_model("llama")
+    own = LlamaRotaryEmbedding(model.config)
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = OwnRopeAttention
+        object.__setattr__(layer.self_attn, "own_rotary", own)  # not a submodule: the model has one rotary
+    before = fingerprint(model)
+    with pytest.raises(ValueError, match="does not reproduce llama's own RoPE attention"):
+        hfpatch.patch(model, position="self-extend", group_size=4, window=16)
+    assert_same_fingerprint(before, fingerprint(model))
+
+
+def test_position_maps_meet_at_the_window():
+    """At i - j = W the grouped distance is W when G divides W (W + 1 at most otherwise), and beyond the window it
+    grows G times slower."""
+    pos = torch.arange(5000)
+    for G, W in [(4, 1024), (3, 8), (8, 100), (1, 7)]:
+        i, j = pos[W:], pos[:-W]
+        d = self_extend.grouped_query_positions(i, G, W) - self_extend.grouped_key_positions(j, G)
+        assert d.min() >= W and d.max() <= W + (W % G != 0)
+        far = self_extend.grouped_query_positions(pos[-1:], G, W) - self_extend.grouped_key_positions(pos[:1], G)
+        assert abs(far.item() - (W + (4999 - W) / G)) <= 2
+
+
+def test_a_deep_copy_rotates_with_its_own_rotary_module():
+    model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=4, window=16)
+    x = tokens(80)
+    patched = logits(model, x)
+    twin = copy.deepcopy(model)
+    assert getattr(twin.model.layers[0].self_attn, self_extend.STATE_ATTR).rotary is twin.model.rotary_emb
+    assert max_diff(logits(twin, x), patched) == 0.0
+    hfpatch.unpatch(twin)
+    assert max_diff(logits(twin, x), logits(tiny_model("llama"), x)) == 0.0
+    assert max_diff(logits(model, x), patched) == 0.0
+
+
+def test_a_static_cache_is_refused_with_a_clear_error():
+    """Cached keys' positions are inferred (consecutive, ending at the newest query): a StaticCache breaks that."""
+    model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=4, window=8)
+    with pytest.raises(ValueError, match="a DynamicCache, what generate.. uses by default"):
+        model.generate(tokens(20), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="static")
