@@ -32,10 +32,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from . import biased
+
 SDPA_NAME = "hfpatch_alibi"
 EAGER_NAME = "hfpatch_alibi_eager"
 SLOPES_ATTR = "hfpatch_alibi_slopes"
-BLOCK_ELEMENTS = 1 << 24  # scores per block on the explicit path (64 MB in fp32)
 
 
 def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> list[float]:
@@ -116,35 +117,14 @@ def no_denormals(device):
 
 def explicit(module, query, key, value, attention_mask, scaling, dropout=0.0, causal=True, block=False, **kwargs):
     """Scores with the bias written out, like eager attention; with `block`, a block of queries at a time."""
-    b, h, q_len, d = query.shape
-    kv_len = key.shape[2]
-    groups = h // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1) if groups > 1 else key
-    value = value.repeat_interleave(groups, dim=1) if groups > 1 else value
     slopes = _slopes(module, query)
-    k_pos = torch.arange(kv_len, device=query.device)
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
-    softcap = kwargs.get("softcap")
-    step = q_len if not block else max(1, min(q_len, BLOCK_ELEMENTS // max(1, b * h * kv_len)))
-    outs, weights = [], []
-    for s in range(0, q_len, step):
-        e = min(q_len, s + step)
-        scores = torch.matmul(query[:, :, s:e], key.transpose(2, 3)) * scaling
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores = scores + alibi_bias(slopes, q_pos[s:e], k_pos, bidirectional=not causal)[None].to(scores.dtype)
-        if attention_mask is not None:
-            m = attention_mask[:, :, s:e, :kv_len]
-            scores = scores.masked_fill(~m, torch.finfo(scores.dtype).min) if m.dtype == torch.bool else scores + m
-        elif causal and q_len > 1:  # transformers skipped the mask, counting on sdpa's is_causal
-            scores = scores.masked_fill(k_pos[None, :] > q_pos[s:e, None], torch.finfo(scores.dtype).min)
-        w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        w = torch.nn.functional.dropout(w, p=dropout, training=module.training)
-        outs.append(torch.matmul(w, value))
-        if not block:
-            weights.append(w)
-    out = torch.cat(outs, dim=2).transpose(1, 2).contiguous()
-    return out, (torch.cat(weights, dim=2) if weights else None)
+
+    def terms(q, k, q_pos, k_pos):
+        bias = alibi_bias(slopes, q_pos, k_pos, bidirectional=not causal)[None]
+        return torch.matmul(q, k.transpose(2, 3)) * scaling, bias
+
+    return biased.attention(module, query, key, value, attention_mask, terms, dropout, causal, block,
+                            kwargs.get("softcap"))
 
 
 def alibi_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
