@@ -16,6 +16,8 @@ import argparse
 import json
 import sys
 
+from .norm.modules import NORMS
+
 
 class UsageError(Exception):
     pass
@@ -70,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="folder to save the patched model (and tokenizer) to")
     s.add_argument("--position", help="position scheme, e.g. yarn, ntk, linear, dynamic, dynamic-yarn, llama3, longrope, rope")
     s.add_argument("--factor", type=float, help="context extension ratio (> 1)")
-    s.add_argument("--norm", choices=["rmsnorm", "layernorm"])
+    s.add_argument("--norm", choices=list(NORMS))
     s.add_argument("--no-exact", dest="exact", action="store_false", default=None,
                    help="with --norm rmsnorm: plain swap instead of the exact (weight-folding) conversion")
     s.add_argument("--placement", choices=["pre", "post"])

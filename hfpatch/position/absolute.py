@@ -1,5 +1,5 @@
 """Absolute position signals: the sinusoidal table, removing a model's own position signal (for alibi, nope,
-sinusoidal), and interpolating a learned position table (position="interpolate").
+sinusoidal, t5, xl, learned), and interpolating a learned position table (position="interpolate").
 
 Learned tables (GPT-2's wpe, OPT's embed_positions, BERT's position_embeddings) are nn.Embedding lookups by position
 (OPT adds an offset of 2 first). A mixin placed just above nn.Embedding in the table's class replaces the lookup:
@@ -40,6 +40,16 @@ def interpolate_rows(table: torch.Tensor, factor: float, keep: int = 0) -> torch
     w = (x - lo.double()).clamp(0, 1)[:, None]
     rows = (1 - w) * body[lo] + w * body[hi]
     return torch.cat([head, rows.to(table.dtype)], dim=0)
+
+
+class NoRotation:
+    """Mixed into a rotary module whose position signal was taken out: cos = 1 and sin = 0 whatever its buffers hold.
+    The zeroed inverse frequencies give that too, but transformers recomputes a rotary module's (non-persistent)
+    frequencies from its config when it loads a checkpoint, which a patch with saved weights goes through."""
+
+    def forward(self, x, position_ids, *args, **kwargs):
+        cos, sin = super().forward(x, position_ids, *args, **kwargs)
+        return torch.ones_like(cos), torch.zeros_like(sin)
 
 
 class ZeroPositions(nn.Embedding):

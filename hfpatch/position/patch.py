@@ -180,6 +180,7 @@ def remove_positions(model, adapter: Adapter, scheme: str, edits: Edits) -> None
             edits.delete(rotary, f"{p}long_inv_freq")
         # "default" keeps transformers' dynamic/longrope updates from recomputing the frequencies
         edits.set(rotary, "rope_type", "default" if types == [None] else {lt: "default" for lt in types})
+        edits.mix_in(rotary, absolute.NoRotation)
     if adapter.position_table:
         table = get_path(base, adapter.position_table)
         lookup = absolute.SinusoidalPositions if scheme == "sinusoidal" else absolute.ZeroPositions
