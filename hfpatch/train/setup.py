@@ -44,6 +44,24 @@ def load(cfg):
     return model, tok
 
 
+def from_config(cfg, tok):
+    """A model built from cfg.model_config (a transformers config: model_type and sizes), its vocabulary and special
+    tokens taken from the tokenizer unless given, in cfg.dtype (weights drawn from the RNG as seeded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    options = dict(cfg.model_config)
+    options.setdefault("vocab_size", len(tok))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        options.setdefault(key, getattr(tok, key))
+    try:
+        config = AutoConfig.for_model(options.pop("model_type"), **options)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"model_config: {e}") from None
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype_of(cfg))
+    check_causal(model)
+    return model
+
+
 def check_causal(model):
     adapter = hfpatch.adapters.adapter_for(hfpatch.apply.unwrap(model))
     if not adapter.causal or hfpatch.apply.unwrap(model).get_output_embeddings() is None:
