@@ -1,7 +1,8 @@
 """hfpatch: change how a pretrained transformers model normalizes and encodes position, in one call."""
 
 from . import spec
-from .apply import describe, patch, supported, unpatch
+from .apply import describe, patch, unpatch
+from .families import supported
 from .io import from_pretrained, save_pretrained
 
 __version__ = "0.1.0"

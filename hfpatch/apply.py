@@ -87,7 +87,7 @@ def _apply_axis(model: PreTrainedModel, adapter: Adapter, axis: str, req: dict, 
     if axis == "placement":
         return apply_placement(model, adapter, req, edits)
     scheme = SCHEMES[req["scheme"]]
-    reason = schemes.unavailable(req["scheme"], adapter)
+    reason = schemes.unavailable(req["scheme"], adapter, req)
     if reason:
         raise ValueError(reason)
     scheme.apply(model, adapter, req, scheme, edits)
@@ -107,12 +107,25 @@ def apply_axes(model: PreTrainedModel, adapter: Adapter, spec: dict, layers: dic
     return facts
 
 
+def sub_configs(config) -> list[tuple[str, object]]:
+    """[(prefix, config)]: the config and its sub-configs (a multimodal model's text_config, ...), keys prefixed
+    "text_config." so that a record names where each value lives."""
+    out = [("", config)]
+    for name in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "to_dict") and all(sub is not c for _, c in out):
+            out.append((name + ".", sub))
+    return out
+
+
 def touched_config(config, logs) -> dict:
-    """{config attribute: value before the first of `logs` (in order) changed it}."""
+    """{config attribute ("text_config.x" for a sub-config's): value before the first of `logs` (in order)
+    changed it}."""
     out: dict = {}
-    for edits in logs:
-        for k, v in edits.touched(config).items():
-            out.setdefault(k, v)
+    for prefix, c in sub_configs(config):
+        for edits in logs:
+            for k, v in edits.touched(c).items():
+                out.setdefault(prefix + k, v)
     out.pop("hfpatch", None)
     return out
 
@@ -253,6 +266,10 @@ def describe(model) -> dict:
     facts = {**state.baked_facts, **state.facts} if state else {}
     norm = {"kind": norms.current_kind(target, adapter),
             "scale": "1 + weight" if adapter.norm_offset else "weight"}
+    upcasts = {c.upcast for c in adapter.norm_classes.values()}
+    if len(upcasts) == 1 and None not in upcasts:  # how the family's own norms round in bfloat16
+        norm["bf16"] = {"fp32": "computed in float32, rounded once", "normalize": "normalized in float32, scaled "
+                        "in the input dtype", "none": "computed in the input dtype"}[upcasts.pop()]
     if "norm" in applied:
         norm.update(facts.get("norm", {}))
     return {
@@ -262,7 +279,7 @@ def describe(model) -> dict:
         "placement": applied.get("placement", {}).get("kind") or adapter.placement_of(target.config),
         "position": _position(target, adapter, state),
         "attention": target.config._attn_implementation,
-        "max_position_embeddings": target.config.max_position_embeddings,
+        "max_position_embeddings": target.config.get_text_config().max_position_embeddings,
         "position_limit": position_limit(target),
         "applied": copy.deepcopy(applied),
         "baked": sorted(state.baked) if state else [],
@@ -291,24 +308,13 @@ def available(model, adapter: Adapter) -> dict:
     }
 
 
-def supported(model=None, model_types=None) -> dict:
-    """What applies to `model`, or {model_type: ...} for every causal-LM model type of the installed transformers
-    (or those named), measured on a tiny model built from each one's config (see hfpatch.families)."""
-    if model is not None:
-        target = unwrap(model)
-        adapter = adapter_for(target)
-        return _summary(target, adapter)
-    from .families import measure
-
-    return measure(model_types)
-
-
-def _summary(model, adapter: Adapter) -> dict:
+def summary(model, adapter: Adapter) -> dict:
+    """What the model is and what patch accepts for it (hfpatch.supported of one model)."""
     return {
         "norm": adapter.norm,
         "placement": adapter.placement_of(model.config),
         "position": adapter.position_signal,
         "causal": adapter.causal,
-        "adapter": adapter.source,
+        "adapter": {"source": adapter.source, "notes": dict(adapter.notes)},
         "patches": available(model, adapter),
     }

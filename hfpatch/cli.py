@@ -84,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="any other scheme option, value as JSON (e.g. --opt 'short_factor=[1,1,1,1]')")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="load the model in this dtype")
 
-    sub.add_parser("supported", help="families and the patches each accepts (JSON)")
+    u = sub.add_parser("supported", help="every causal-LM model type of the installed transformers and the patches "
+                                         "each accepts, measured on a tiny model of each (JSON, or --markdown)")
+    u.add_argument("model_types", nargs="*", metavar="MODEL_TYPE", help="only these model types (default: all)")
+    u.add_argument("--markdown", action="store_true", help="a Markdown table and the counts instead of JSON")
+    u.add_argument("--no-cache", action="store_true", help="measure again instead of reading the cached result")
 
     e = sub.add_parser("eval", help="perplexity at extended lengths (ppl) or passkey retrieval (passkey)")
     e.add_argument("what", choices=["ppl", "passkey"])
@@ -106,7 +110,11 @@ def _run(args) -> int:
 
         return (perplexity if args.what == "ppl" else passkey).main(args.rest)
     if args.command == "supported":
-        print(json.dumps(hfpatch.supported(), indent=2))
+        from hfpatch.families import markdown, measure
+
+        results = measure(args.model_types or None, use_cache=not args.no_cache,
+                          progress=lambda t: print(f"measured {t}", file=sys.stderr, flush=True))
+        print(markdown(results) if args.markdown else json.dumps(results, indent=2))
         return 0
     if args.command == "describe":
         model, _ = load(args.model, tokenizer=False)

@@ -94,6 +94,14 @@ def _model_class(config):
 
 
 
+def _config_path(config, key: str):
+    """(the config or sub-config holding `key`, the attribute name): "text_config.max_position_embeddings"."""
+    *subs, name = key.split(".")
+    for sub in subs:
+        config = getattr(config, sub)
+    return config, name
+
+
 def from_pretrained(path, **kwargs):
     """Rebuild a model saved by `save_pretrained` (patched or not); kwargs go to transformers' from_pretrained."""
     config_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "revision", "token", "gguf_file") if k in kwargs}
@@ -104,10 +112,12 @@ def from_pretrained(path, **kwargs):
     if not isinstance(record, dict) or record.get("version") not in (1, 2):
         raise ValueError(f"{path}: unreadable hfpatch section in config.json (expected version 1 or 2): {record!r}")
     for key, value in record.get("original_config", {}).items():
-        setattr(config, key, value)
+        owner, name = _config_path(config, key)
+        setattr(owner, name, value)
     for key in record.get("added_config", []):
-        if key in config.__dict__:
-            delattr(config, key)
+        owner, name = _config_path(config, key)
+        if name in owner.__dict__:
+            delattr(owner, name)
     del config.hfpatch
     spec = record["spec"]
     # Weight-changing patches of every stage (a reloaded model patched again on the same axis saves two stages),

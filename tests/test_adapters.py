@@ -165,6 +165,14 @@ def test_norms_are_recognised_numerically(offset):
     assert classify_norm(torch.nn.Linear(16, 16)) is None
 
 
+@pytest.mark.parametrize("family,upcast", [("llama", "normalize"), ("gemma", "fp32"), ("gpt2", "fp32")])
+def test_how_a_family_norm_rounds_in_bf16_is_read_numerically(family, upcast):
+    """LlamaRMSNorm normalizes in float32 and multiplies by its weight in the input dtype; GemmaRMSNorm and
+    nn.LayerNorm round once, at the end (transformers' modeling files)."""
+    classes = adapter_for(tiny_model(family)).norm_classes
+    assert {c.upcast for c in classes.values()} == {upcast}
+
+
 class _NoBlocks(PreTrainedModel):
     config_class = LlamaConfig
 

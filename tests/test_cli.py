@@ -42,9 +42,18 @@ def test_opt_passes_json_values(saved, tmp_path):
     assert hfpatch.from_pretrained(out).config.rope_parameters["long_factor"] == long
 
 
-def test_supported(capsys):
-    assert main(["supported"]) == 0
-    assert "gemma3_text" in json.loads(capsys.readouterr().out)
+def test_supported(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HFPATCH_CACHE", str(tmp_path))
+    assert main(["supported", "gemma3_text", "gpt2"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert sorted(info) == ["gemma3_text", "gpt2"]
+    assert "yarn" in info["gemma3_text"]["patches"]["position"] and "yarn" not in info["gpt2"]["patches"]["position"]
+    assert main(["supported", "gpt2", "--markdown"]) == 0  # read from the cache written above
+    out = capsys.readouterr().out
+    assert out.startswith("| model type |") and "| gpt2 | alibi, interpolate, nope, sinusoidal |" in out
+    assert list((tmp_path / "supported").glob("*.json"))
+    assert main(["supported", "no_such_family"]) == 2
+    assert "not a causal-LM model type" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -79,7 +79,8 @@ def test_patch_returns_the_same_object_and_describe_reports():
 def test_describe_unpatched_models():
     assert hfpatch.describe(tiny_model("gpt2"))["position"]["scheme"] == "learned"
     assert hfpatch.describe(tiny_model("bert"))["placement"] == "post"
-    assert hfpatch.describe(tiny_model("gemma"))["norm"] == {"kind": "rmsnorm", "scale": "1 + weight"}
+    assert hfpatch.describe(tiny_model("gemma"))["norm"] == {"kind": "rmsnorm", "scale": "1 + weight",
+                                                            "bf16": "computed in float32, rounded once"}
     assert hfpatch.describe(tiny_model("gpt2"))["norm"]["kind"] == "layernorm"
     assert hfpatch.describe(tiny_model("llama"))["position"]["scheme"] == "rope"
     scaled = tiny_model("llama", rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
@@ -88,7 +89,7 @@ def test_describe_unpatched_models():
 
 
 def test_supported_lists_every_family():
-    info = hfpatch.supported()
+    info = hfpatch.supported(model_types=FAMILIES, use_cache=False)
     assert sorted(info) == sorted(FAMILIES)
     for family in ROPE_FAMILIES:
         assert {"yarn", "ntk", "dynamic-yarn", "rope"} <= set(info[family]["patches"]["position"])
@@ -178,10 +179,13 @@ def test_gemma3_unknown_layer_type():
     assert_same_fingerprint(fingerprint(model), fp)
 
 
-def test_unsupported_family_names_itself_and_the_supported_ones():
-    cfg = AutoConfig.for_model("gptj", vocab_size=50, n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=64)
+def test_a_scheme_that_does_not_fit_the_family_says_why():
+    """Families without an adapter file are read off the model; what does not apply is refused with the reason
+    (GPT-J rotates inside its attention, from a sin/cos table hfpatch cannot rebuild)."""
+    cfg = AutoConfig.for_model("gptj", vocab_size=50, n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=64,
+                               bos_token_id=1, eos_token_id=2)
     model = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match="model_type 'gptj'.*supported: bert, gemma"):
+    with pytest.raises(ValueError, match="RoPE scheme, but gptj has a position encoding hfpatch cannot find"):
         hfpatch.patch(model, position="yarn", factor=2)
     with pytest.raises(TypeError, match="PreTrainedModel"):
         hfpatch.patch(torch.nn.Linear(2, 2), position="yarn", factor=2)

@@ -33,12 +33,13 @@ class NormClass:
     offset: float  # the scale is offset + weight (Gemma: 1)
     eps: float
     eps_attr: str | None = None  # the attribute the module keeps eps in (None: eps was matched from the config)
+    upcast: str | None = None  # in bfloat16: "fp32" | "normalize" (scale in the input dtype) | "none" | None unknown
 
 
 @dataclass(frozen=True)
 class Adapter:
     model_type: str
-    layers: str  # the list of transformer blocks
+    layers: str | None  # the list of transformer blocks (None: not found; only RoPE rescaling applies)
     attention: str | None  # the attention module inside a block (None: none found)
     norms: tuple[str, ...]  # the norms inside a block, in forward order
     mlp: str | None = None  # the feed-forward module inside a block (None: its linears sit in the block itself)
@@ -68,7 +69,8 @@ class Adapter:
     causal: bool = True
     attention_layers: tuple[int, ...] | None = None  # blocks that have `attention` (hybrid stacks); None: all
     attention_interface: bool = True  # attention runs through transformers' AttentionInterface
-    heads: int | None = None  # query heads per attention module
+    window: int | None = None  # the trained context the config names (None: it names none)
+    heads: tuple[int, ...] = ()  # query heads of the attention module of each attention layer
     norm_classes: dict = field(default_factory=dict)  # "module.Class" -> NormClass, for the family's own norms
     source: str = "hand-written"  # or "inferred"
     notes: dict = field(default_factory=dict)  # what could not be read, and so does not apply: {topic: reason}

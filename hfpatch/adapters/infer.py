@@ -19,9 +19,12 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from ..edits import Edits
+from ..position.absolute import ZeroPositions
+from ..position.rotary import make_identity
 from . import blocks
 from . import probe as probes
-from .base import Adapter, NormClass, class_key
+from .base import Adapter, NormClass, class_key, get_path
 
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")
 _EPS_CONFIG = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
@@ -105,8 +108,38 @@ def classify_norm(module: nn.Module, config=None) -> NormClass | None:
             for attr, eps in candidates:
                 if all(torch.allclose(y, _reference(kind, x, eps, scale, b), rtol=1e-4, atol=1e-5 * max(1.0, _mag(y)))
                        for x, y in zip(xs, ys)):
-                    return NormClass(kind=kind, offset=offset, eps=eps, eps_attr=attr)
+                    return NormClass(kind=kind, offset=offset, eps=eps, eps_attr=attr,
+                                     upcast=_upcast(module, kind, eps, offset, xs[0]))
     return None
+
+
+def _upcast(module, kind, eps, offset, x) -> str | None:
+    """How the norm computes in bfloat16, read by running a bfloat16 copy: "fp32" (statistics and scale in float32,
+    one rounding at the end: Gemma, hfpatch's own), "normalize" (statistics in float32, the scale applied in the
+    input dtype: Llama), "none" (everything in bfloat16), or None if none matches bit for bit."""
+    try:
+        twin = copy.deepcopy(module).to(torch.bfloat16)
+        with torch.no_grad():
+            got = twin(x.to(torch.bfloat16))
+    except Exception:  # noqa: BLE001 - no bfloat16 on this build: unknown
+        return None
+    w = getattr(twin, "weight", None)
+    b = getattr(twin, "bias", None)
+
+    def normed(h):
+        if kind == "layernorm":
+            h = h - h.mean(-1, keepdim=True)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+    def affine(h, dtype):
+        h = h if w is None else h * (w.to(dtype) + offset)
+        return h if b is None else h + b.to(dtype)
+
+    xb = x.to(torch.bfloat16)
+    forms = {"fp32": affine(normed(xb.float()), torch.float32).to(torch.bfloat16),
+             "normalize": affine(normed(xb.float()).to(torch.bfloat16), torch.bfloat16),
+             "none": affine(normed(xb), torch.bfloat16)}
+    return next((name for name, ref in forms.items() if torch.equal(ref, got)), None)
 
 
 def _mag(y):
@@ -181,20 +214,14 @@ def _layer_index(name: str, layers: str) -> tuple[int, str] | None:
 
 
 def _find_layers(info: _Info, attention_names: list[str]) -> str | None:
-    """The ModuleList (top-model path) whose items hold the attention modules; without them, the one ModuleList of
-    config.num_hidden_layers items."""
+    """The ModuleList (top-model path) whose items hold all the attention modules (the outermost one: a block may
+    keep its own attention modules in a list); without attention modules, the one ModuleList of
+    config.num_hidden_layers items. None when neither is unique (e.g. two stacks of blocks)."""
     lists = {n for n, m in info.model.named_modules() if isinstance(m, nn.ModuleList)}
-    found = set()
-    for name in attention_names:
-        parts = name.split(".")
-        for i in range(len(parts) - 1, 0, -1):
-            head = ".".join(parts[:i])
-            if head in lists and parts[i].isdigit():
-                found.add(head)
-                break
-    if len(found) == 1:
-        return found.pop()
-    if found:
+    if attention_names:
+        for head in sorted(lists, key=lambda n: n.count(".")):
+            if all(re.match(re.escape(head) + r"\.\d+\.", name) for name in attention_names):
+                return head
         return None
     n = getattr(info.model.config.get_text_config(), "num_hidden_layers", None)
     sized = [name for name in lists if name.startswith(info.prefix) and len(info.model.get_submodule(name)) == n]
@@ -219,10 +246,18 @@ def infer(model, model_type: str | None = None) -> Adapter:
     if not probe.interface:
         notes["attention"] = ("no module called transformers' attention interface (AttentionInterface); schemes "
                               "that replace the attention function (alibi) do not apply")
+    rotaries = _rotaries(info)
     layers_top = _find_layers(info, attention_names)
     if layers_top is None or not layers_top.startswith(prefix):
-        raise InferenceError(f"{type(model).__name__}: cannot find the list of transformer blocks "
-                             "(a ModuleList holding the attention modules)")
+        if not rotaries:
+            raise InferenceError(f"{type(model).__name__}: cannot find the list of transformer blocks "
+                                 "(a ModuleList holding the attention modules)")
+        # the rotary modules alone are enough to rescale RoPE; everything that needs the blocks is refused
+        return Adapter(model_type=model_type or config.model_type, layers=None, attention=None, norms=(),
+                       placement=None, rotaries=rotaries, attention_interface=False, source="inferred",
+                       window=_window(config),
+                       notes={"blocks": "cannot find one list of transformer blocks holding all the attention "
+                                        "modules (several stacks?): only RoPE rescaling applies"})
     layers = info.rel(layers_top)
     stack = list(model.get_submodule(layers_top))
 
@@ -247,7 +282,8 @@ def infer(model, model_type: str | None = None) -> Adapter:
     recognised: dict[str, NormClass] = {}
     for name, call in probe.calls.items():
         module = model.get_submodule(name)
-        if call.input is None or not torch.is_floating_point(call.input) or list(module.children()):
+        if call.input is None or not torch.is_floating_point(call.input) or list(module.children()) \
+                or len(call.args) + len(call.kwargs) != 1:  # a norm takes one tensor (not a gated norm's two)
             continue
         cls = classify_norm(module, config)
         if cls is not None:
@@ -316,9 +352,6 @@ def infer(model, model_type: str | None = None) -> Adapter:
     if len(after) > 1 or len(before) > 1:
         notes["norms"] = f"several norms outside the blocks: {sorted(map(info.rel, before + after))}"
 
-    rotaries = tuple(info.rel(n) for n, m in model.named_modules()
-                     if n.startswith(prefix) and n in probe.calls
-                     and any(b == "inv_freq" or b.endswith("_inv_freq") for b in m._buffers))
     table, offset = _position_table(info, layers_top)
     placement_layout, dropouts = None, (None, None)
     if placement in ("pre", "post") and len(norms) == 2 and mlp and "placement" not in notes:
@@ -335,14 +368,24 @@ def infer(model, model_type: str | None = None) -> Adapter:
                               "pre/post form")
     if not rotaries and table is None:
         # nothing found: make sure there is nothing to find (a rotation computed inside attention, GPT-J style)
-        mixers = [f"{layers_top}.{i}" for i in (attention_layers or range(len(stack)))]
-        embedded, sources = probes.position_sources(model, mixers)
-        if embedded or sources:
-            notes["positions"] = ("the model encodes position (on a repeated token, " + (
-                "its embeddings differ by position" if embedded else f"{sources[0]} makes positions differ") +
-                ") but hfpatch found neither a rotary module (an inv_freq buffer) nor a learned position table")
+        mixers = ([f"{layers_top}.{i}.{attention}" for i in (attention_layers or range(len(stack)))] if attention
+                  else [f"{layers_top}.{i}" for i in range(len(stack))])
+        try:
+            embedded, sources = probes.position_sources(model, mixers, layers_top)
+        except Exception as e:  # noqa: BLE001 - a test that cannot run says nothing: refuse, with the reason
+            notes["positions"] = f"the position test could not run ({type(e).__name__}: {e})"
+        else:
+            if embedded or sources:
+                notes["positions"] = ("the model encodes position (on a repeated token, " + (
+                    "its embeddings differ by position" if embedded else f"{sources[0]} makes positions differ") +
+                    ") but hfpatch found neither a rotary module (an inv_freq buffer) nor a learned position table")
+    elif attention and probe.interface:
+        why = _removal_leaves(model, rotaries, table, [f"{layers_top}.{i}.{attention}" for i in attention_layers
+                                                         or range(len(stack))], layers_top)
+        if why:
+            notes["removal"] = why
     readers, writers, embedding_writers, final_readers, why = _residual(
-        info, layers_top, first_layer, attention, mlp, norms, placement, final_norm)
+        info, layers_top, attention_layers or range(len(stack)), attention, mlp, norms, placement, final_norm)
     if why:
         notes["exact"] = why
     kinds = {c.kind for c in recognised.values()}
@@ -375,8 +418,10 @@ def infer(model, model_type: str | None = None) -> Adapter:
         position_offset=offset,
         causal=bool(getattr(attn_module, "is_causal", True)) if attn_module is not None else True,
         attention_interface=probe.interface and attention is not None,
-        heads=_heads(probe, attention_names),
+        heads=tuple(probe.attention[f"{layers_top}.{i}.{attention}"].query[1] for i in attention_layers)
+        if attention else (),
         source="inferred",
+        window=_window(config),
         notes=notes,
     )
 
@@ -420,9 +465,87 @@ def _verify_form(info: _Info, ref: str, spec: blocks.BlockSpec) -> str | None:
     return None
 
 
-def _heads(probe, attention_names) -> int | None:
-    shapes = {probe.attention[n].query[1] for n in attention_names}
-    return shapes.pop() if len(shapes) == 1 else None
+def _window(config) -> int | None:
+    params = getattr(config, "rope_parameters", None) or {}
+    flat = [params] + [v for v in params.values() if isinstance(v, dict)]
+    for value in [p.get("original_max_position_embeddings") for p in flat] + [
+            getattr(config, "original_max_position_embeddings", None), getattr(config, "max_position_embeddings", None)]:
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _removal_leaves(model, rotaries, table, attention, layers_top) -> str | None:
+    """Whether taking out the position signal hfpatch found (rotaries -> identity, the table -> zeros) leaves none
+    (what alibi / nope / sinusoidal rely on): tried on the model, checked numerically, undone. None, or what
+    still tells positions apart."""
+    edits = Edits()
+    base = model.base_model
+    try:
+        for path in rotaries:
+            rotary = get_path(base, path)
+            make_identity(rotary, rotary.config, edits)
+        if table:
+            edits.mix_in(get_path(base, table), ZeroPositions, under=True)
+        embedded, sources = probes.position_sources(model, attention, layers_top)
+    except Exception as e:  # noqa: BLE001 - a test that cannot run says nothing: refuse, with the reason
+        return f"the test that the position signal can be taken out could not run ({type(e).__name__}: {e})"
+    finally:
+        edits.undo()
+    if embedded or sources:
+        where = sources[0] if sources else "the embeddings"
+        return (f"after its rotary modules / position table are taken out, {where} still tells positions apart "
+                "(on a repeated token): the model has a position signal hfpatch cannot remove")
+    return None
+
+
+def _rotaries(info: _Info) -> tuple[str, ...]:
+    """Base-relative paths of the rotary modules: modules of the base model with an inv_freq buffer (or one per
+    layer type, "{type}_inv_freq"), called by the forward, whose output changes when those buffers do (some classes
+    recompute their frequencies from the config at every call: rebuilding their buffers would do nothing). Rotary
+    modules the short probe did not call (DeepSeek-V4's compressor rotaries, used on longer sequences) are included
+    when they are of a verified class or read the same config object as a verified one."""
+    out, verified, uncalled = [], set(), []
+    for name, module in info.model.named_modules():
+        keys = [b for b in module._buffers if b == "inv_freq" or (b.endswith("_inv_freq")
+                                                                   and not b.endswith("original_inv_freq"))]
+        call = info.call(name)
+        if not keys or not name.startswith(info.prefix):
+            continue
+        if call is None:
+            uncalled.append((name, module))
+            continue
+        saved = {k: module._buffers[k] for k in keys}
+        # positions shifted by one: at position 0 every frequency rotates by nothing
+        args = [a + 1 if _is_ids(a) else a for a in call.args]
+        kwargs = {k: v + 1 if _is_ids(v) else v for k, v in call.kwargs.items()}
+        try:
+            with torch.no_grad():
+                before = _flat(module(*args, **kwargs))
+                for k in keys:
+                    module._buffers[k] = saved[k] * 0.5 + 0.1
+                after = _flat(module(*args, **kwargs))
+        except Exception:  # noqa: BLE001 - not callable with its recorded inputs: not a module we can rebuild
+            continue
+        finally:
+            module._buffers.update(saved)
+        if before.numel() == 0:  # called on no positions at all (a compressor on a short sequence)
+            uncalled.append((name, module))
+        elif not torch.equal(before, after):
+            out.append(info.rel(name))
+            verified |= {type(module), id(getattr(module, "config", None))}
+    out += [info.rel(name) for name, m in uncalled
+            if type(m) in verified or (getattr(m, "config", None) is not None and id(m.config) in verified)]
+    return tuple(sorted(out, key=lambda n: (n.count("."), n)))
+
+
+def _is_ids(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.dtype in (torch.int64, torch.int32)
+
+
+def _flat(out) -> torch.Tensor:
+    parts = out if isinstance(out, (tuple, list)) else (out,)
+    return torch.cat([p.detach().float().reshape(-1) for p in parts if isinstance(p, torch.Tensor)])
 
 
 def _position_table(info: _Info, layers_top: str):
@@ -456,30 +579,50 @@ def _linear_calls(info: _Info, within: str):
             if n.startswith(within) and _is_linear(info.model.get_submodule(n)) and ".base_layer" not in n]
 
 
-def _residual(info: _Info, layers_top, i, attention, mlp, norms, placement, final_norm):
+def _residual(info: _Info, layers_top, indices, attention, mlp, norms, placement, final_norm):
     """The residual stream's readers (linears fed by each block norm), writers (linears whose output is added to the
     stream), embedding writers (what starts the stream) and what reads the final norm: what the exact
-    LayerNorm -> RMSNorm conversion folds into. ((), ..., reason) when they cannot all be identified."""
+    LayerNorm -> RMSNorm conversion folds into. ((), ..., reason) when they cannot all be identified, or when the
+    blocks differ (a dense block then mixture-of-experts blocks)."""
     if placement != "pre":
         return {}, (), (), (), f"the block norms are not all pre-norms of the residual stream (layout {placement or 'unknown'})"
-    block = f"{layers_top}.{i}."
+    if not mlp:
+        return {}, (), (), (), "the block has no single MLP module whose output the probe can follow"
+    found = [_block_residual(info, f"{layers_top}.{i}.", attention, mlp, norms) for i in indices]
+    if any(isinstance(f, str) for f in found):
+        return {}, (), (), (), next(f for f in found if isinstance(f, str))
+    if any(f != found[0] for f in found):
+        return {}, (), (), (), "the blocks read and write the residual stream through different linear layers"
+    readers, writers = found[0]
+    embedding = _stream_start(info, layers_top)
+    if not embedding:
+        return {}, (), (), (), "cannot account for the residual stream's start (embeddings) as the sum of module outputs"
+    return readers, writers, embedding, _final_readers(info, final_norm), None
+
+
+def _block_residual(info: _Info, block: str, attention, mlp, norms):
+    """(readers, writers) of one block, or why they cannot be identified."""
     calls = _linear_calls(info, block)
     readers = {}
     for n in norms:
         out = info.call(block + n).output
         found = tuple(name[len(block):] for name, c in calls if _same(c.input, out))
         if not found:
-            return {}, (), (), (), f"cannot find the linear layers that read {n}"
+            return f"cannot find the linear layers that read {n}"
         readers[n] = found
     outs = [info.call(block + attention).output, info.call(block + mlp).output]
     writers = []
     for o in outs:
         hit = [name[len(block):] for name, c in calls if _same(c.output, o)]
         if len(hit) != 1:
-            return {}, (), (), (), ("a sublayer's output is not the output of one linear layer (e.g. a mixture of "
-                                    "experts), so the residual stream's writers cannot be centred")
+            return ("a sublayer's output is not the output of one linear layer (e.g. a mixture of experts), so the "
+                    "residual stream's writers cannot be centred")
         writers.append(hit[0])
-    # what starts the stream: one or two modules before the first block whose outputs (times a constant) sum to it
+    return readers, tuple(writers)
+
+
+def _stream_start(info: _Info, layers_top: str):
+    """One or two modules before the first block whose outputs (times a constant) sum to its input."""
     x0 = info.call(f"{layers_top}.0").input
     first = info.call(f"{layers_top}.0").order
     cands = [(n, c) for n, c in info.probe.calls.items()
@@ -495,8 +638,11 @@ def _residual(info: _Info, layers_top, i, attention, mlp, norms, placement, fina
                 break
         if embedding:
             break
-    if not embedding:
-        return {}, (), (), (), "cannot account for the residual stream's start (embeddings) as the sum of module outputs"
+    return embedding
+
+
+def _final_readers(info: _Info, final_norm):
+    """What reads the final norm if not the LM head (OPT's project_out)."""
     final_readers = ()
     if final_norm:
         out = info.call(info.prefix + final_norm).output
@@ -506,7 +652,7 @@ def _residual(info: _Info, layers_top, i, attention, mlp, norms, placement, fina
         others = [n for n in readers_f if info.model.get_submodule(n) is not head]
         if others:
             final_readers = tuple(info.rel(n) for n in others)
-    return readers, tuple(writers), embedding, final_readers, None
+    return final_readers
 
 
 def _combos(items, size):

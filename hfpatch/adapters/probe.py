@@ -195,25 +195,25 @@ def _rows_equal(t) -> bool:
     return bool(torch.allclose(t, t[..., :1, :].expand_as(t), rtol=1e-4, atol=1e-5 * max(1.0, float(t.abs().max()))))
 
 
-def position_sources(model, blocks: list[str]) -> tuple[bool, list[str]]:
+def position_sources(model, modules: list[str], stack: str) -> tuple[bool, list[str]]:
     """Where the model encodes position, found numerically (no class names, no config keys):
-    - the embeddings, if on one token repeated the first block's input rows differ;
-    - a block, if its output at the last position changes when its earlier input rows are reversed (each row kept
-      at its position index): attention without a position signal sees the same set of keys and values either way,
-      and everything else in a block works position by position.
-    Returns (embeddings encode position, the blocks that do). `blocks` are top-model paths of attention blocks."""
+    - the embeddings, if on one token repeated the input rows of the stack's first block (`stack`.0) differ;
+    - an attention module (or a block: the rest of a block works position by position), if its output at the last
+      position changes when its earlier input rows are reversed (each row kept at its position index): attention
+      without a position signal sees the same set of keys and values either way.
+    Returns (embeddings encode position, the modules that do). `modules` are top-model paths."""
     vocab = model.get_input_embeddings().num_embeddings
     const = run(model, torch.full((1, PROBE_TOKENS), min(5, vocab - 1), dtype=torch.long), record_interface=False)
     probe = run(model, record_interface=False)
     if const.error or probe.error:
         raise RuntimeError(f"the position probe failed: {const.error or probe.error}")
-    first = const.calls.get(blocks[0]) if blocks else None
+    first = const.calls.get(f"{stack}.0")
     embedded = first is not None and not _rows_equal(first.input)
     sources = []
     modes = [(m, m.training) for m in model.modules()]
     try:
         model.eval()
-        for name in blocks:
+        for name in modules:
             call = probe.calls.get(name)
             if call is None or call.input is None:
                 continue
@@ -225,9 +225,9 @@ def position_sources(model, blocks: list[str]) -> tuple[bool, list[str]]:
             x = call.input
             y = x.clone()
             y[:, :-1] = x[:, :-1].flip(1)
-            block = model.get_submodule(name)
+            module = model.get_submodule(name)
             with torch.no_grad():
-                a, b = (_out_tensor(block(h, *args, **kwargs)) for h in (x, y))
+                a, b = (_out_tensor(module(h, *args, **kwargs)) for h in (x, y))
             if not _close(a[:, -1], b[:, -1]):
                 sources.append(name)
     finally:

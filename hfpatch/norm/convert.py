@@ -14,11 +14,12 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..adapters import Adapter, get_path
+from ..adapters.base import class_key
 from ..adapters.probe import restore_modes
 from ..edits import Edits
 from . import batchnorm
 from . import exact as ex
-from .modules import build, read
+from .modules import _Norm, build, read
 
 
 def _parent(root, path: str):
@@ -27,7 +28,10 @@ def _parent(root, path: str):
 
 
 def norm_sites(model, adapter: Adapter) -> list[tuple[str, nn.Module]]:
-    """(path from `model`, module) of every norm: per block, QK norms, the embedding and final norms, task heads."""
+    """(path from `model`, module) of every norm: per block, QK norms, the embedding and final norms, task heads.
+    Only modules that compute a recognised norm (a hybrid block may hold a gated norm under the same name)."""
+    if adapter.layers is None:
+        return []
     base = model.base_model
     prefix = "" if base is model else model.base_model_prefix + "."
     paths = []
@@ -36,7 +40,11 @@ def norm_sites(model, adapter: Adapter) -> list[tuple[str, nn.Module]]:
     paths += [prefix + p for p in (adapter.embedding_norm, adapter.final_norm) if p]
     paths += [p for p in adapter.head_norms if _find(model, p) is not None]
     sites = [(p, _find(model, p)) for p in paths]
-    return [(p, m) for p, m in sites if m is not None]  # OPT without a final norm; hybrid blocks without them
+    return [(p, m) for p, m in sites if m is not None and recognised(m, adapter)]  # OPT without a final norm
+
+
+def recognised(module, adapter: Adapter) -> bool:
+    return isinstance(module, (_Norm, nn.LayerNorm)) or class_key(module) in adapter.norm_classes
 
 
 def current_kind(model, adapter: Adapter) -> str:
@@ -101,11 +109,15 @@ def apply_norm(model, adapter: Adapter, req: dict, placement: str, edits: Edits)
 
 def _plain_swap(model, path, module, kind, adapter, edits, padding=None):
     """Same weight (and offset), same eps: LayerNorm -> RMSNorm keeps β as a bias; RMSNorm -> LayerNorm or
-    BatchNorm gets a zero bias, like any LayerNorm or BatchNorm. A BatchNorm reads `padding` (batchnorm.attach)."""
+    BatchNorm gets a zero bias, like any LayerNorm or BatchNorm. A norm without parameters stays without them. The
+    new module takes the old one's train/eval mode; a BatchNorm reads `padding` (batchnorm.attach)."""
     p = read(module, adapter.norm_classes)
-    like = p.weight if p.weight is not None else p.bias
-    bias = p.bias if kind == "rmsnorm" else (p.bias if p.bias is not None else torch.zeros_like(p.weight))
-    new = build(kind, like.shape, p.eps, p.offset, p.weight, bias, like).train(module.training)
+    affine = p.weight is not None
+    bias = p.bias if kind == "rmsnorm" or not affine else (p.bias if p.bias is not None else torch.zeros_like(p.weight))
+    like = p.weight if affine else (p.bias if p.bias is not None else next(model.parameters()))
+    shape = p.weight.shape if affine else tuple(getattr(module, "normalized_shape", None) or
+                                                (getattr(module, "hidden_size", None) or getattr(module, "dim"),))
+    new = build(kind, shape, p.eps, p.offset, p.weight, bias, like).train(module.training)
     if padding is not None:
         new.padding = padding
     parent, name = _parent(model, path)

@@ -43,13 +43,16 @@ def interpolate_rows(table: torch.Tensor, factor: float, keep: int = 0) -> torch
 
 
 class NoRotation:
-    """Mixed into a rotary module whose position signal was taken out: cos = 1 and sin = 0 whatever its buffers hold.
-    The zeroed inverse frequencies give that too, but transformers recomputes a rotary module's (non-persistent)
-    frequencies from its config when it loads a checkpoint, which a patch with saved weights goes through."""
+    """Mixed into a rotary module made the identity (rotary.make_identity) by a patch whose weights are saved:
+    reloading such a model goes through transformers' loader, which recomputes a rotary module's (non-persistent)
+    inverse frequencies from its config; they are zeroed again, in place, before the first forward that finds them
+    changed (so cos = 1, sin = 0 whatever form the module returns them in)."""
 
-    def forward(self, x, position_ids, *args, **kwargs):
-        cos, sin = super().forward(x, position_ids, *args, **kwargs)
-        return torch.ones_like(cos), torch.zeros_like(sin)
+    def forward(self, *args, **kwargs):
+        for name, buffer in self.named_buffers(recurse=False):
+            if name.endswith("inv_freq") and bool(buffer.any()):
+                buffer.zero_()
+        return super().forward(*args, **kwargs)
 
 
 class ZeroPositions(nn.Embedding):

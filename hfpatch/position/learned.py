@@ -39,9 +39,12 @@ class LearnedInput:
 
 
 def apply_learned(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
-    remove_positions(model, adapter, req["scheme"], edits)
+    size = req.get("table_size") or adapter.window
+    if size is None:
+        raise ValueError(f"position='learned' sizes its table by the trained window, and {adapter.model_type}'s config "
+                         "names none (no max_position_embeddings): pass table_size=")
+    remove_positions(model, adapter, req["scheme"], edits, reloadable=True)
     config = model.config
-    size = req.get("table_size") or int(config.get_text_config().max_position_embeddings)
     like = model.get_input_embeddings().weight
     table = nn.Embedding(size, config.get_text_config().hidden_size, dtype=like.dtype, device=like.device)
     with torch.no_grad():

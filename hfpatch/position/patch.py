@@ -16,13 +16,15 @@ from . import absolute, alibi
 from . import rotary as rot
 
 
-def trained_window(config, params: dict) -> int:
+def trained_window(config, params: dict) -> int | None:
     """The config's trained context: the scheme's original window if the model is already scaled natively,
-    phi3's `original_max_position_embeddings`, else `max_position_embeddings`."""
-    for value in (params.get("original_max_position_embeddings"), getattr(config, "original_max_position_embeddings", None)):
+    phi3's `original_max_position_embeddings`, else `max_position_embeddings`; None if the config names none
+    (RecurrentGemma: local attention only)."""
+    for value in (params.get("original_max_position_embeddings"), getattr(config, "original_max_position_embeddings", None),
+                  getattr(config, "max_position_embeddings", None)):
         if value:
             return int(value)
-    return int(config.max_position_embeddings)
+    return None
 
 
 def _rotaries(model, adapter: Adapter) -> list:
@@ -48,15 +50,17 @@ def max_positions(scheme, window: int, opts: dict) -> int:
     """config.max_position_embeddings after a RoPE rescaling: window x factor for schemes with an extended window,
     the window itself for the others (transformers' dynamic NTK reads it as the original window)."""
     factor = opts.get("factor")
-    if scheme.max_positions != "extended" or factor is None:
+    if scheme.max_positions != "extended" or factor is None or window is None:
         return window
     return int(math.ceil(window * factor))
 
 
-def default_layer_types(types: list) -> list:
-    """Where a config nests RoPE per layer type: the global-attention layers, as transformers' own legacy
-    `rope_scaling` does (gemma3), else every type."""
-    return ["full_attention"] if "full_attention" in types else list(types)
+def default_layer_types(config) -> list:
+    """Where a config nests RoPE per layer type, the types a scaling applies to by default: the global-attention
+    layers, as transformers' own legacy `rope_scaling` does (gemma3), else every type that has RoPE (some families
+    give their global layers none)."""
+    roped = [lt for lt in rot.layer_types(config) if rot.params_of(config, lt) is not None]
+    return ["full_attention"] if "full_attention" in roped else roped
 
 
 def apply_rope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
@@ -88,7 +92,7 @@ def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edi
                              "has one RoPE")
         targets = [None]
     else:
-        targets = req.get("layer_types") or default_layer_types(all_types)
+        targets = req.get("layer_types") or default_layer_types(config)
         unknown = sorted(set(targets) - set(all_types))
         if unknown:
             raise ValueError(f"unknown layer_types {unknown}; this model's RoPE layer types: {sorted(all_types)}")
@@ -99,6 +103,9 @@ def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edi
     for lt in targets:
         base = rot.params_of(config, lt)
         window = window or trained_window(config, base)
+        if window is None and scheme.max_positions == "extended":
+            raise ValueError(f"position={req['scheme']!r} needs the trained window, and {adapter.model_type}'s config "
+                             "names none (no max_position_embeddings): pass original_max_position_embeddings=")
         n_freq = getattr(rotary, f"{rot._prefix(lt)}inv_freq").numel()  # rotated channels / 2
         for key in ("short_factor", "long_factor"):
             if key in opts and len(opts[key]) != n_freq:
@@ -109,11 +116,12 @@ def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edi
         new_params[lt] = scheme.rope(base, window, opts, 2 * n_freq)
     rope_parameters = new_params[None] if targets == [None] else {**original, **new_params}
     n_positions = max_positions(scheme, window, opts)
-    native = scheme.native and config is text_config and native_form_kept(config, rope_parameters)
+    native = (scheme.native and config is text_config and native_form_kept(config, rope_parameters)
+              and _fits_natively(rotary, config, rope_parameters, targets))
     base = {lt: rot.params_of(config, lt) for lt in targets}
     if native:
         # The config describes the patch in transformers' own terms, so plain from_pretrained reloads it.
-        edits.set(config, "max_position_embeddings", n_positions)
+        edits.set(config, "max_position_embeddings", n_positions) if n_positions else None
         edits.set(config, "rope_parameters", rope_parameters)
         if hasattr(config, "original_max_position_embeddings"):
             # phi3's standardization copies this attribute over rope_parameters' own value: keep them equal.
@@ -121,7 +129,7 @@ def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edi
         return config, base, window, n_positions
     # The model's config keeps its original RoPE (its class cannot express this scheme); the rotary module
     # reads a private copy that does, and the hfpatch record carries the scheme through save/reload.
-    if config is text_config:
+    if config is text_config and n_positions:
         edits.set(config, "max_position_embeddings", n_positions)
     rope_config = copy.copy(config)
     rope_config.rope_parameters = rope_parameters
@@ -129,6 +137,18 @@ def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edi
     if hasattr(config, "original_max_position_embeddings"):
         rope_config.original_max_position_embeddings = window
     return rope_config, base, window, n_positions
+
+
+def _fits_natively(rotary, config, rope_parameters, targets) -> bool:
+    """Whether transformers, built from these parameters, computes buffers of the shapes the model rotates with
+    (not so where hfpatch pads a partial rotation's frequencies with zeros: rot.fitted)."""
+    trial = copy.copy(config)
+    trial.rope_parameters = rope_parameters
+    for lt in targets:
+        inv_freq, _ = rot.compute(rotary, trial, lt)
+        if inv_freq.shape != getattr(rotary, f"{rot._prefix(lt)}inv_freq").shape:
+            return False
+    return True
 
 
 def native_form_kept(config, rope_parameters: dict) -> bool:
@@ -158,29 +178,24 @@ def replace_positions(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
     if scheme == "sinusoidal" and not adapter.position_table:
         edits.mix_in(get_path(base, adapter.layers)[0], absolute.SinusoidalInput)
     if scheme == "alibi":
-        heads = adapter.heads or config.get_text_config().num_attention_heads
-        slopes = torch.tensor(alibi.alibi_slopes(heads, req.get("alibi_max_bias", 8.0)))
-        for attn in attention_modules(model, adapter):
+        for attn, heads in zip(attention_modules(model, adapter), adapter.heads):
+            slopes = torch.tensor(alibi.alibi_slopes(heads, req.get("alibi_max_bias", 8.0)))
             edits.set(attn, alibi.SLOPES_ATTR, slopes)
         use_attention(model, alibi.SDPA_NAME, alibi.EAGER_NAME, edits)
 
 
-def remove_positions(model, adapter: Adapter, scheme: str, edits: Edits) -> None:
+def remove_positions(model, adapter: Adapter, scheme: str, edits: Edits, reloadable: bool = False) -> None:
     """Take the model's own position signal out: RoPE becomes the identity, a learned table's lookup returns zeros
-    (or the sinusoidal rows, for position='sinusoidal'); then check, numerically, that none is left."""
+    (or the sinusoidal rows, for position='sinusoidal'); then check, numerically, that none is left.
+
+    reloadable: the patch adds weights, so a saved model is rebuilt and loaded by transformers, whose loader
+    recomputes the rotary modules' (non-persistent) frequencies from their config: they get a mixin that zeroes
+    them again (absolute.NoRotation)."""
     base = model.base_model
     for rotary, rcfg in _rotaries(model, adapter):  # RoPE becomes the identity: cos = 1, sin = 0 everywhere
-        edits.track_new_attributes(rotary)
-        types = [lt for lt in rot.layer_types(rcfg) if rot.params_of(rcfg, lt) is not None]
-        for lt in types:
-            p = rot._prefix(lt)
-            edits.set(rotary, f"{p}inv_freq", torch.zeros_like(getattr(rotary, f"{p}inv_freq")))
-            edits.set(rotary, f"{p}original_inv_freq", torch.zeros_like(getattr(rotary, f"{p}inv_freq")))
-            edits.set(rotary, f"{p}attention_scaling", 1.0)
-            edits.delete(rotary, f"{p}long_inv_freq")
-        # "default" keeps transformers' dynamic/longrope updates from recomputing the frequencies
-        edits.set(rotary, "rope_type", "default" if types == [None] else {lt: "default" for lt in types})
-        edits.mix_in(rotary, absolute.NoRotation)
+        rot.make_identity(rotary, rcfg, edits)
+        if reloadable:
+            edits.mix_in(rotary, absolute.NoRotation)
     if adapter.position_table:
         table = get_path(base, adapter.position_table)
         lookup = absolute.SinusoidalPositions if scheme == "sinusoidal" else absolute.ZeroPositions
@@ -212,8 +227,8 @@ def _check_removed(model, adapter: Adapter, scheme: str) -> None:
     if any(p.device.type == "meta" for p in model.parameters()):
         return
     top = "" if model.base_model is model else model.base_model_prefix + "."
-    blocks = [f"{top}{adapter.layers}.{i}" for i in attention_layers(model, adapter)]
-    embedded, sources = position_sources(model, blocks)
+    attention = [f"{top}{adapter.layers}.{i}.{adapter.attention}" for i in attention_layers(model, adapter)]
+    embedded, sources = position_sources(model, attention, f"{top}{adapter.layers}")
     if sources or (embedded and scheme != "sinusoidal"):
         where = sources[0] if sources else "the embeddings"
         raise ValueError(f"position={scheme!r} takes out {adapter.model_type}'s position signal, but one remains "
@@ -235,7 +250,7 @@ def apply_interpolate(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
     n_positions = new.shape[0] - adapter.position_offset
     edits.set(table, "weight", torch.nn.Parameter(new, requires_grad=table.weight.requires_grad))
     edits.set(table, "num_embeddings", new.shape[0])
-    edits.set(model.config, "max_position_embeddings", n_positions)
+    edits.set(model.config.get_text_config(), "max_position_embeddings", n_positions)
     # BERT keeps position_ids / token_type_ids buffers of the table's length
     owner = get_path(base, adapter.position_table.rpartition(".")[0]) if "." in adapter.position_table else base
     for name, fill in (("position_ids", "arange"), ("token_type_ids", "zeros")):

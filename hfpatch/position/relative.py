@@ -134,19 +134,14 @@ for _name, _eager, _terms in ((T5_NAME, T5_EAGER, _t5_terms), (XL_NAME, XL_EAGER
 
 # ---------------------------------------------------------------------------------------------------- appliers
 
-def _sizes(model, adapter: Adapter) -> tuple[int, int, int]:
-    """(width, heads, head_dim) of the attention."""
-    text = model.config.get_text_config()
-    heads = adapter.heads or text.num_attention_heads
-    return text.hidden_size, heads, getattr(text, "head_dim", None) or text.hidden_size // heads
-
-
 def apply_t5(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
-    remove_positions(model, adapter, req["scheme"], edits)
-    _, heads, _ = _sizes(model, adapter)
+    if len(set(adapter.heads)) != 1:
+        raise ValueError(f"position='t5' shares one bias table across the layers (as T5 does), but {adapter.model_type}'s "
+                         f"attention layers have different head counts ({sorted(set(adapter.heads))})")
+    remove_positions(model, adapter, req["scheme"], edits, reloadable=True)
     like = model.get_input_embeddings().weight
     n = req.get("num_buckets", 32)
-    table = nn.Embedding(n, heads, dtype=like.dtype, device=like.device)
+    table = nn.Embedding(n, adapter.heads[0], dtype=like.dtype, device=like.device)
     nn.init.zeros_(table.weight)
     edits.set(model.base_model, T5_TABLE, table)
     bias = T5Bias(table, n, req.get("max_distance", 128))
@@ -166,9 +161,10 @@ def check_t5(req: dict) -> None:
 
 
 def apply_xl(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
-    remove_positions(model, adapter, req["scheme"], edits)
-    width, heads, head_dim = _sizes(model, adapter)
+    remove_positions(model, adapter, req["scheme"], edits, reloadable=True)
+    text = model.config.get_text_config()
     like = model.get_input_embeddings().weight
-    for attn in attention_modules(model, adapter):
-        edits.set(attn, XL_ATTR, XLPositions(width, heads, head_dim, dtype=like.dtype, device=like.device))
+    for attn, heads in zip(attention_modules(model, adapter), adapter.heads):
+        head_dim = getattr(attn, "head_dim", None) or getattr(text, "head_dim", None) or text.hidden_size // heads
+        edits.set(attn, XL_ATTR, XLPositions(text.hidden_size, heads, head_dim, dtype=like.dtype, device=like.device))
     use_attention(model, XL_NAME, XL_EAGER, edits)

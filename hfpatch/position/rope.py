@@ -15,14 +15,17 @@ Two schemes have no native rope_type:
 
 from __future__ import annotations
 
-# Keys of the original parameters that describe the model rather than a scaling scheme; they carry over.
-_CARRIED = ("rope_theta", "partial_rotary_factor")
+# Keys of rope_parameters that describe a scaling scheme; every other key describes the model (rope_theta,
+# partial_rotary_factor, mrope_section, llama_4_scaling_beta, ...) and carries over to the new parameters.
+_SCHEME_KEYS = ("rope_type", "type", "factor", "original_max_position_embeddings", "max_position_embeddings",
+                "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate",
+                "low_freq_factor", "high_freq_factor", "short_factor", "long_factor", "short_mscale", "long_mscale")
 
 YARN_OPTIONS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 
 
 def _carry(base: dict) -> dict:
-    return {k: base[k] for k in _CARRIED if k in base}
+    return {k: v for k, v in base.items() if k not in _SCHEME_KEYS}
 
 
 def rotary_dim(head_dim: int, base: dict) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..edits import Edits
@@ -26,11 +27,26 @@ def params_of(config, layer_type):
 
 
 def compute(rotary, config, layer_type):
-    """(inv_freq, attention_scaling) for one layer type, by transformers' own functions."""
+    """(inv_freq, attention_scaling) for one layer type, by transformers' own functions. A heterogeneous config
+    (per-layer head dims, gemma4) is resolved for the layer type first, as the rotary classes' __init__ does."""
     rope_type = params_of(config, layer_type)["rope_type"]
     fn = rotary.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
     kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    if layer_type is not None and getattr(config, "is_heterogeneous", False):
+        config = config.per_layer_config[layer_type]
     return fn(config, device=None, **kwargs)
+
+
+def fitted(inv_freq, old):
+    """`inv_freq` in the shape of the buffer it replaces: rotary types that keep a frequency per channel pair and
+    set the unrotated ones to 0 ("proportional" partial rotation) get the new frequencies padded with zeros. None
+    when it cannot fit."""
+    if inv_freq.shape == old.shape:
+        return inv_freq
+    n = inv_freq.numel()
+    if inv_freq.dim() == 1 and old.dim() == 1 and n < old.numel() and not old[n:].any():
+        return torch.cat([inv_freq.to(old.dtype), torch.zeros(old.numel() - n, dtype=old.dtype, device=old.device)])
+    return None
 
 
 def _prefix(layer_type):
@@ -41,15 +57,20 @@ def _put(rotary, layer_type, inv_freq, scaling, set_attr):
     """Write inv_freq/attention_scaling where the class reads them, on the device and dtype the old buffer had."""
     p = _prefix(layer_type)
     old = getattr(rotary, f"{p}inv_freq")
-    set_attr(rotary, f"{p}inv_freq", inv_freq.to(device=old.device, dtype=old.dtype))
+    new = fitted(inv_freq.to(device=old.device, dtype=old.dtype), old)
+    if new is None:
+        raise ValueError(f"{type(rotary).__name__}: the new RoPE parameters give {inv_freq.numel()} frequencies "
+                         f"for layer type {layer_type}, the model rotates with {old.numel()}")
+    set_attr(rotary, f"{p}inv_freq", new)
     set_attr(rotary, f"{p}attention_scaling", scaling)
 
 
 def rebuild(rotary, config, edits: Edits) -> None:
     """Recompute every rotary buffer and attribute from `config`, as the rotary class's __init__ would."""
     edits.track_new_attributes(rotary)
-    edits.set(rotary, "max_seq_len_cached", config.max_position_embeddings)
-    edits.set(rotary, "original_max_seq_len", config.max_position_embeddings)
+    if getattr(config, "max_position_embeddings", None) is not None:  # RecurrentGemma's config names no window
+        edits.set(rotary, "max_seq_len_cached", config.max_position_embeddings)
+        edits.set(rotary, "original_max_seq_len", config.max_position_embeddings)
     types = layer_types(config)
     rope_type = {}
     for lt in types:
@@ -66,6 +87,20 @@ def rebuild(rotary, config, edits: Edits) -> None:
             edits.delete(rotary, f"{lt}_max_seq_len_cached")
         rope_type[lt] = params["rope_type"]
     edits.set(rotary, "rope_type", rope_type[None] if types == [None] else rope_type)
+
+
+def make_identity(rotary, config, edits: Edits) -> None:
+    """RoPE that rotates nothing: inverse frequencies 0 (cos 1, sin 0 at every position), no attention scaling.
+    The rope type becomes "default", which keeps transformers' dynamic/longrope updates from recomputing them."""
+    edits.track_new_attributes(rotary)
+    types = [lt for lt in layer_types(config) if params_of(config, lt) is not None]
+    for lt in types:
+        p = _prefix(lt)
+        edits.set(rotary, f"{p}inv_freq", torch.zeros_like(getattr(rotary, f"{p}inv_freq")))
+        edits.set(rotary, f"{p}original_inv_freq", torch.zeros_like(getattr(rotary, f"{p}inv_freq")))
+        edits.set(rotary, f"{p}attention_scaling", 1.0)
+        edits.delete(rotary, f"{p}long_inv_freq")
+    edits.set(rotary, "rope_type", "default" if types == [None] else {lt: "default" for lt in types})
 
 
 class DynamicYarnRotary:

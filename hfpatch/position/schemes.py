@@ -113,32 +113,36 @@ def _longrope(req):
 
 @dataclass(frozen=True)
 class Requirement:
-    test: Callable  # adapter -> bool
+    test: Callable  # (adapter, request) -> bool; the request is {} when asked what applies in general
     why: Callable  # (adapter, scheme name) -> the reason it does not apply
 
 
 REQUIREMENTS: dict[str, Requirement] = {
     "rope": Requirement(
-        lambda a: a.has_rope,
+        lambda a, r: a.has_rope,
         lambda a, s: (f"position={s!r} is a RoPE scheme, but {a.model_type} has {_signal(a)} and no RoPE; RoPE "
                       "schemes apply to models with a rotary module (an inv_freq buffer)")),
+    "window": Requirement(
+        lambda a, r: a.window is not None or bool(r.get("original_max_position_embeddings")),
+        lambda a, s: (f"position={s!r} needs the trained window, and {a.model_type}'s config names none (no "
+                      "max_position_embeddings): pass original_max_position_embeddings=")),
     "table": Requirement(
-        lambda a: a.position_table is not None,
+        lambda a, r: a.position_table is not None,
         lambda a, s: (f"position={s!r} stretches a learned absolute position table; {a.model_type} has "
                       f"{_signal(a)} (for RoPE use linear, ntk, yarn, ...)")),
     # the model's own position signal is known (a rotary module, a learned table, or none at all), so it can be
     # taken out and replaced
     "known_positions": Requirement(
-        lambda a: a.position_signal != "unknown",
-        lambda a, s: (f"position={s!r} replaces the model's position signal, but {a.model_type}'s could not be "
-                      f"found: {a.notes.get('positions', 'its config has RoPE but no rotary module was found')}")),
+        lambda a, r: a.layers is not None and a.position_signal != "unknown" and "removal" not in a.notes,
+        lambda a, s: (f"position={s!r} replaces the model's position signal, but {a.model_type}'s cannot be "
+                      "taken out: " + (a.notes.get("positions") or a.notes.get("removal") or a.notes.get("blocks", "")))),
     "attention_interface": Requirement(
-        lambda a: a.attention_interface,
+        lambda a, r: a.attention_interface,
         lambda a, s: (f"position={s!r} runs its own attention function, but {a.model_type}'s attention does not "
                       f"go through transformers' attention interface ({a.notes.get('attention', '')})")),
     # a new absolute table goes where there is none (a model with a table has interpolate for it)
     "no_table": Requirement(
-        lambda a: a.position_table is None,
+        lambda a, r: a.position_table is None,
         lambda a, s: (f"position={s!r} adds a learned absolute position table to a model without one, but "
                       f"{a.model_type} already has one ({a.position_table}; position='interpolate' stretches it)")),
 }
@@ -168,8 +172,8 @@ class Scheme:
 
 
 def _rope(builder, summary, factor="required", options=None, check=None, max_positions="extended", bounded=True,
-          native=True):
-    return Scheme(apply_rope, ("rope",), summary, factor, {**ROPE_COMMON, **(options or {})}, check, builder,
+          native=True, requires=("rope", "window")):
+    return Scheme(apply_rope, requires, summary, factor, {**ROPE_COMMON, **(options or {})}, check, builder,
                   max_positions, bounded, native)
 
 
@@ -177,7 +181,7 @@ _REPLACE = ("known_positions",)
 
 SCHEMES: dict[str, Scheme] = {
     "rope": _rope(rope.plain, "plain RoPE at the original theta (undoes a checkpoint's scaling)", factor="none",
-                  max_positions="window"),
+                  max_positions="window", requires=("rope",)),
     "linear": _rope(rope.linear, "position interpolation (Chen et al. 2023): positions / factor"),
     "ntk": _rope(rope.ntk, "NTK-aware base change: theta * factor^(d/(d-2))"),
     "dynamic": _rope(rope.dynamic, "dynamic NTK: the base grows with the sequence past the window",
@@ -257,10 +261,11 @@ def request(scheme, options: dict) -> dict:
     return out
 
 
-def unavailable(name: str, adapter) -> str | None:
-    """Why scheme `name` does not apply to a model with this adapter (None: it applies)."""
+def unavailable(name: str, adapter, req: dict | None = None) -> str | None:
+    """Why scheme `name` (with the options of `req`, if given) does not apply to a model with this adapter (None:
+    it applies)."""
     for r in SCHEMES[name].requires:
-        if not REQUIREMENTS[r].test(adapter):
+        if not REQUIREMENTS[r].test(adapter, req or {}):
             return REQUIREMENTS[r].why(adapter, name)
     return None
 

@@ -1,0 +1,149 @@
+"""What applies to every causal-LM family of the installed transformers, measured: each model type is built as a
+tiny random model from its own config class (hfpatch.tiny), its adapter is read off it, and the patches hfpatch
+would accept are listed with the reasons for the rest (`hfpatch supported`, `hfpatch.supported()`).
+
+Measuring every family takes a minute or two, so the result is cached per transformers version and hfpatch source
+(a hash of the package's files): a changed hfpatch or transformers measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+
+from . import tiny
+from .adapters import InferenceError, adapter_for
+from .apply import summary, unwrap
+from .position.schemes import SCHEMES
+
+CACHE_FORMAT = 1
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256()
+    root = Path(__file__).parent
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _cache_path() -> Path:
+    base = Path(os.environ.get("HFPATCH_CACHE", Path.home() / ".cache" / "hfpatch"))
+    return base / "supported" / f"transformers-{transformers.__version__}-{_source_hash()}.json"
+
+
+def measure_one(model_type: str) -> dict:
+    """{"built": bool, "reason" | norm, placement, position, causal, adapter, patches} for one model type."""
+    try:
+        with tiny.quiet(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = tiny.build_tiny(model_type)
+    except tiny.TinyBuildError as e:
+        return {"built": False, "reason": str(e)}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return {"built": True, "rope_config": tiny.has_rope(model.config), **summary(model, adapter_for(model))}
+    except InferenceError as e:
+        return {"built": True, "rope_config": tiny.has_rope(model.config), "inferred": False, "reason": str(e)}
+
+
+def measure(model_types=None, use_cache: bool = True, progress=None) -> dict:
+    """{model_type: measure_one(model_type)} for the named types, or every causal-LM type of the installed
+    transformers. ValueError for a name that is not one."""
+    known = tiny.causal_lm_types()
+    types = list(model_types) if model_types else known
+    unknown = sorted(set(types) - set(known))
+    if unknown:
+        raise ValueError(f"not a causal-LM model type of transformers {transformers.__version__}: "
+                         f"{', '.join(unknown)} (see hfpatch supported for the {len(known)} it has)")
+    path = _cache_path()
+    cached = {}
+    if use_cache and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            cached = data["families"] if data.get("format") == CACHE_FORMAT else {}
+        except (OSError, ValueError, KeyError):
+            cached = {}
+    out, fresh = {}, False
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: threads cost more than they gain
+    try:
+        for t in types:
+            if t not in cached:
+                cached[t] = measure_one(t)
+                fresh = True
+            out[t] = cached[t]
+            if progress is not None:
+                progress(t)
+    finally:
+        torch.set_num_threads(threads)
+    if use_cache and fresh:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"format": CACHE_FORMAT, "families": cached}, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    return out
+
+
+def supported(model=None, model_types=None, use_cache: bool = True) -> dict:
+    """What applies to `model` (a loaded model), or {model_type: ...} for every causal-LM model type of the
+    installed transformers (or those named), measured on a tiny model of each."""
+    if model is not None:
+        target = unwrap(model)
+        return summary(target, adapter_for(target))
+    return measure(model_types, use_cache)
+
+
+def markdown(results: dict) -> str:
+    """The table the README carries: one row per model type, then the counts."""
+    rows = ["| model type | position schemes | norm swap | exact LN→RMS | placement | what hfpatch could not read |",
+            "|---|---|---|---|---|---|"]
+    for t, r in sorted(results.items()):
+        if not r["built"] or "patches" not in r:
+            rows.append(f"| {t} | — | — | — | — | {'not built tiny' if not r['built'] else 'not readable'}: "
+                        f"{_cell(r['reason'])} |")
+            continue
+        p = r["patches"]
+        why = "; ".join(r["adapter"]["notes"].values()) if isinstance(r["adapter"], dict) else ""
+        rows.append(f"| {t} | {_schemes(p['position'])} | {'yes' if p['norm'] else 'no'} | "
+                    f"{'yes' if p['exact_layernorm_to_rmsnorm'] else 'no'} | {'/'.join(p['placement']) or '—'} | "
+                    f"{_cell(why)} |")
+    return "\n".join(rows) + "\n\n" + counts(results)
+
+
+def counts(results: dict) -> str:
+    built = {t: r for t, r in results.items() if r["built"] and "patches" in r}
+    rope = [t for t, r in results.items() if r.get("rope_config")]
+    n = lambda pred: sum(1 for r in built.values() if pred(r["patches"]))  # noqa: E731
+    lines = [
+        f"- causal-LM model types: {len(results)}; built tiny and read: {len(built)}; not built: "
+        f"{sum(not r['built'] for r in results.values())}; built but unreadable: "
+        f"{sum(r['built'] and 'patches' not in r for r in results.values())}",
+        f"- configs carrying RoPE: {len(rope)}; RoPE schemes apply to {n(lambda p: 'yarn' in p['position'])}",
+        f"- alibi: {n(lambda p: 'alibi' in p['position'])}; nope: {n(lambda p: 'nope' in p['position'])}; "
+        f"sinusoidal: {n(lambda p: 'sinusoidal' in p['position'])}; interpolate: "
+        f"{n(lambda p: 'interpolate' in p['position'])}",
+        f"- norm swaps: {n(lambda p: bool(p['norm']))}; exact LayerNorm→RMSNorm: "
+        f"{n(lambda p: p['exact_layernorm_to_rmsnorm'])}; pre/post placement: {n(lambda p: len(p['placement']) == 2)}",
+    ]
+    return "\n".join(lines)
+
+
+def _schemes(names: list) -> str:
+    rope = {s for s, rec in SCHEMES.items() if rec.rope is not None}
+    have = set(names)
+    parts = (["all RoPE"] if rope <= have else sorted(have & rope)) + sorted(have - rope)
+    return ", ".join(parts) or "none"
+
+
+def _cell(text: str) -> str:
+    text = " ".join(str(text).split()).replace("|", "/")
+    return text if len(text) <= 140 else text[:137] + "..."
