@@ -128,10 +128,22 @@ def main(study) -> None:
                "argv": sys.argv[1:]}
     out = Path(study["output_dir"])
     for run in runs:
+        compare.claim(run)  # a folder trained with other settings is refused, not reused
+    for run in runs:
         t0 = time.perf_counter()
         train(run, study, tok)
         summary["runs"].append({**evaluate(run, study, held_out), "wall_seconds": round(time.perf_counter() - t0, 1)})
         compare.write(summary, out, plot_it=False)
+    rounds = study["evaluate"]["step_time_rounds"]
+    if rounds:  # the runs' own s/step come from different moments of a shared machine: this compares them fairly
+        first = {}
+        for r in runs:
+            first.setdefault(r.arm, r)  # one run per arm (its first seed)
+        models = {arm: load(str(r.out / "final"))[0] for arm, r in first.items()}
+        cfg = runs[0].cfg
+        batch = held_out[: cfg.batch_size * cfg.seq_len].view(cfg.batch_size, cfg.seq_len)
+        summary["step_time"] = {"seconds": compare.step_times(models, batch, rounds), "rounds": rounds,
+                                "batch": f"{cfg.batch_size} x {cfg.seq_len}"}
     path = compare.write(summary, out)
     print(compare.table(summary))
     print(f"\n{path} (+ .md, .png)", file=sys.stderr)

@@ -140,7 +140,7 @@ def test_a_whole_study_and_its_rerun(tmp_path, tiny_tokenizer_dir, text):
                  "pretrain.save_every=3", "pretrain.warmup_steps=1",
                  "arms={rope: {}, learned: {patch: {position: learned, table_size: 48}}}",
                  f"evaluate={{text_files: [{text}], tokens_per_doc: 1024, lengths: [32, 64], grad_norms: true, "
-                 "batch_statistics: true, recall: {distances: [8, 40], span: 8, trials: 2}}"]
+                 "batch_statistics: true, step_time_rounds: 1, recall: {distances: [8, 40], span: 8, trials: 2}}"]
     cmd = [sys.executable, str(REPO / "recipes" / "compare.py"), "--config",
            str(REPO / "recipes" / "configs" / "compare_positions.yaml"), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -164,5 +164,8 @@ def test_a_whole_study_and_its_rerun(tmp_path, tiny_tokenizer_dir, text):
     second = json.loads((out / "compare_positions.json").read_text())
     for a, b in zip(summary["runs"], second["runs"]):
         assert a["ppl"] == b["ppl"] and a["training"]["loss"] == b["training"]["loss"]
+    assert set(second["step_time"]["seconds"]) == {"rope", "learned"}
     bad = subprocess.run([*cmd, "seeds=oops"], capture_output=True, text=True, cwd=REPO, env=env)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("compare: error: seeds must be")
+    changed = subprocess.run([*cmd, "pretrain.lr=0.01"], capture_output=True, text=True, cwd=REPO, env=env)
+    assert changed.returncode == 2 and "holds a run made with other settings (lr=" in changed.stderr

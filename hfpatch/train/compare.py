@@ -15,6 +15,7 @@ import json
 import math
 import os
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,7 @@ EVALUATE = {
     "recall": ((dict, type(None)), None),  # {distances: [...], span: 32, trials: 16}: the repeated-span probe
     "batch_statistics": (bool, False),  # batch norms: running statistics at batch 1 vs the batch's own
     "grad_norms": (bool, False),  # record per-layer gradient norms every step
+    "step_time_rounds": (int, 0),  # > 0: time a training step of every arm side by side, this many rounds
 }
 
 
@@ -144,6 +146,21 @@ class Run:
     @property
     def command(self) -> str:
         return "accelerate launch recipes/pretrain.py " + " ".join(f"'{o}'" for o in self.overrides)
+
+
+def claim(run: Run) -> None:
+    """A run folder remembers the settings it was trained with: reusing it for other ones is refused (a study whose
+    config changed would otherwise keep old runs as if they were the new ones)."""
+    marker = run.out / "compare_run.json"
+    if marker.exists():
+        had = json.loads(marker.read_text())["overrides"]
+        if had != run.overrides:
+            changed = sorted(set(had) ^ set(run.overrides))
+            raise ConfigError(f"{run.out} holds a run made with other settings ({', '.join(changed)}); use another "
+                              "output_dir, or delete that folder to train it again")
+        return
+    run.out.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"arm": run.arm, "seed": run.seed, "overrides": run.overrides}, indent=1) + "\n")
 
 
 def plan(study: dict) -> list[Run]:
@@ -300,6 +317,22 @@ def recall(model, ids: torch.Tensor, distances: list[int], span: int = 32, trial
     return out
 
 
+def step_times(models: dict, batch: torch.Tensor, rounds: int) -> dict:
+    """Seconds of a training step's forward and backward per model, measured side by side: each round times every
+    model once, in turn, so a machine that gets busier slows them alike; the median over `rounds` (after one
+    round of warm-up)."""
+    times = {name: [] for name in models}
+    for r in range(rounds + 1):
+        for name, model in models.items():
+            model.train()
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def training_summary(out: Path) -> dict:
     """From the run's log: loss curve, held-out losses, seconds per step, divergence."""
     rows = read_jsonl(out / "log.jsonl")
@@ -358,6 +391,12 @@ def table(summary: dict) -> str:
         rows.append(row)
     parts.append("**per arm** (held-out loss: the run's own eval split; ppl: the evaluation text, chunks of each "
                  "length; means over seeds)\n\n" + markdown_table(header, rows))
+    if summary.get("step_time"):
+        st = summary["step_time"]
+        first = next(iter(st["seconds"].values()))
+        rows = [[a, f"{t:.3f}", f"{t / first:.3f}"] for a, t in st["seconds"].items()]
+        parts.append(f"**training step, side by side** (forward + backward of a [{st['batch']}] batch, median of "
+                     f"{st['rounds']} rounds, arms in turn)\n\n" + markdown_table(["arm", "seconds", "ratio"], rows))
     if any("statistics" in r for r in runs):
         keys = list(next(r for r in runs if "statistics" in r)["statistics"]["nll"])
         rows = [[a] + [_f(_mean(r["statistics"]["nll"][k] for r in by_arm[a] if "statistics" in r), 4) for k in keys]
