@@ -247,7 +247,7 @@ def _position(model, adapter: Adapter, state: PatchState | None) -> dict:
     if "position" in applied:
         req = applied["position"]
         if SCHEMES[req["scheme"]].rope is None:  # a bigger table is still a plain checkpoint; the others are not
-            return {**req, "native": SCHEMES[req["scheme"]].changes_weights}
+            return {**req, "native": SCHEMES[req["scheme"]].native}
         rotary = get_path(model.base_model, adapter.rotary)
         return {**req, "rope_parameters": copy.deepcopy(rotary.config.rope_parameters),
                 "native": rotary.config is config}

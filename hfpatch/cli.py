@@ -21,6 +21,7 @@ import sys
 
 from .command import Parser, UsageError, run_main
 from .evaluate import EVALUATIONS
+from .norm.modules import NORMS
 
 
 def _key_value(text: str):
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="folder to save the patched model (and tokenizer) to")
     s.add_argument("--position", help="position scheme, e.g. yarn, ntk, linear, dynamic, dynamic-yarn, llama3, longrope, rope")
     s.add_argument("--factor", type=float, help="context extension ratio (> 1)")
-    s.add_argument("--norm", choices=["rmsnorm", "layernorm"])
+    s.add_argument("--norm", choices=list(NORMS))
     s.add_argument("--no-exact", dest="exact", action="store_false", default=None,
                    help="with --norm rmsnorm: plain swap instead of the exact (weight-folding) conversion")
     s.add_argument("--placement", choices=["pre", "post"])

@@ -1,4 +1,5 @@
-"""norm="rmsnorm" | "layernorm": swap every norm of the model, exactly where the math allows it.
+"""norm="rmsnorm" | "layernorm" | "batchnorm": swap every norm of the model, exactly where the math allows it
+(BatchNorm: never; its statistics come from the batch, norm/batchnorm.py says how it learns what is padding).
 
 Every change goes through `Edits`, so a failure half-way is undone and `unpatch` restores the original modules and
 parameters themselves.
@@ -16,6 +17,7 @@ from ..adapters import Adapter, get_path
 from ..adapters.base import class_key
 from ..adapters.probe import restore_modes
 from ..edits import Edits
+from . import batchnorm
 from . import exact as ex
 from .modules import _Norm, build, read
 
@@ -92,25 +94,32 @@ def apply_norm(model, adapter: Adapter, req: dict, placement: str, edits: Edits)
                 return {"exact": True}
     elif kind == "layernorm":
         reason = "RMSNorm -> LayerNorm cannot preserve the function: LayerNorm removes the mean, RMSNorm keeps it"
+    elif kind == "batchnorm":
+        reason = ("BatchNorm is never function-preserving: it normalises each channel over the batch and the sequence, "
+                  "a per-token norm over the channels")
     else:
         reason = "exact=False was asked for"
     if want_exact:
         _warn_once(f"hfpatch: norm={kind!r} on {adapter.model_type} is a plain swap, not function-preserving: {reason}")
+    padding = batchnorm.attach(model, edits) if kind == "batchnorm" else None
     for path, module in sites:
-        _plain_swap(model, path, module, kind, adapter, edits)
+        _plain_swap(model, path, module, kind, adapter, edits, padding)
     return {"exact": False, "reason": reason}
 
 
-def _plain_swap(model, path, module, kind, adapter, edits):
-    """Same weight (and offset), same eps: LayerNorm -> RMSNorm keeps β as a bias; RMSNorm -> LayerNorm gets a
-    zero bias, like any LayerNorm. A norm without parameters stays without them."""
+def _plain_swap(model, path, module, kind, adapter, edits, padding=None):
+    """Same weight (and offset), same eps: LayerNorm -> RMSNorm keeps β as a bias; RMSNorm -> LayerNorm or
+    BatchNorm gets a zero bias, like any LayerNorm or BatchNorm. A norm without parameters stays without them. The
+    new module takes the old one's train/eval mode; a BatchNorm reads `padding` (batchnorm.attach)."""
     p = read(module, adapter.norm_classes)
     affine = p.weight is not None
     bias = p.bias if kind == "rmsnorm" or not affine else (p.bias if p.bias is not None else torch.zeros_like(p.weight))
     like = p.weight if affine else (p.bias if p.bias is not None else next(model.parameters()))
     shape = p.weight.shape if affine else tuple(getattr(module, "normalized_shape", None) or
                                                 (getattr(module, "hidden_size", None) or getattr(module, "dim"),))
-    new = build(kind, shape, p.eps, p.offset, p.weight, bias, like)
+    new = build(kind, shape, p.eps, p.offset, p.weight, bias, like).train(module.training)
+    if padding is not None:
+        new.padding = padding
     parent, name = _parent(model, path)
     edits.set(parent, name, new)
 

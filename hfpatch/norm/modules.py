@@ -1,6 +1,6 @@
 """hfpatch's own norm modules, and a reader for the norm modules of every supported family.
 
-Both modules compute their statistics and the affine in float32 and cast the result back to the input dtype (as
+The modules compute their statistics and the affine in float32 and cast the result back to the input dtype (as
 every RMSNorm of the supported families does, and as torch's LayerNorm kernels accumulate). `offset` keeps Gemma's
 parametrization: the scale is `offset + weight` (Gemma stores w and multiplies by 1 + w).
 """
@@ -61,13 +61,59 @@ class LayerNorm(_Norm):
         return F.layer_norm(x.float(), self.normalized_shape, self._scale(), bias, self.eps).to(x.dtype)
 
 
+class BatchNorm(_Norm):
+    """Each channel normalised over the batch and the sequence, as torch.nn.BatchNorm1d does over the tokens that
+    are not padding: (x − mean) / sqrt(var + eps) · (offset + weight) [+ bias].
+
+    Training: the statistics of this batch's real tokens (biased variance), and running statistics updated with
+    `momentum` (unbiased variance, as torch does). eval(): the running statistics, or the batch's own ones while
+    `use_batch_statistics` is set (norm/batchnorm.batch_statistics; the running ones are then left alone). Which
+    tokens are real comes from `padding` (norm/batchnorm.PaddingMask, filled by the model's forward from its
+    attention mask); None: every token counts. The channel is the last dimension; the first two are batch and
+    sequence (QK norms see [batch, seq, heads, head_dim]: heads count as more samples)."""
+
+    def __init__(self, shape, eps, offset=0.0, bias=False, affine=True, dtype=None, device=None, momentum=0.1):
+        super().__init__(shape, eps, offset, bias, affine, dtype, device)
+        self.momentum = float(momentum)
+        self.register_buffer("running_mean", torch.zeros(self.normalized_shape, dtype=dtype, device=device))
+        self.register_buffer("running_var", torch.ones(self.normalized_shape, dtype=dtype, device=device))
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+        self.padding = None
+        self.use_batch_statistics = False
+
+    def forward(self, x):
+        h = x.float()
+        if self.training or self.use_batch_statistics:
+            rows = h.reshape(-1, h.shape[-1])
+            keep = None if self.padding is None else self.padding.keep(h)
+            rows = rows if keep is None else rows[keep]
+            if rows.shape[0] < 2:
+                raise ValueError(f"batchnorm needs more than one real token per channel to compute batch statistics, "
+                                 f"got {rows.shape[0]} (input {tuple(x.shape)}); evaluate with model.eval() to use "
+                                 "the running statistics")
+            mean, var = rows.mean(0), rows.var(0, unbiased=False)
+            if self.training and not self.use_batch_statistics:
+                n = rows.shape[0]
+                with torch.no_grad():
+                    m = self.momentum
+                    self.running_mean.mul_(1 - m).add_(m * mean.detach().to(self.running_mean.dtype))
+                    self.running_var.mul_(1 - m).add_(m * (var.detach() * n / (n - 1)).to(self.running_var.dtype))
+                    self.num_batches_tracked.add_(1)
+        else:
+            mean, var = self.running_mean.float(), self.running_var.float()
+        return self._affine((h - mean) * torch.rsqrt(var + self.eps)).to(x.dtype)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, momentum={self.momentum}"
+
+
 # The norm kinds `patch(norm=...)` accepts, and the module each swap builds.
-NORMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
+NORMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm, "batchnorm": BatchNorm}
 
 
 @dataclass
 class NormParams:
-    kind: str  # "rmsnorm" | "layernorm"
+    kind: str  # a key of NORMS
     weight: torch.Tensor | None  # stored weight (the scale is offset + weight)
     bias: torch.Tensor | None
     eps: float
@@ -82,7 +128,7 @@ def read(module: nn.Module, classes: dict | None = None) -> NormParams:
     """What a norm module computes: ours, nn.LayerNorm, or a family's own norm class as inference read it
     numerically (`classes`: Adapter.norm_classes, "module.Class" -> NormClass)."""
     if isinstance(module, _Norm):
-        kind = "rmsnorm" if isinstance(module, RMSNorm) else "layernorm"
+        kind = next(k for k, cls in NORMS.items() if isinstance(module, cls))
         return NormParams(kind, module.weight, module.bias, module.eps, module.offset)
     if isinstance(module, nn.LayerNorm):
         return NormParams("layernorm", module.weight, module.bias, module.eps, 0.0)
@@ -96,10 +142,9 @@ def read(module: nn.Module, classes: dict | None = None) -> NormParams:
 
 
 def build(kind: str, shape, eps: float, offset: float, weight, bias, like: torch.Tensor) -> _Norm:
-    """A new norm module of `kind` ("rmsnorm" | "layernorm") on `like`'s dtype and device, holding copies of
-    `weight` / `bias` (None: no such parameter)."""
-    cls = RMSNorm if kind == "rmsnorm" else LayerNorm
-    m = cls(shape, eps, offset=offset, bias=bias is not None, affine=weight is not None, dtype=like.dtype,
+    """A new norm module of `kind` (a key of NORMS) on `like`'s dtype and device, holding copies of `weight` /
+    `bias` (None: no such parameter)."""
+    m = NORMS[kind](shape, eps, offset=offset, bias=bias is not None, affine=weight is not None, dtype=like.dtype,
             device=like.device)
     with torch.no_grad():
         if weight is not None:

@@ -1,5 +1,5 @@
 """Absolute position signals: the sinusoidal table, removing a model's own position signal (for alibi, nope,
-sinusoidal), and interpolating a learned position table (position="interpolate").
+sinusoidal, t5, xl, learned), and interpolating a learned position table (position="interpolate").
 
 Learned tables (GPT-2's wpe, OPT's embed_positions, BERT's position_embeddings) are nn.Embedding lookups by position
 (OPT adds an offset of 2 first). A mixin placed just above nn.Embedding in the table's class replaces the lookup:
@@ -40,6 +40,19 @@ def interpolate_rows(table: torch.Tensor, factor: float, keep: int = 0) -> torch
     w = (x - lo.double()).clamp(0, 1)[:, None]
     rows = (1 - w) * body[lo] + w * body[hi]
     return torch.cat([head, rows.to(table.dtype)], dim=0)
+
+
+class NoRotation:
+    """Mixed into a rotary module made the identity (rotary.make_identity) by a patch whose weights are saved:
+    reloading such a model goes through transformers' loader, which recomputes a rotary module's (non-persistent)
+    inverse frequencies from its config; they are zeroed again, in place, before the first forward that finds them
+    changed (so cos = 1, sin = 0 whatever form the module returns them in)."""
+
+    def forward(self, *args, **kwargs):
+        for name, buffer in self.named_buffers(recurse=False):
+            if name.endswith("inv_freq") and bool(buffer.any()):
+                buffer.zero_()
+        return super().forward(*args, **kwargs)
 
 
 class ZeroPositions(nn.Embedding):

@@ -32,7 +32,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from .attention import explicit_attention
+from .attention import biased_attention, causal_of
 
 SDPA_NAME = "hfpatch_alibi"
 EAGER_NAME = "hfpatch_alibi_eager"
@@ -85,7 +85,7 @@ def factorise(slopes: torch.Tensor, query, key, value, scaling: float, centre: i
 
 def alibi_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    causal = causal_of(module, is_causal)
     if kwargs.get("softcap") is not None or not causal:
         with no_denormals(query.device):
             return explicit(module, query, key, value, attention_mask, scaling, dropout, causal, block=True, **kwargs)
@@ -117,17 +117,14 @@ def no_denormals(device):
 
 def explicit(module, query, key, value, attention_mask, scaling, dropout=0.0, causal=True, block=False, **kwargs):
     """Scores with the bias written out, like eager attention; with `block`, a block of queries at a time."""
-    h, kv_len = query.shape[1], key.shape[2]
-    groups = h // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1) if groups > 1 else key
-    value = value.repeat_interleave(groups, dim=1) if groups > 1 else value
     slopes = _slopes(module, query)
-    k_pos = torch.arange(kv_len, device=query.device)
-    q_pos = torch.arange(kv_len - query.shape[2], kv_len, device=query.device)
-    return explicit_attention(
-        lambda s, e: torch.matmul(query[:, :, s:e], key.transpose(2, 3)) * scaling, value, attention_mask, q_pos,
-        k_pos, softcap=kwargs.get("softcap"), causal=causal, dropout=dropout, training=module.training, block=block,
-        bias=lambda s, e: alibi_bias(slopes, q_pos[s:e], k_pos, bidirectional=not causal)[None])
+
+    def terms(q, k, q_pos, k_pos):
+        bias = alibi_bias(slopes, q_pos, k_pos, bidirectional=not causal)[None]
+        return torch.matmul(q, k.transpose(2, 3)) * scaling, bias
+
+    return biased_attention(module, query, key, value, attention_mask, terms, dropout, causal, block,
+                            kwargs.get("softcap"))
 
 
 def alibi_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

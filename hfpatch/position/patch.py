@@ -175,8 +175,28 @@ def native_form_kept(config, rope_parameters: dict) -> bool:
 def replace_positions(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
     """alibi / nope / sinusoidal: take the model's own position signal out, then put the new one in."""
     scheme, config, base = req["scheme"], model.config, model.base_model
+    remove_positions(model, adapter, scheme, edits)
+    if scheme == "sinusoidal" and not adapter.position_table:
+        edits.mix_in(get_path(base, adapter.layers)[0], absolute.SinusoidalInput)
+    if scheme == "alibi":
+        for attn, heads in zip(attention_modules(model, adapter), adapter.heads):
+            slopes = torch.tensor(alibi.alibi_slopes(heads, req.get("alibi_max_bias", 8.0)))
+            edits.set(attn, alibi.SLOPES_ATTR, slopes)
+        use_attention(model, alibi.SDPA_NAME, alibi.EAGER_NAME, edits)
+
+
+def remove_positions(model, adapter: Adapter, scheme: str, edits: Edits, reloadable: bool = False) -> None:
+    """Take the model's own position signal out: RoPE becomes the identity, a learned table's lookup returns zeros
+    (or the sinusoidal rows, for position='sinusoidal'); then check, numerically, that none is left.
+
+    reloadable: the patch adds weights, so a saved model is rebuilt and loaded by transformers, whose loader
+    recomputes the rotary modules' (non-persistent) frequencies from their config: they get a mixin that zeroes
+    them again (absolute.NoRotation)."""
+    base = model.base_model
     for rotary, rcfg in _rotaries(model, adapter):  # RoPE becomes the identity: cos = 1, sin = 0 everywhere
         rot.make_identity(rotary, rcfg, edits)
+        if reloadable:
+            edits.mix_in(rotary, absolute.NoRotation)
     if adapter.position_table:
         table = get_path(base, adapter.position_table)
         lookup = absolute.SinusoidalPositions if scheme == "sinusoidal" else absolute.ZeroPositions
@@ -184,17 +204,21 @@ def replace_positions(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
         if scheme == "sinusoidal":
             edits.set(table, "hfpatch_offset", adapter.position_offset)
     _check_removed(model, adapter, scheme)
-    if scheme == "sinusoidal" and not adapter.position_table:
-        edits.mix_in(get_path(base, adapter.layers)[0], absolute.SinusoidalInput)
-    if scheme == "alibi":
-        layers = get_path(base, adapter.layers)
-        for i, heads in zip(attention_layers(model, adapter), adapter.heads):
-            slopes = torch.tensor(alibi.alibi_slopes(heads, req.get("alibi_max_bias", 8.0)))
-            edits.set(get_path(layers[i], adapter.attention), alibi.SLOPES_ATTR, slopes)
-        eager = config._attn_implementation == "eager"
-        name = alibi.EAGER_NAME if eager else alibi.SDPA_NAME
-        for c in {id(c): c for c in (config, config.get_text_config())}.values():
-            edits.set(c, "_attn_implementation_internal", name)
+
+
+def attention_modules(model, adapter: Adapter) -> list:
+    """The attention module of every block that has one."""
+    layers = get_path(model.base_model, adapter.layers)
+    return [get_path(layers[i], adapter.attention) for i in attention_layers(model, adapter)]
+
+
+def use_attention(model, sdpa_name: str, eager_name: str, edits: Edits) -> None:
+    """Switch the model to a registered attention function: `eager_name` if it runs eager attention (which returns
+    attention weights), else `sdpa_name`."""
+    config = model.config
+    name = eager_name if config._attn_implementation == "eager" else sdpa_name
+    for c in {id(c): c for c in (config, config.get_text_config())}.values():
+        edits.set(c, "_attn_implementation_internal", name)
 
 
 def _check_removed(model, adapter: Adapter, scheme: str) -> None:

@@ -13,7 +13,8 @@ A record says:
   factor, when a factor is given) or "window" (the trained window: transformers' dynamic NTK reads it as such);
 - `bounded`: whether the patched model has a fixed length limit (max_position_embeddings, or a learned table's
   rows); ALiBi, NoPE, sinusoidal and the dynamic schemes have none;
-- `native`: whether the patch is written as native `rope_parameters`, so plain transformers reloads it;
+- `native`: whether plain transformers reloads the patched model as it is (native `rope_parameters`, or a plain
+  checkpoint such as an interpolated table);
 - `changes_weights`: whether it changes which weights exist (reloads by loading into the patched structure).
 """
 
@@ -25,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import rope
+from .learned import apply_learned
 from .patch import apply_interpolate, apply_rope, replace_positions
+from .relative import apply_t5, apply_xl, check_t5
 from .self_extend import apply_self_extend
 
 # ------------------------------------------------------------------------------------------------ option checks
@@ -139,14 +142,27 @@ REQUIREMENTS: dict[str, Requirement] = {
         lambda a, s: (f"position={s!r} runs its own attention function, but {a.model_type}'s attention does not "
                       f"go through transformers' attention interface ({a.notes.get('attention', '')})")),
     "causal": Requirement(
-        lambda a: a.causal,
+        lambda a, r: a.causal,
         lambda a, s: f"position={s!r} is defined for causal (decoder) attention; {a.model_type} attends both ways"),
+    # a new absolute table goes where there is none (a model with a table has interpolate for it)
+    "no_table": Requirement(
+        lambda a, r: a.position_table is None,
+        lambda a, s: (f"position={s!r} adds a learned absolute position table to a model without one, but "
+                      f"{a.model_type} already has one ({a.position_table}; position='interpolate' stretches it)")),
 }
 
 
 def _signal(a) -> str:
     return {"rope": "RoPE positions", "learned": "learned absolute position embeddings", "none": "no position "
             "embeddings", "unknown": "a position encoding hfpatch cannot find"}[a.position_signal]
+
+
+def _self_extend(req):
+    missing = [k for k in ("group_size", "window") if k not in req]
+    if missing:
+        raise ValueError(f"position='self-extend' needs {' and '.join(missing)}: group_size= (G, an integer >= 1: "
+                         "far keys are grouped by G positions) and window= (W, the neighbour window in tokens, at "
+                         "most the trained window)")
 
 
 # ------------------------------------------------------------------------------------------------------ schemes
@@ -195,30 +211,33 @@ SCHEMES: dict[str, Scheme] = {
                                "attention_factor": positive}, check=_longrope),
     "alibi": Scheme(replace_positions, (*_REPLACE, "attention_interface"),
                     "ALiBi (Press et al. 2022): no position embedding, a per-head linear distance bias",
-                    options={"alibi_max_bias": positive}, bounded=False),
-    "nope": Scheme(replace_positions, _REPLACE, "no position signal at all (causal attention only)", bounded=False),
+                    options={"alibi_max_bias": positive}, bounded=False, native=False),
+    "nope": Scheme(replace_positions, _REPLACE, "no position signal at all (causal attention only)", bounded=False,
+                   native=False),
     "sinusoidal": Scheme(replace_positions, _REPLACE, "the fixed sinusoidal table added to the input",
-                         bounded=False),
+                         bounded=False, native=False),
     "interpolate": Scheme(apply_interpolate, ("table",), "a learned table stretched by linear interpolation",
                           factor="required", changes_weights=True),
+    # Position encodings with new parameters, for from-scratch comparisons (position/relative.py, learned.py): they
+    # reload by loading the saved weights into the patched structure; plain transformers cannot express them.
+    "t5": Scheme(apply_t5, (*_REPLACE, "attention_interface"),
+                 "T5's relative bias (Raffel et al. 2020): a learned scalar per (distance bucket, head), shared by the "
+                 "layers, zero at start", options={"num_buckets": positive_int, "max_distance": positive_int},
+                 check=check_t5, bounded=False, native=False, changes_weights=True),
+    "xl": Scheme(apply_xl, (*_REPLACE, "attention_interface"),
+                 "Transformer-XL's relative encoding (Dai et al. 2019): content and position terms, sinusoidal "
+                 "relative embeddings projected per layer, global biases u and v; zero at start",
+                 bounded=False, native=False, changes_weights=True),
+    "learned": Scheme(apply_learned, (*_REPLACE, "no_table"),
+                      "a trainable absolute position table added to the input (RoPE removed), initialised small; "
+                      "the length limit is its size", options={"table_size": positive_int, "init_std": positive},
+                      native=False, changes_weights=True),
+    # Self-Extend (self_extend.py): grouped positions for far keys, exact ones for neighbours; no training
+    "self-extend": Scheme(
+        apply_self_extend, ("rope", "attention_interface", "causal"),
+        "Self-Extend (Jin et al. 2024): exact RoPE positions within W tokens, positions grouped by G beyond; no "
+        "training", options={"group_size": positive_int, "window": positive_int}, check=_self_extend, native=False),
 }
-
-# Self-Extend (issue 12): hfpatch/position/self_extend.py
-
-
-def _self_extend(req):
-    missing = [k for k in ("group_size", "window") if k not in req]
-    if missing:
-        raise ValueError(f"position='self-extend' needs {' and '.join(missing)}: group_size= (G, an integer >= 1: "
-                         "far keys are grouped by G positions) and window= (W, the neighbour window in tokens, at "
-                         "most the trained window)")
-
-
-SCHEMES["self-extend"] = Scheme(
-    apply_self_extend, ("rope", "attention_interface", "causal"),
-    "Self-Extend (Jin et al. 2024): exact RoPE positions within W tokens, positions grouped by G beyond; no training",
-    options={"group_size": positive_int, "window": positive_int}, check=_self_extend, native=False)
-
 
 def options_of(name: str) -> set[str]:
     s = SCHEMES[name]

@@ -217,7 +217,7 @@ def _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, tra
 
     def scores(s, e):
         near = (q_slots[s:e, None] - slots[None]) < maps.window
-        return torch.where(near, qn[:, :, s:e] @ kn.transpose(2, 3), qg[:, :, s:e] @ kg.transpose(2, 3)) * scaling
+        return torch.where(near, qn[:, :, s:e] @ kn.transpose(2, 3), qg[:, :, s:e] @ kg.transpose(2, 3)) * scaling, None
 
     return explicit_attention(scores, value, attention_mask, q_slots, slots, softcap=softcap, dropout=dropout,
                               training=training, block=block)

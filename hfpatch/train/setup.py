@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 import hfpatch
 
@@ -49,6 +50,24 @@ def load(cfg):
         raise ConfigError(f"the tokenizer has {len(tok)} tokens, the model's embedding {rows} rows: use the model's "
                           "own tokenizer (leave tokenizer: out) or one with at most that many")
     return model, tok
+
+
+def from_config(cfg, tok):
+    """A model built from cfg.model_config (a transformers config: model_type and sizes), its vocabulary and special
+    tokens taken from the tokenizer unless given, in cfg.dtype (weights drawn from the RNG as seeded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    options = dict(cfg.model_config)
+    options.setdefault("vocab_size", len(tok))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        options.setdefault(key, getattr(tok, key))
+    try:
+        config = AutoConfig.for_model(options.pop("model_type"), **options)
+    except (ValueError, TypeError, StrictDataclassError) as e:  # the last: sizes that do not fit together
+        raise ConfigError(f"model_config: {' '.join(str(e).split())}") from None
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype_of(cfg))
+    check_causal(model)
+    return model
 
 
 def check_causal(model):
