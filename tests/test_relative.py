@@ -12,7 +12,7 @@ from conftest import assert_same_fingerprint, fingerprint, logits, max_diff, tin
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import hfpatch
-from hfpatch.position import biased
+from hfpatch.position import attention
 from hfpatch.position.learned import TABLE_ATTR
 from hfpatch.position.relative import T5_TABLE, XL_ATTR, XLPositions, t5_buckets
 
@@ -149,7 +149,7 @@ def test_blocked_path_equals_all_queries_at_once_with_gradients(scheme, monkeypa
     outs = []
     for attn, block in (("eager", None), ("sdpa", 4 * 30 * 2 * 5)):  # blocks of 5 queries
         if block:
-            monkeypatch.setattr(biased, "BLOCK_ELEMENTS", block)
+            monkeypatch.setattr(attention, "BLOCK_ELEMENTS", block)
         model = hfpatch.patch(tiny_model("qwen3", attn_implementation=attn), position=scheme)
         randomize_new_parameters(model)
         model.train()
