@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
+from ..command import markdown_table
 from .common import length_label
-
-
-def markdown_table(header: list, rows: list[list]) -> str:
-    lines = ["| " + " | ".join(str(h) for h in header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _fmt(x, digits=2) -> str:

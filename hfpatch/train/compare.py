@@ -27,8 +27,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import hfpatch
 
 from ..adapters import adapter_for
-from ..evaluate.data import documents, tokenize
+from ..command import markdown_table
 from ..norm.batchnorm import batch_statistics
+from ..text import documents, tokenize
 from .config import ConfigError
 from .config import load as load_config
 
@@ -369,7 +370,6 @@ def _f(x, digits=2):
 
 def table(summary: dict) -> str:
     """Markdown tables of a study summary: per arm (means over seeds)."""
-    from ..evaluate.report import markdown_table
 
     runs = summary["runs"]
     arms = [a for a in summary["arms"] if any(r["arm"] == a for r in runs)]  # the arms done so far
