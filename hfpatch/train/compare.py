@@ -175,7 +175,8 @@ def plan(study: dict) -> list[Run]:
             out = out / f"seed{seed}" if several else out
             overrides = base + _flatten(extra) + [f"seed={seed}", f"output_dir={out}"]
             try:
-                cfg = load_config("pretrain", None, overrides)
+                # a study started again continues its runs: their folders may hold one (train() resumes it)
+                cfg = load_config("pretrain", None, overrides + ["resume=true"])
             except ConfigError as e:
                 raise ConfigError(f"arm {arm!r}: {e}") from None
             runs.append(Run(arm, seed, out, overrides, cfg))

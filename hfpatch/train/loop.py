@@ -256,6 +256,7 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
     final = None
     if progress.step >= cfg.max_steps:
         final = save_final(cfg, accelerator, loss_module, tok, out / "final")
+    accelerator.wait_for_everyone()  # the processes leave together: none tears down the group while one still saves
     accelerator.end_training()
     run.memory_edits.undo()
     return {"step": progress.step, "last": last, "final": str(final) if final else None}
