@@ -128,9 +128,8 @@ def counts(results: dict) -> str:
         f"{sum(not r['built'] for r in results.values())}; built but unreadable: "
         f"{sum(r['built'] and 'patches' not in r for r in results.values())}",
         f"- configs carrying RoPE: {len(rope)}; RoPE schemes apply to {n(lambda p: 'yarn' in p['position'])}",
-        f"- alibi: {n(lambda p: 'alibi' in p['position'])}; nope: {n(lambda p: 'nope' in p['position'])}; "
-        f"sinusoidal: {n(lambda p: 'sinusoidal' in p['position'])}; interpolate: "
-        f"{n(lambda p: 'interpolate' in p['position'])}",
+        "- " + "; ".join(f"{name}: {n(lambda p, name=name: name in p['position'])}"  # every other scheme
+                         for name, rec in SCHEMES.items() if rec.rope is None),
         f"- norm swaps: {n(lambda p: bool(p['norm']))}; exact LayerNorm→RMSNorm: "
         f"{n(lambda p: p['exact_layernorm_to_rmsnorm'])}; pre/post placement: {n(lambda p: len(p['placement']) == 2)}",
     ]
