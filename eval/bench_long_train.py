@@ -176,7 +176,8 @@ def longest(args, variant: str, start: int, budget: int, log: list) -> tuple[int
     """The longest length that fits, to args.resolution: doubling from `start` until a step does not fit, then
     bisection between the last length that fit and the first that did not. Each new probe is placed where the
     straight line through the two longest steps that fit reaches the budget (the peak grows about linearly with
-    the length), moved inside the bracket, so that the long, slow probes are few."""
+    the length), so that the long, slow probes are few; where that point is outside the bracket, or the last probe
+    did not fit, the probe is the bracket's middle."""
     def probe(length):
         m = measure(args, variant, length, 1, budget)
         log.append(m)
