@@ -176,7 +176,8 @@ def longest(args, variant: str, start: int, budget: int, log: list) -> tuple[int
     """The longest length that fits, to args.resolution: doubling from `start` until a step does not fit, then
     bisection between the last length that fit and the first that did not. Each new probe is placed where the
     straight line through the two longest steps that fit reaches the budget (the peak grows about linearly with
-    the length), moved inside the bracket, so that the long, slow probes are few."""
+    the length), so that the long, slow probes are few; where that point is outside the bracket, or the last probe
+    did not fit, the probe is the bracket's middle."""
     def probe(length):
         m = measure(args, variant, length, 1, budget)
         log.append(m)
@@ -198,17 +199,23 @@ def longest(args, variant: str, start: int, budget: int, log: list) -> tuple[int
             miss = length
     if not fits:
         raise SystemExit(f"{variant} does not fit {start} tokens in {args.budget_gb} GB: lower the start length")
-    r = args.resolution
+    r = args.recipe_resolution if variant == "recipe" and args.recipe_resolution else args.resolution
+    last_fit = True
     while miss - fits[-1][0] > r:
         fit = fits[-1][0]
         mid = (fit + miss) // 2
-        if len(fits) >= 2:
+        # the straight line only where it lands inside the bracket, and not right after a miss: otherwise plain
+        # bisection, so that a line that overshoots (the peak grows a little faster than linearly) halves the
+        # bracket instead of creeping down from the miss by `r` a probe
+        if len(fits) >= 2 and last_fit:
             (l0, m0), (l1, m1) = fits[-2], fits[-1]
             slope = (m1["peak_gb"] - m0["peak_gb"]) / (l1 - l0)
             if slope > 0:
-                mid = int(l1 + (budget / GB - m1["peak_gb"]) / slope)
+                line = int(l1 + (budget / GB - m1["peak_gb"]) / slope)
+                mid = line if fit < line < miss else mid
         mid = min(max(mid // r * r, fit + r), miss - r)
         m = probe(mid)
+        last_fit = m["fits"]
         if m["fits"]:
             fits.append((mid, m))
         else:
@@ -242,6 +249,8 @@ def main(argv=None):
     p.add_argument("--start", type=int, default=1024, help="Trainer's first length (doubling from there)")
     p.add_argument("--recipe-start", type=int, default=4096, dest="recipe_start", help="the recipe's first length")
     p.add_argument("--resolution", type=int, default=512, help="bisection stops at this many tokens")
+    p.add_argument("--recipe-resolution", type=int, default=None, dest="recipe_resolution",
+                   help="the recipe's bisection stops at this many tokens (default: --resolution)")
     p.add_argument("--max-len", type=int, default=131072, dest="max_len",
                    help="longest length tried; the model's YaRN window covers it")
     p.add_argument("--mlp-tile", type=int, default=2048, dest="mlp_tile")
