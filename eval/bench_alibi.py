@@ -16,7 +16,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from benchutil import markdown_table, median, run_worker, timed_forwards  # noqa: E402
+from benchutil import markdown_table, median, timed_forwards, worker_grid  # noqa: E402
 
 GB = 1024**3
 NAIVE = "bench_alibi_full_bias"
@@ -108,11 +108,8 @@ def main(argv=None):
     me = os.path.abspath(__file__)
     shape = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
              "--repeats", str(args.repeats)]
-    results = {}
-    for L in args.lengths:
-        variants = ["unpatched", "alibi"] + (["naive"] if L in args.naive_lengths else [])
-        for variant in variants:
-            results[(variant, L)] = run_worker([me, "--worker", variant, "--length", str(L), *shape])
+    results = worker_grid(me, args.lengths,
+                          lambda L: ["unpatched", "alibi"] + (["naive"] if L in args.naive_lengths else []), shape)
     acc = accuracy(args.lengths)
 
     def t(v, L):

@@ -22,7 +22,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from benchutil import markdown_table, median, run_worker, timed_forwards, write_json  # noqa: E402
+from benchutil import markdown_table, median, timed_forwards, worker_grid, write_json  # noqa: E402
 
 GB = 1024**3
 THETA = 1e5
@@ -143,10 +143,9 @@ def main(argv=None):
     me = os.path.abspath(__file__)
     shape = ["--layers", str(args.layers), "--group-size", str(args.group_size), "--window", str(args.window),
              "--trained", str(args.trained), "--repeats", str(args.repeats)]
-    results = {}
-    for L in args.lengths:
-        for variant in ["unpatched", "self-extend"] + (["explicit"] if L in args.explicit_lengths else []):
-            results[(variant, L)] = run_worker([me, "--worker", variant, "--length", str(L), *shape])
+    results = worker_grid(me, args.lengths,
+                          lambda L: ["unpatched", "self-extend"] + (["explicit"] if L in args.explicit_lengths else []),
+                          shape)
     acc = accuracy(args.lengths, args.group_size, args.window)
 
     def t(v, L):

@@ -6,6 +6,8 @@ import json
 import statistics
 import time
 
+from hfpatch.command import markdown_table  # noqa: F401 (re-exported to the bench scripts)
+
 
 def interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
     """Run each callable `repeats` times, alternating between them (and reversing the order every round) so that
@@ -25,12 +27,6 @@ def interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict[str, list[floa
 
 def median(xs):
     return statistics.median(xs)
-
-
-def markdown_table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def reset_peak_rss() -> bool:
@@ -124,3 +120,10 @@ def smollm2_shaped(layers: int, max_positions: int):
     factor = max(2.0, 2 ** (max_positions - 1).bit_length() / config.max_position_embeddings)
     hfpatch.patch(model, position="yarn", factor=factor)
     return model
+
+
+def worker_grid(script: str, lengths, variants_of, shape: list[str]) -> dict:
+    """{(variant, L): the worker's JSON} for every length and each of `variants_of(L)`, each measured in a fresh
+    process of `script` (`--worker VARIANT --length L` plus `shape`), so that every peak RSS is its own."""
+    return {(v, L): run_worker([script, "--worker", v, "--length", str(L), *shape])
+            for L in lengths for v in variants_of(L)}

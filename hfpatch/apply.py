@@ -21,7 +21,6 @@ from .adapters import Adapter, adapter_for, get_path
 from .edits import Edits
 from .norm import convert as norms
 from .norm.placement import apply_placement, placement_forms
-from .position import rotary as rot
 from .position import schemes
 from .position.schemes import SCHEMES
 from .spec import AXES

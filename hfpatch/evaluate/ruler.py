@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import statistics
 import string
 import sys
