@@ -264,30 +264,60 @@ def test_sinusoidal_table_formula():
             assert table[p, 2 * i + 1].item() == pytest.approx(math.cos(p / 10000 ** (2 * i / dim)), abs=1e-6)
 
 
+@pytest.mark.parametrize("pe_scale", [None, 0.03])
 @pytest.mark.parametrize("family", ["gpt2", "opt", "bert"])
-def test_sinusoidal_replaces_a_learned_table(family):
-    model = hfpatch.patch(tiny_model(family), position="sinusoidal")
+def test_sinusoidal_replaces_a_learned_table(family, pe_scale):
+    kwargs = {} if pe_scale is None else {"pe_scale": pe_scale}
+    model = hfpatch.patch(tiny_model(family), position="sinusoidal", **kwargs)
     adapter = hfpatch.adapters.adapter_for(model)
     table = hfpatch.adapters.get_path(model.base_model, adapter.position_table)
     seen = {}
     table.register_forward_hook(lambda m, a, out: seen.setdefault("out", out))
     logits(model, tokens(12))
     d = model.config.hidden_size
-    assert max_diff(seen["out"][0], sinusoidal_table(torch.arange(12), d)) <= 1e-6
+    assert max_diff(seen["out"][0], sinusoidal_table(torch.arange(12), d) * (pe_scale or 1.0)) <= 1e-6
 
 
+@pytest.mark.parametrize("pe_scale", [None, 0.03])
 @pytest.mark.parametrize("family", ROPE_FAMILIES)
-def test_sinusoidal_on_a_rope_model_adds_the_table_to_the_input(family):
-    """sinusoidal(ids) equals the same model without any position signal (nope) fed embeddings + PE."""
+def test_sinusoidal_on_a_rope_model_adds_the_table_to_the_input(family, pe_scale):
+    """sinusoidal(ids) equals the same model without any position signal (nope) fed embeddings + pe_scale * PE."""
     x = tokens(30)
-    sin_model = hfpatch.patch(tiny_model(family), position="sinusoidal")
+    kwargs = {} if pe_scale is None else {"pe_scale": pe_scale}
+    sin_model = hfpatch.patch(tiny_model(family), position="sinusoidal", **kwargs)
     nope = hfpatch.patch(tiny_model(family), position="nope")
     rotary = sin_model.base_model.rotary_emb
     assert all(torch.count_nonzero(t) == 0 for n, t in rotary.named_buffers() if n.endswith("inv_freq"))
     with torch.no_grad():
-        embeds = nope.get_input_embeddings()(x) + sinusoidal_table(torch.arange(30), nope.config.hidden_size)
-        expected = nope(inputs_embeds=embeds).logits
+        pe = sinusoidal_table(torch.arange(30), nope.config.hidden_size) * (pe_scale or 1.0)
+        expected = nope(inputs_embeds=nope.get_input_embeddings()(x) + pe).logits
     assert max_diff(logits(sin_model, x), expected) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_sinusoidal_pe_scale_survives_save_reload_and_unpatches_exactly(tmp_path, family):
+    fresh, model = tiny_model(family), tiny_model(family)
+    x = tokens(24)
+    hfpatch.patch(model, position="sinusoidal", pe_scale=0.05)
+    scaled = logits(model, x)
+    assert max_diff(scaled, logits(hfpatch.patch(tiny_model(family), position="sinusoidal"), x)) > 1e-3
+    hfpatch.save_pretrained(model, tmp_path)
+    assert max_diff(logits(hfpatch.from_pretrained(tmp_path), x), scaled) == 0.0
+    hfpatch.unpatch(model)
+    assert max_diff(logits(model, x), logits(fresh, x)) == 0.0
+
+
+@pytest.mark.parametrize("value", [0, -1, "big"])
+def test_sinusoidal_bad_pe_scale_is_refused_and_model_untouched(value):
+    model, fresh = tiny_model("llama"), tiny_model("llama")
+    with pytest.raises((ValueError, TypeError), match="pe_scale"):
+        hfpatch.patch(model, position="sinusoidal", pe_scale=value)
+    assert max_diff(logits(model, tokens(16)), logits(fresh, tokens(16))) == 0.0
+
+
+def test_pe_scale_is_refused_on_other_schemes():
+    with pytest.raises(ValueError, match="pe_scale"):
+        hfpatch.patch(tiny_model("llama"), position="nope", pe_scale=0.1)
 
 
 # ------------------------------------------------------------------------------------------------------ interpolate

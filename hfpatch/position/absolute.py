@@ -62,22 +62,30 @@ class ZeroPositions(nn.Embedding):
         return torch.zeros(*input.shape, self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device)
 
 
+SCALE_ATTR = "hfpatch_pe_scale"  # position="sinusoidal", pe_scale=: the table's amplitude (1: the paper's ±1)
+
+
 class SinusoidalPositions(nn.Embedding):
-    """The table lookup returns the sinusoidal encoding of the position (index minus the table's offset)."""
+    """The table lookup returns the sinusoidal encoding of the position (index minus the table's offset), times
+    pe_scale."""
 
     hfpatch_offset: int = 0
+    hfpatch_pe_scale: float = 1.0
 
     def forward(self, input):  # noqa: A002
-        pe = sinusoidal_table(input - self.hfpatch_offset, self.embedding_dim)
+        pe = sinusoidal_table(input - self.hfpatch_offset, self.embedding_dim) * self.hfpatch_pe_scale
         return pe.to(device=self.weight.device, dtype=self.weight.dtype)
 
 
 class SinusoidalInput:
-    """Mixed into the first block of a RoPE model: adds the sinusoidal table at `position_ids` to its input."""
+    """Mixed into the first block of a RoPE model: adds the sinusoidal table at `position_ids`, times pe_scale, to
+    its input."""
+
+    hfpatch_pe_scale: float = 1.0
 
     def forward(self, hidden_states, *args, **kwargs):
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             raise ValueError("position='sinusoidal' needs the decoder to pass position_ids to its first block")
-        pe = sinusoidal_table(position_ids, hidden_states.shape[-1]).to(hidden_states.dtype)
+        pe = (sinusoidal_table(position_ids, hidden_states.shape[-1]) * self.hfpatch_pe_scale).to(hidden_states.dtype)
         return super().forward(hidden_states + pe.to(hidden_states.device), *args, **kwargs)

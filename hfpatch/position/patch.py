@@ -176,8 +176,13 @@ def replace_positions(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
     """alibi / nope / sinusoidal: take the model's own position signal out, then put the new one in."""
     scheme, config, base = req["scheme"], model.config, model.base_model
     remove_positions(model, adapter, scheme, edits)
-    if scheme == "sinusoidal" and not adapter.position_table:
-        edits.mix_in(get_path(base, adapter.layers)[0], absolute.SinusoidalInput)
+    if scheme == "sinusoidal":
+        # the table lookup (remove_positions swapped it) or the first block's input carries the new signal
+        carrier = get_path(base, adapter.position_table) if adapter.position_table else get_path(base, adapter.layers)[0]
+        if not adapter.position_table:
+            edits.mix_in(carrier, absolute.SinusoidalInput)
+        if "pe_scale" in req:
+            edits.set(carrier, absolute.SCALE_ATTR, float(req["pe_scale"]))
     if scheme == "alibi":
         for attn, heads in zip(attention_modules(model, adapter), adapter.heads):
             slopes = torch.tensor(alibi.alibi_slopes(heads, req.get("alibi_max_bias", 8.0)))

@@ -214,7 +214,8 @@ SCHEMES: dict[str, Scheme] = {
                     options={"alibi_max_bias": positive}, bounded=False, native=False),
     "nope": Scheme(replace_positions, _REPLACE, "no position signal at all (causal attention only)", bounded=False,
                    native=False),
-    "sinusoidal": Scheme(replace_positions, _REPLACE, "the fixed sinusoidal table added to the input",
+    "sinusoidal": Scheme(replace_positions, _REPLACE, "the fixed sinusoidal table added to the input, times "
+                         "pe_scale (default 1: the paper's ±1 amplitude)", options={"pe_scale": positive},
                          bounded=False, native=False),
     "interpolate": Scheme(apply_interpolate, ("table",), "a learned table stretched by linear interpolation",
                           factor="required", changes_weights=True),
