@@ -58,7 +58,7 @@ def recipe_overrides(args, length: int, out: str) -> list[str]:
     """The recipe's configuration in this benchmark (the same keys a user puts in the YAML)."""
     return [f"seq_len={length}", "batch_size=1", f"max_steps={args.steps}", "warmup_steps=1", "lr=1e-4",
             "gradient_checkpointing=true", f"mlp_tile={args.mlp_tile}", f"fused_optimizer={str(args.fused).lower()}",
-            "fused_loss=true", "release_memory=true",
+            "fused_loss=true", f"release_memory={str(args.release).lower()}",
             f"output_dir={out}", "model=smollm2"] + ([f"loss_chunk={args.loss_chunk}"] if args.loss_chunk else [])
 
 
@@ -136,8 +136,9 @@ def _hwm_kb(pid: int) -> int:
 
 # what each measured variant runs: (worker, environment). "trainer, malloc 1 MiB" gives Trainer the allocator setting
 # the recipe's release_memory sets from inside (glibc's mmap threshold fixed at 1 MiB), through the environment.
+# "recipe, no release_memory" is the recipe with that one option off: what the allocator setting costs it.
 VARIANTS = {"trainer": ("trainer", {}), "trainer, malloc 1 MiB": ("trainer", {"MALLOC_MMAP_THRESHOLD_": "1048576"}),
-            "recipe": ("recipe", {}), "idle": ("idle", {})}
+            "recipe": ("recipe", {}), "recipe, no release_memory": ("recipe", {}), "idle": ("idle", {})}
 
 
 def measure(args, variant: str, length: int, steps: int, budget: int | None) -> dict:
@@ -145,7 +146,8 @@ def measure(args, variant: str, length: int, steps: int, budget: int | None) -> 
     worker, env = VARIANTS[variant]
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--length", str(length), "--steps",
            str(steps), "--layers", str(args.layers), "--max-len", str(args.max_len), "--mlp-tile", str(args.mlp_tile),
-           "--loss-chunk", str(args.loss_chunk or 0)] + ([] if args.fused else ["--no-fused"])
+           "--loss-chunk", str(args.loss_chunk or 0)] + ([] if args.fused else ["--no-fused"]) \
+        + (["--no-release"] if variant == "recipe, no release_memory" else [])
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env={**os.environ, **env})
@@ -261,10 +263,14 @@ def main(argv=None):
     p.add_argument("--timing-steps", type=int, default=3, dest="timing_steps")
     p.add_argument("--timing-length", type=int, default=None, dest="timing_length",
                    help="length of the tokens/s comparison (default: the longest both fit)")
+    p.add_argument("--long-timing-length", type=int, default=None, dest="long_timing_length",
+                   help="also time the recipe with and without release_memory at this length (2 steps, the first "
+                        "untimed): what the allocator setting costs where only the recipe fits")
     p.add_argument("--json")
     p.add_argument("--worker", choices=["recipe", "trainer", "idle"], help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--no-release", dest="release", action="store_false", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.loss_chunk == 0:
         args.loss_chunk = None
@@ -280,12 +286,15 @@ def main(argv=None):
     best = {v: longest(args, v, args.recipe_start if v == "recipe" else args.start, budget, log)
             for v in ("trainer", "trainer, malloc 1 MiB", "recipe")}
     both = args.timing_length or min(best["trainer"][0], best["trainer, malloc 1 MiB"][0])
-    timing = {}
-    for variant in ("trainer", "trainer, malloc 1 MiB", "recipe") if args.timing_steps else ():
-        m = measure(args, variant, both, args.timing_steps, None)
-        timed = m["times"][1:]
-        timing[variant] = {"tokens_per_s": both * len(timed) / sum(timed), "peak_gb": m["peak_gb"],
-                           "losses": m["losses"]}
+    def timed(variant, length, steps):
+        m = measure(args, variant, length, steps, None)
+        times = m["times"][1:]
+        return {"tokens_per_s": length * len(times) / sum(times), "peak_gb": m["peak_gb"], "losses": m["losses"]}
+
+    timing = {v: timed(v, both, args.timing_steps) for v in ("trainer", "trainer, malloc 1 MiB", "recipe",
+                                                              "recipe, no release_memory") if args.timing_steps}
+    long_timing = {v: timed(v, args.long_timing_length, 2) for v in ("recipe", "recipe, no release_memory")
+                   if args.long_timing_length}
     from transformers import AutoConfig
 
     from hfpatch.models import SMOLLM2, resolve
@@ -312,8 +321,14 @@ def main(argv=None):
         print(markdown_table(["loop", f"tokens/s at {both} tokens", "recipe / this", "peak RSS (GB)"],
                              [[v, f"{t['tokens_per_s']:.1f}", f"{rc / t['tokens_per_s']:.3f}", f"{t['peak_gb']:.2f}"]
                               for v, t in timing.items()]))
+        tr, off = timing["trainer"]["tokens_per_s"], timing["recipe, no release_memory"]["tokens_per_s"]
+        print(f"\nrecipe / Trainer tokens/s at {both} tokens: {rc / tr:.3f} with release_memory, {off / tr:.3f} "
+              "without")
+    if long_timing:
+        print(markdown_table(["loop", f"tokens/s at {args.long_timing_length} tokens", "peak RSS (GB)"],
+                             [[v, f"{t['tokens_per_s']:.1f}", f"{t['peak_gb']:.2f}"] for v, t in long_timing.items()]))
     result = {"args": vars(args), "idle": idle, "longest": {v: {"length": b[0], **b[1]} for v, b in best.items()},
-              "ratio": ratio, "timing_length": both, "timing": timing, "probes": log}
+              "ratio": ratio, "timing_length": both, "timing": timing, "long_timing": long_timing, "probes": log}
     write_json(args.json, result)
     return result
 
