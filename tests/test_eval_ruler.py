@@ -228,6 +228,19 @@ def test_cli_scores_tables_and_resume(tmp_path, monkeypatch, capsys):
     again = json.loads((tmp_path / "r" / "results.json").read_text())
     assert strip_timing(again) == strip_timing(res)
 
+    # a later command adding one spec at one length reports every cell of the file, not only its own
+    monkeypatch.setattr(ruler, "greedy", oracle)
+    capsys.readouterr()
+    assert cli_main(["eval", "ruler", "--model", str(model_dir), "--tasks", "vt", "--lengths", "3000", "--samples",
+                     "2", "--patches", "dynamic", "--out", str(tmp_path / "r"), "--no-plot"]) == 0
+    tables = capsys.readouterr().out.split("**")
+    shown = {tables[i]: tables[i + 1] for i in range(1, len(tables) - 1, 2) if tables[i] in ("none", "yarn:2",
+                                                                                             "dynamic")}
+    assert list(shown) == ["none", "yarn:2", "dynamic"]
+    assert "| niah_single_1 | 100 [34, 100] | 0 [0, 66] |" in shown["none"]
+    assert "| vt | — | 0 [0, 66] |" in shown["dynamic"]  # 2,100 tokens: not run for dynamic
+    assert json.loads((tmp_path / "r" / "results.json").read_text())["settings"]["patches"] == ["dynamic"]
+
 
 @pytest.mark.parametrize("argv,message", [
     (["--tasks", "niah_single_1,qa_1"], "unknown RULER task(s) qa_1"),

@@ -173,12 +173,29 @@ def _main(ev: Evaluation, argv) -> int:
         elif args.dry_run:
             print(f"{ev.prog}: nothing left to run in {out / 'results.json'}", file=sys.stderr)
             return 0
-        text = ev.report(results.data, out, not args.no_plot)
+        text = ev.report(_covering(results.data), out, not args.no_plot)
         (out / "table.md").write_text(text + "\n")
         print(text)
         return 0
     finally:
         results.close()
+
+
+# settings key -> the cell field it lists; numeric ones are shown sorted, the others in the order they were run
+_AXES = {"patches": "patch", "tasks": "task", "windowing": "windowing", "lengths": "length", "depths": "depth"}
+
+
+def _covering(data: dict) -> dict:
+    """The results with settings widened to every cell the file holds, for the report: a command that resumed a
+    results file to add one spec or one length (e.g. `dynamic` only at 16k) shows the whole table, the cells it
+    did not run included, instead of its own slice. The file itself keeps the command's settings."""
+    cells, settings = data.get("cells", []), dict(data.get("settings", {}))
+    for key, field in _AXES.items():
+        if isinstance(settings.get(key), list):
+            values = list(dict.fromkeys([*(c[field] for c in cells if field in c), *settings[key]]))
+            numeric = all(isinstance(v, (int, float)) for v in values)
+            settings[key] = sorted(values) if numeric else values
+    return {**data, "settings": settings}
 
 
 def _todo(ev: Evaluation, results: Results, plan: Plan, patches) -> list:
