@@ -178,8 +178,10 @@ def replace_positions(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
     remove_positions(model, adapter, scheme, edits)
     if scheme == "sinusoidal":
         # the table lookup (remove_positions swapped it) or the first block's input carries the new signal
-        carrier = get_path(base, adapter.position_table) if adapter.position_table else get_path(base, adapter.layers)[0]
-        if not adapter.position_table:
+        if adapter.position_table:
+            carrier = get_path(base, adapter.position_table)
+        else:
+            carrier = get_path(base, adapter.layers)[0]
             edits.mix_in(carrier, absolute.SinusoidalInput)
         if "pe_scale" in req:
             edits.set(carrier, absolute.SCALE_ATTR, float(req["pe_scale"]))
