@@ -5,13 +5,18 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from accelerate import Accelerator
 from conftest import REPO, stdlib_text, tiny_model
+from torch.nn.parallel import DistributedDataParallel
 
 import hfpatch
+from hfpatch.train import loop
 from hfpatch.train.cli import run
 
 TINY = ("model_config={model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
@@ -318,3 +323,34 @@ def test_train_tokenizer_rejects_a_vocabulary_without_room_for_bytes(tmp_path):
     proc = subprocess.run([sys.executable, "recipes/train_tokenizer.py", "--vocab-size", "100", "--out",
                            str(tmp_path)], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and "at least 259" in proc.stderr
+
+
+def test_finish_frees_the_ddp_reducer_before_the_process_group_is_destroyed(tmp_path):
+    """loop.finish: when end_training destroys the process group, DDP's wrapper (whose reducer holds the group) is
+    already gone, so the group's last reference is not dropped from the reducer's destructor with the GIL held (a
+    two-process test run hung at exit that way). A one-process gloo group in this process, a real DDP module."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(torch.nn.Linear(4, 4))
+        ddp(torch.randn(2, 4)).sum().backward()
+        alive, seen = weakref.ref(ddp), {}
+
+        class Acc:  # accelerate's own free_memory over the references an Accelerator keeps
+            free_memory = Accelerator.free_memory
+
+            def __init__(self, model):
+                self._models, self._optimizers, self._schedulers, self._dataloaders = [model], [], [], []
+
+            def end_training(self):
+                seen.update(wrapper_alive=alive() is not None, group_up=dist.is_initialized())
+                dist.destroy_process_group()
+
+        finished = loop.Run.__new__(loop.Run)
+        finished.accelerator, finished.loss_module, finished.optimizer = Acc(ddp), ddp, None
+        finished.params = list(ddp.parameters())
+        del ddp
+        loop.finish(finished)
+        assert seen == {"wrapper_alive": False, "group_up": True}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

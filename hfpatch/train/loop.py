@@ -257,9 +257,22 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
     if progress.step >= cfg.max_steps:
         final = save_final(cfg, accelerator, loss_module, tok, out / "final")
     accelerator.wait_for_everyone()  # the processes leave together: none tears down the group while one still saves
-    accelerator.end_training()
+    del loss_module
+    finish(run)
     run.memory_edits.undo()
     return {"step": progress.step, "last": last, "final": str(final) if final else None}
+
+
+def finish(run: Run) -> None:
+    """End the run's distributed state in a safe order. DDP's reducer holds a reference to the process group;
+    dropped first, while the group is still registered, it leaves the group's last reference to end_training's
+    destroy_process_group, which releases the GIL while gloo's threads stop. Dropped afterwards (when the run goes
+    out of scope), the group is destroyed from the reducer's destructor with the GIL held; a gloo thread still
+    freeing the last collective's tensors then waits for the GIL forever: rank 0 hung at exit that way in the test
+    suite under load (the pybind11 destructor problem of torch issue #56297)."""
+    run.loss_module = run.optimizer = run.params = None
+    run.accelerator.free_memory()  # accelerate's own references to the prepared model and optimizer, then gc
+    run.accelerator.end_training()
 
 
 @torch.no_grad()
