@@ -286,6 +286,7 @@ def main(argv=None):
     best = {v: longest(args, v, args.recipe_start if v == "recipe" else args.start, budget, log)
             for v in ("trainer", "trainer, malloc 1 MiB", "recipe")}
     both = args.timing_length or min(best["trainer"][0], best["trainer, malloc 1 MiB"][0])
+
     def timed(variant, length, steps):
         m = measure(args, variant, length, steps, None)
         times = m["times"][1:]
