@@ -134,20 +134,21 @@ def _hwm_kb(pid: int) -> int:
     return 0
 
 
-# what each measured variant runs: (worker, environment). "trainer, malloc 1 MiB" gives Trainer the allocator setting
-# the recipe's release_memory sets from inside (glibc's mmap threshold fixed at 1 MiB), through the environment.
-# "recipe, no release_memory" is the recipe with that one option off: what the allocator setting costs it.
-VARIANTS = {"trainer": ("trainer", {}), "trainer, malloc 1 MiB": ("trainer", {"MALLOC_MMAP_THRESHOLD_": "1048576"}),
-            "recipe": ("recipe", {}), "recipe, no release_memory": ("recipe", {}), "idle": ("idle", {})}
+# what each measured variant runs: (worker, environment, worker arguments). "trainer, malloc 1 MiB" gives Trainer the
+# allocator setting the recipe's release_memory sets from inside (glibc's mmap threshold fixed at 1 MiB), through the
+# environment. "recipe, no release_memory" is the recipe with that one option off: what the allocator setting costs.
+VARIANTS = {"trainer": ("trainer", {}, []),
+            "trainer, malloc 1 MiB": ("trainer", {"MALLOC_MMAP_THRESHOLD_": "1048576"}, []),
+            "recipe": ("recipe", {}, []), "recipe, no release_memory": ("recipe", {}, ["--no-release"]),
+            "idle": ("idle", {}, [])}
 
 
 def measure(args, variant: str, length: int, steps: int, budget: int | None) -> dict:
     """One fresh process: `steps` steps at `length`. Stopped as soon as its peak passes `budget` bytes."""
-    worker, env = VARIANTS[variant]
+    worker, env, extra = VARIANTS[variant]
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--length", str(length), "--steps",
            str(steps), "--layers", str(args.layers), "--max-len", str(args.max_len), "--mlp-tile", str(args.mlp_tile),
-           "--loss-chunk", str(args.loss_chunk or 0)] + ([] if args.fused else ["--no-fused"]) \
-        + (["--no-release"] if variant == "recipe, no release_memory" else [])
+           "--loss-chunk", str(args.loss_chunk or 0), *extra] + ([] if args.fused else ["--no-fused"])
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env={**os.environ, **env})
