@@ -58,7 +58,7 @@ _SIZE_NAMES = (  # (tiny value, the names families give that size)
     (EXPERT_INTERMEDIATE, ("moe_intermediate_size", "expert_ffn_hidden_size", "shared_expert_intermediate_size",
                            "shared_experts_intermediate_size", "moe_shared_expert_intermediate_size")),
     (EXPERTS, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")),
-    (VOCAB, ("vocab_size", "vocab_size_per_layer_input", "encoder_hash_byte_group_vocab", "shape_vocab_size",
+    (VOCAB, ("vocab_size", "unpadded_vocab_size", "vocab_size_per_layer_input", "encoder_hash_byte_group_vocab", "shape_vocab_size",
              "pronunciation_vocab_size")),
     (WINDOW, ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_target_positions",
               "context_length", "original_max_position_embeddings")),
@@ -206,16 +206,27 @@ def _layer_count(d: dict):
     return next((d[name] for name in _LAYER_COUNTS if _is_int(d.get(name))), None)
 
 
+def _sections(d: dict, declared: dict, n: int) -> list[str]:
+    """Counts that cut the stack into consecutive sections (dory: n_input_layers, n_recurrent_layers,
+    n_output_layers), in declaration order: integer fields named *_layers, other than the layer count, that add up
+    to it. Empty where no such set exists."""
+    names = [k for k in declared if k.endswith("_layers") and k not in _LAYER_COUNTS and _is_int(d.get(k))]
+    return names if len(names) > 1 and sum(d[k] for k in names) == n else []
+
+
 def _is_index_list(name: str, value, n_layers: int) -> bool:
     return (name.endswith(_INDEX_LIST_SUFFIXES) and isinstance(value, list) and len(value) > 0
             and all(_is_int(v) for v in value) and all(a < b for a, b in zip(value, value[1:]))
             and value[-1] < n_layers)
 
 
-def _layer_kinds(d: dict, n: int, changes: dict) -> dict:
+def _layer_kinds(d: dict, n: int, changes: dict, sections: list[str]) -> dict:
     """What tells layer i from layer j, as one sequence over the layers per attribute: per-layer lists, lists of
-    layer indices and head/tail counts (as flags), per_layer_config overrides."""
+    layer indices and head/tail counts (as flags), section counts (as the section's name), per_layer_config
+    overrides."""
     kinds = {}
+    if sections:
+        kinds["__section__"] = [name for name in sections for _ in range(d[name])]
     for name in d:
         value = changes.get(name, d[name])  # a per-layer list of sizes comes shrunk already
         if (name in changes and not isinstance(value, list)) or _is_token_id(name):
@@ -234,13 +245,14 @@ def _layer_kinds(d: dict, n: int, changes: dict) -> dict:
     return kinds
 
 
-def _resize_layers(d: dict, changes: dict) -> None:
+def _resize_layers(d: dict, declared: dict, changes: dict) -> None:
     """Keep the first layer of every distinct kind (at least LAYERS layers) and cut every per-layer attribute to the
     kept layers, in their original order."""
     n = _layer_count(d)
     if n is None:
         return
-    kinds = _layer_kinds(d, n, changes)
+    sections = _sections(d, declared, n)
+    kinds = _layer_kinds(d, n, changes, sections)
     first = {}
     for i in range(n):
         first.setdefault(tuple(repr(seq[i]) for seq in kinds.values()), i)
@@ -250,7 +262,9 @@ def _resize_layers(d: dict, changes: dict) -> None:
         if _is_int(d.get(name)):
             changes[name] = len(keep)
     for name, seq in kinds.items():
-        if name == "per_layer_config":
+        if name == "__section__":
+            changes.update({section: sum(seq[i] == section for i in keep) for section in sections})
+        elif name == "per_layer_config":
             changes[name] = {j: _scale_override(seq[i], d, changes) for j, i in enumerate(keep) if seq[i]}
         elif name in _HEAD_COUNTS or name in _TAIL_COUNTS:
             changes[name] = sum(seq[i] for i in keep)
@@ -332,7 +346,7 @@ def _window(d: dict, changes: dict) -> None:
 def _shrink(config, widths: frozenset, given: dict) -> dict:
     """The keyword arguments that rebuild `config` (a family's default config) tiny; sub-configs as dicts. Fields
     in `given` (from _DEFAULTS) count as declared with that value, so the rules shrink them too."""
-    d = config.to_dict()
+    d = _fields(config)
     declared = _declared(type(config))
     declared.update({k: v for k, v in given.items() if not isinstance(v, dict)})
     changes = {}
@@ -341,13 +355,26 @@ def _shrink(config, widths: frozenset, given: dict) -> dict:
     changes.update({name: _token_ids(name, value, taken) for name, value in d.items() if _is_token_id(name)})
     if "is_decoder" in declared:  # an encoder family's causal-LM head attends causally only as a decoder
         changes["is_decoder"] = True
-    _resize_layers(d, changes)
+    _resize_layers(d, declared, changes)
     _window(d, changes)
     for name, sub in vars(config).items():
         if isinstance(sub, PreTrainedConfig):
             inner = given.get(name, {})
             changes[name] = {**_configured(sub), **inner, **_shrink(sub, widths, inner)}
     return changes
+
+
+def _fields(config) -> dict:
+    """config.to_dict(), with the integer and list fields as the config object holds them. A family may serialize
+    another layout than it runs (dory writes each layer as an attention and an mlp block and doubles the counts,
+    undoing it on load); the layers are cut in the layout the model is built from."""
+    d = config.to_dict()
+    held = vars(config)
+    for name in d:
+        value = held.get(name)
+        if (_is_int(value) or isinstance(value, list)) and value != d[name]:
+            d[name] = value
+    return d
 
 
 def _declared(cls) -> dict:
