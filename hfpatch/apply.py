@@ -26,6 +26,11 @@ from .position.schemes import SCHEMES
 from .spec import AXES
 
 RECORD_VERSION = 2  # 2: the record carries the adapter (1: without it)
+
+
+class PatchRefused(ValueError):
+    """A patch that could not be applied to this model: an error inside applying it (not in the request) becomes
+    this refusal, which names the family and the step, after the model was put back exactly as it was."""
 _STATE = "_hfpatch_state"  # attribute on the transformers model that holds the live PatchState
 
 
@@ -200,14 +205,20 @@ def patch(model, position=None, factor=None, norm=None, placement=None, exact=No
     try:
         new.facts.update(apply_axes(target, adapter, new_spec, new.layers, redo))
         _write_record(target, new, new.record)
-    except BaseException:
+    except BaseException as e:
         new.record.undo()
         for a in reversed(redo):
             if a in new.layers:
                 new.layers[a].undo()
         for edits in reversed(undone):  # the previous patch's own objects come back, trained weights included
             edits.redo()
-        raise
+        if isinstance(e, (ValueError, TypeError)) or not isinstance(e, Exception):
+            raise  # a refusal with its reason already, or an interrupt: as it is
+        step = next((a for a in reversed(redo) if a in new.layers and a in new_spec), None) \
+            or next(a for a in redo if a in new_spec)
+        raise PatchRefused(f"hfpatch could not apply {specs.describe_string({step: new_spec[step]})!r} to this "
+                           f"{adapter.model_type} model ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
+                           "the model is unchanged") from e
     object.__setattr__(target, _STATE, new)
     return model
 

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+
+import hfpatch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 from transformers.utils import logging as hf_logging
 
@@ -162,3 +165,11 @@ def tiny_tokenizer_dir(tmp_path_factory):
     (base / "text.txt").write_text(stdlib_text(200_000))
     assert script.main(["--text-files", str(base / "text.txt"), "--vocab-size", "384", "--out", str(base / "tok")]) == 0
     return base / "tok"
+
+
+def pytest_sessionstart(session):
+    """The versions under test, on the first line of every run (also with -q, which hides pytest's own header)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"hfpatch {hfpatch.__version__}, transformers {transformers.__version__}, "
+                            f"torch {torch.__version__}")

@@ -17,6 +17,8 @@ the reason by hfpatch.tiny.EXPECTED_FAILURES (test_tiny.py keeps that list hones
 from __future__ import annotations
 
 import copy
+import json
+import os
 import warnings
 
 import pytest
@@ -161,6 +163,9 @@ def sweep(tmp_path_factory):
                 results[t] = {"build": f"FAIL: {type(e).__name__}: {e}"}
     finally:
         torch.set_num_threads(threads)
+    if os.environ.get("HFPATCH_SWEEP_OUT"):  # eval/check_transformers.py reads the sweep as data
+        with open(os.environ["HFPATCH_SWEEP_OUT"], "w") as f:
+            json.dump(results, f, indent=1, sort_keys=True)
     return results
 
 
