@@ -11,19 +11,19 @@ the undone ones are put back (the same objects): the model is left exactly as it
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import dataclass, field
 
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 
 from . import spec as specs
 from .adapters import Adapter, adapter_for, get_path
-from .edits import Edits
+from .edits import Edits, deferred_interrupts
 from .norm import convert as norms
 from .norm.placement import apply_placement, placement_forms
 from .position import schemes
 from .position.schemes import SCHEMES
 from .spec import AXES
+from .warn import warn_caller
 
 RECORD_VERSION = 2  # 2: the record carries the adapter (1: without it)
 
@@ -47,6 +47,7 @@ class PatchState:
     baked_stages: list = field(default_factory=list)
     baked_facts: dict = field(default_factory=dict)
     baked_config: dict = field(default_factory=dict)
+    config: Edits | None = None  # gave the model a config of its own (see own_config): undone last
 
     @property
     def baked(self) -> dict:
@@ -193,25 +194,43 @@ def patch(model, position=None, factor=None, norm=None, placement=None, exact=No
     redo = AXES[first:]
     for a in redo:
         if a in old.spec and new_spec.get(a) == old.spec[a] and changes_weights(a, old.spec[a]):
-            warnings.warn(f"{a}={specs.describe_string({a: old.spec[a]})!r} is applied again from the weights it "
-                          f"replaced, because {AXES[first]} (applied before it) changed: training done since on the "
-                          "weights it created is lost", stacklevel=2)
+            warn_caller(f"{a}={specs.describe_string({a: old.spec[a]})!r} is applied again from the weights it "
+                        f"replaced, because {AXES[first]} (applied before it) changed: training done since on the "
+                        "weights it created is lost")
+    with deferred_interrupts():
+        _replace(target, adapter, old, new_spec, redo)
+    return model
+
+
+def _replace(target: PreTrainedModel, adapter: Adapter, old: PatchState, new_spec: dict, redo: tuple) -> None:
+    """Undo the axes in `redo` (newest first), apply them as `new_spec` says, record it and make it the live state;
+    on any exception, put everything back as it was (the previous patch's own objects, trained weights included)."""
+    previous = getattr(target, _STATE, None)
     undone = [old.record] + [old.layers[a] for a in reversed(redo) if a in old.layers]
-    for edits in undone:
-        edits.undo()
     new = PatchState(spec=new_spec, layers={a: e for a, e in old.layers.items() if a not in redo},
-                     facts={a: f for a, f in old.facts.items() if a not in redo},
+                     facts={a: f for a, f in old.facts.items() if a not in redo}, config=old.config,
                      **{k: getattr(old, k) for k in ("baked_stages", "baked_facts", "baked_config")})
+    started: list[Edits] = []
     try:
+        if new.config is None:
+            new.config = Edits()
+            own_config(target, new.config)
+        for edits in undone:
+            started.append(edits)
+            edits.undo()
         new.facts.update(apply_axes(target, adapter, new_spec, new.layers, redo))
         _write_record(target, new, new.record)
+        object.__setattr__(target, _STATE, new)
     except BaseException as e:
+        _set_state(target, previous)
         new.record.undo()
         for a in reversed(redo):
             if a in new.layers:
                 new.layers[a].undo()
-        for edits in reversed(undone):  # the previous patch's own objects come back, trained weights included
+        for edits in reversed(started):
             edits.redo()
+        if new.config is not old.config:
+            new.config.undo()
         if isinstance(e, (ValueError, TypeError)) or not isinstance(e, Exception):
             raise  # a refusal with its reason already, or an interrupt: as it is
         step = next((a for a in reversed(redo) if a in new.layers and a in new_spec), None) \
@@ -219,23 +238,51 @@ def patch(model, position=None, factor=None, norm=None, placement=None, exact=No
         raise PatchRefused(f"hfpatch could not apply {specs.describe_string({step: new_spec[step]})!r} to this "
                            f"{adapter.model_type} model ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
                            "the model is unchanged") from e
-    object.__setattr__(target, _STATE, new)
-    return model
+
+
+def _set_state(target, state: PatchState | None) -> None:
+    if state is not None:
+        object.__setattr__(target, _STATE, state)
+    elif _STATE in vars(target):
+        object.__delattr__(target, _STATE)
+
+
+def own_config(model: PreTrainedModel, edits: Edits) -> None:
+    """Give the model a copy of its config (and sub-configs) of its own, in every module that holds one, so that a
+    patch never writes into a config object that another model also holds (`from_config(a.config)` shares it).
+    Undoing `edits` gives the original objects back."""
+    memo: dict = {}  # id(original object) -> its copy, for the config and everything inside it
+    copy.deepcopy(model.config, memo)
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, PreTrainedConfig) and id(value) in memo:
+                edits.set(module, name, memo[id(value)])
 
 
 def unpatch(model):
     """Undo every patch: the original modules, buffers, classes and config values come back themselves. Axes that
-    a checkpoint was saved with (see PatchState.baked) are part of the reloaded model and stay."""
+    a checkpoint was saved with (see PatchState.baked) are part of the reloaded model and stay. Atomic: after an
+    exception or interrupt the model is still patched, exactly as before the call."""
     target = unwrap(model)
     state = getattr(target, _STATE, None)
-    if state is not None:
-        state.record.undo()
-        for axis in reversed(AXES):
-            if axis in state.layers:
-                state.layers[axis].undo()
-        object.__delattr__(target, _STATE)
-        if state.baked_stages:
-            bake(target, state.baked_stages, state.baked_facts, state.baked_config)
+    if state is None:
+        return model
+    logs = [state.record] + [state.layers[a] for a in reversed(AXES) if a in state.layers]
+    logs += [state.config] if state.config is not None else []
+    with deferred_interrupts():
+        started: list[Edits] = []
+        try:
+            for edits in logs:
+                started.append(edits)
+                edits.undo()
+            object.__delattr__(target, _STATE)
+            if state.baked_stages:
+                bake(target, state.baked_stages, state.baked_facts, state.baked_config)
+        except BaseException:
+            for edits in reversed(started):
+                edits.redo()
+            object.__setattr__(target, _STATE, state)
+            raise
     return model
 
 

@@ -4,9 +4,18 @@ Every change a patch makes to a model (an attribute, a buffer, a config field, a
 an `Edits` log that remembers what was there before. That gives us, for free:
 - all-or-nothing patching: if anything fails half-way, `undo()` puts back every change already made;
 - exact `unpatch`: the original tensors and objects are restored themselves, not recomputed (diff 0.0).
+
+`undo()` and `redo()` move one entry at a time to the other list before making its change, so an exception half-way
+(an interrupt, a failing setattr) leaves every change in exactly one of the two lists: `redo()` then puts back all
+that `undo()` had reverted, or was about to. `deferred_interrupts()` holds Ctrl-C back while a patch is made or undone, so that it lands
+before or after, never inside.
 """
 
 from __future__ import annotations
+
+import contextlib
+import signal
+import threading
 
 
 class _Marker:
@@ -93,35 +102,96 @@ class Edits:
         return out
 
     def undo(self) -> None:
-        """Revert every change, newest first. The log is empty afterwards; `redo()` can put the changes back."""
+        """Revert every change, newest first. The log is empty afterwards; `redo()` can put the changes back. An
+        interrupt (KeyboardInterrupt) raised while it runs is held until every change is reverted."""
         self._undone = []
-        while self._log:
-            obj, name, old = self._log.pop()
-            if name == "__class__":
-                now = type(obj)
-                obj.__class__ = old
-            elif name is _KEYS:
-                now = {extra: _held(obj, extra) for extra in _keys(obj) - old}
-                for extra in now:
-                    delattr(obj, extra)
-            else:
-                now = _held(obj, name)
-                _put(obj, name, (_like(old[0], now[0]), old[1]))
-            self._undone.append((obj, name, old, now))
+        with _finishing() as finish:
+            while self._log:
+                obj, name, old = self._log[-1]
+                now = finish(_now, obj, name, old)
+                # moved first, then reverted: a failure while reverting leaves the entry where redo() finds it
+                self._undone.append((obj, name, old, now))
+                self._log.pop()
+                finish(_revert, obj, name, old, now)
 
     def redo(self) -> None:
         """Put back, oldest first, the very objects the last `undo()` removed (not recomputed ones: weights trained
-        after the patch stay trained). Used to restore a patch when the one replacing it fails half-way."""
-        while self._undone:
-            obj, name, old, now = self._undone.pop()
-            if name == "__class__":
-                obj.__class__ = now
-            elif name is _KEYS:
-                for extra, held in now.items():
-                    _put(obj, extra, held)
-            else:
-                _put(obj, name, now)
-            self._log.append((obj, name, old))
+        after the patch stay trained). Used to restore a patch when the one replacing it fails half-way. Like undo(),
+        it finishes before an interrupt raised while it runs goes on."""
+        with _finishing() as finish:
+            while self._undone:
+                obj, name, old, now = self._undone[-1]
+                self._log.append((obj, name, old))  # moved first, as in undo()
+                self._undone.pop()
+                finish(_reapply, obj, name, now)
+
+
+def _now(obj, name, old):
+    """What undo() replaces: the class, the attributes added since the log began tracking, or the value."""
+    if name == "__class__":
+        return type(obj)
+    if name is _KEYS:
+        return {extra: _held(obj, extra) for extra in _keys(obj) - old}
+    return _held(obj, name)
+
+
+def _revert(obj, name, old, now) -> None:
+    if name == "__class__":
+        obj.__class__ = old
+    elif name is _KEYS:
+        for extra in now:
+            if _current(obj, extra) is not _MISSING or extra in getattr(obj, "_buffers", {}):
+                delattr(obj, extra)
+    else:
+        _put(obj, name, (_like(old[0], now[0]), old[1]))
+
+
+def _reapply(obj, name, now) -> None:
+    if name == "__class__":
+        obj.__class__ = now
+    elif name is _KEYS:
+        for extra, held in now.items():
+            _put(obj, extra, held)
+    else:
+        _put(obj, name, now)
+
+
+@contextlib.contextmanager
+def _finishing():
+    """`finish(step, *args)` runs a step of an undo or redo; a KeyboardInterrupt inside it is held, the step run
+    again, and the interrupt raised once the whole undo or redo is done: an interrupted undo would leave the model
+    neither patched nor not."""
+    held: list[BaseException] = []
+
+    def finish(step, *args):
+        try:
+            return step(*args)
+        except KeyboardInterrupt as e:
+            held.append(e)
+            return step(*args)
+
+    yield finish
+    if held:
+        raise held[0]
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Hold SIGINT (Ctrl-C) back until the block is done, then deliver it as the handler in place would have. Only
+    the main thread receives signals, so elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received and callable(previous):
+            previous(signal.SIGINT, received[0])
+        elif received and previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
 
 
 def _current(obj, name):

@@ -10,6 +10,7 @@ from conftest import FAMILIES, ROPE_FAMILIES, WINDOW, assert_same_fingerprint, f
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hfpatch
+from hfpatch.apply import PatchRefused
 import hfpatch.apply
 import hfpatch.position.rotary
 
@@ -205,7 +206,7 @@ def test_failure_half_way_is_rolled_back(monkeypatch, already):
         raise RuntimeError("injected failure")
 
     monkeypatch.setattr(hfpatch.position.rotary, "make_dynamic_yarn", boom)
-    with pytest.raises(RuntimeError, match="injected"):
+    with pytest.raises(PatchRefused, match="gemma3_text model \\(RuntimeError: injected failure\\)"):
         hfpatch.patch(model, position="dynamic-yarn")
     assert_same_fingerprint(fingerprint(model), fp)
 

@@ -7,8 +7,6 @@ parameters themselves.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -17,6 +15,7 @@ from ..adapters import Adapter, get_path
 from ..adapters.base import class_key
 from ..adapters.probe import restore_modes
 from ..edits import Edits
+from ..warn import warn_caller
 from . import batchnorm
 from . import exact as ex
 from .modules import _Norm, build, read
@@ -73,7 +72,7 @@ _WARNED: set[str] = set()
 def _warn_once(message: str):
     if message not in _WARNED:
         _WARNED.add(message)
-        warnings.warn(message, UserWarning, stacklevel=6)  # the caller of hfpatch.patch
+        warn_caller(message)
 
 
 def apply_norm(model, adapter: Adapter, req: dict, placement: str, edits: Edits) -> dict:

@@ -1,0 +1,17 @@
+"""Warnings that point at the user's line: the first frame outside the hfpatch package, however deep inside it the
+warning is raised (a fixed stacklevel breaks whenever a call path gains or loses a function)."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    level, frame = 2, sys._getframe(1)  # stacklevel 2: warn_caller's caller
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
