@@ -355,7 +355,8 @@ def families() -> dict:
     from hfpatch.families import sweep_baseline, sweep_status
 
     baseline = sweep_baseline()
-    return {t: {**r, "sweep": sweep_status(t, baseline)} for t, r in load("families/supported.json")["families"].items()}
+    measured = load("families/supported.json")["families"]
+    return {t: {**r, "sweep": sweep_status(t, baseline)} for t, r in measured.items()}
 
 
 @table("eval/results/families/supported.json", "hfpatch/data/sweep.json")
