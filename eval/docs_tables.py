@@ -258,7 +258,8 @@ def compare_placement():
 # ------------------------------------------------------------------------------------------------- benchmarks
 
 def transcribed(name: str) -> str:
-    """A benchmark whose printed table was kept, not its raw measurements (the file says so)."""
+    """A benchmark whose printed table was kept, not its raw measurements (the file says so). Its hardware is
+    stated once by the page that includes it."""
     d = load(f"benchmarks/{name}.json")
     return f"`{d['command']}` — {d['conditions']}.\n\n" + markdown_table(d["header"], d["rows"])
 
