@@ -302,37 +302,46 @@ def main(argv=None):
     from hfpatch.models import SMOLLM2, resolve
 
     where, gguf = resolve(SMOLLM2)
-    config = AutoConfig.from_pretrained(where, gguf_file=gguf)
-    rows = []
-    for variant, (length, m) in best.items():
-        floor = floor_bytes(config, length, idle, args.layers)
-        rows.append([variant, length, f"{m['peak_gb']:.2f}", f"{floor['total'] / GB:.2f}",
-                     f"{m['peak_gb'] * GB / floor['total']:.2f}", f"{m['times'][0]:.0f}"])
-    ratio = best["recipe"][0] / max(best["trainer"][0], best["trainer, malloc 1 MiB"][0])
-    print(f"process with the model loaded: {idle['peak_gb']:.2f} GB; floor per token "
-          f"{floor_bytes(config, 0, idle, args.layers)['per_token'] / 1024:.1f} KiB")
-    print(f"SmolLM2 shape, {args.layers} blocks, fp32, batch 1; budget {args.budget_gb} GiB of peak RSS per process; "
-          f"recipe: gradient checkpointing, mlp_tile {args.mlp_tile}, fused_loss (chunks of "
-          f"{args.loss_chunk or 512}), release_memory, {'fused' if args.fused else 'for-each'} AdamW (Trainer: "
-          f"{'adamw_torch_fused' if args.fused else 'adamw_torch'}, gradient checkpointing)")
-    print(markdown_table(["loop", "longest step that fits (tokens)", "its peak RSS (GB)",
-                          "floor at that length (GB)", "peak / floor", "step (s)"], rows))
-    print(f"\nlongest sequence, recipe / Trainer's longer: {ratio:.1f}x")
-    if timing:
-        rc = timing["recipe"]["tokens_per_s"]
-        print(markdown_table(["loop", f"tokens/s at {both} tokens", "recipe / this", "peak RSS (GB)"],
-                             [[v, f"{t['tokens_per_s']:.1f}", f"{rc / t['tokens_per_s']:.3f}", f"{t['peak_gb']:.2f}"]
-                              for v, t in timing.items()]))
-        tr, off = timing["trainer"]["tokens_per_s"], timing["recipe, no release_memory"]["tokens_per_s"]
-        print(f"\nrecipe / Trainer tokens/s at {both} tokens: {rc / tr:.3f} with release_memory, {off / tr:.3f} "
-              "without")
-    if long_timing:
-        print(markdown_table(["loop", f"tokens/s at {args.long_timing_length} tokens", "peak RSS (GB)"],
-                             [[v, f"{t['tokens_per_s']:.1f}", f"{t['peak_gb']:.2f}"] for v, t in long_timing.items()]))
     result = {"args": vars(args), "idle": idle, "longest": {v: {"length": b[0], **b[1]} for v, b in best.items()},
-              "ratio": ratio, "timing_length": both, "timing": timing, "long_timing": long_timing, "probes": log}
+              "ratio": best["recipe"][0] / max(best["trainer"][0], best["trainer, malloc 1 MiB"][0]),
+              "timing_length": both, "timing": timing, "long_timing": long_timing, "probes": log}
+    print(tables(result, AutoConfig.from_pretrained(where, gguf_file=gguf)))
     write_json(args.json, result)
     return result
+
+
+def tables(result: dict, config) -> str:
+    """The printed report of a run (the --json form: also what eval/docs_tables.py renders); `config` is the
+    SmolLM2 config the model was shaped on (hidden_size, num_key_value_heads, head_dim: for the floor)."""
+    args, idle, both = result["args"], result["idle"], result["timing_length"]
+    timing, long_timing = result["timing"], result["long_timing"]
+    rows = []
+    for variant, m in result["longest"].items():
+        floor = floor_bytes(config, m["length"], idle, args["layers"])
+        rows.append([variant, m["length"], f"{m['peak_gb']:.2f}", f"{floor['total'] / GB:.2f}",
+                     f"{m['peak_gb'] * GB / floor['total']:.2f}", f"{m['times'][0]:.0f}"])
+    out = [f"process with the model loaded: {idle['peak_gb']:.2f} GB; floor per token "
+           f"{floor_bytes(config, 0, idle, args['layers'])['per_token'] / 1024:.1f} KiB",
+           f"SmolLM2 shape, {args['layers']} blocks, fp32, batch 1; budget {args['budget_gb']} GiB of peak RSS per "
+           f"process; recipe: gradient checkpointing, mlp_tile {args['mlp_tile']}, fused_loss (chunks of "
+           f"{args['loss_chunk'] or 512}), release_memory, {'fused' if args['fused'] else 'for-each'} AdamW (Trainer: "
+           f"{'adamw_torch_fused' if args['fused'] else 'adamw_torch'}, gradient checkpointing)",
+           markdown_table(["loop", "longest step that fits (tokens)", "its peak RSS (GB)",
+                           "floor at that length (GB)", "peak / floor", "step (s)"], rows),
+           f"\nlongest sequence, recipe / Trainer's longer: {result['ratio']:.1f}x"]
+    if timing:
+        rc = timing["recipe"]["tokens_per_s"]
+        out.append(markdown_table(["loop", f"tokens/s at {both} tokens", "recipe / this", "peak RSS (GB)"],
+                                  [[v, f"{t['tokens_per_s']:.1f}", f"{rc / t['tokens_per_s']:.3f}",
+                                    f"{t['peak_gb']:.2f}"] for v, t in timing.items()]))
+        tr, off = timing["trainer"]["tokens_per_s"], timing["recipe, no release_memory"]["tokens_per_s"]
+        out.append(f"\nrecipe / Trainer tokens/s at {both} tokens: {rc / tr:.3f} with release_memory, "
+                   f"{off / tr:.3f} without")
+    if long_timing:
+        out.append(markdown_table(["loop", f"tokens/s at {args['long_timing_length']} tokens", "peak RSS (GB)"],
+                                  [[v, f"{t['tokens_per_s']:.1f}", f"{t['peak_gb']:.2f}"]
+                                   for v, t in long_timing.items()]))
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -147,31 +147,40 @@ def main(argv=None):
                           lambda L: ["unpatched", "self-extend"] + (["explicit"] if L in args.explicit_lengths else []),
                           shape)
     acc = accuracy(args.lengths, args.group_size, args.window)
+    result = {"args": vars(args), "accuracy": acc, "results": {f"{v}@{L}": r for (v, L), r in results.items()}}
+    print(tables(result))
+    write_json(args.json, result)
+
+
+def tables(result: dict) -> str:
+    """The two Markdown tables of a run (the --json form: also what eval/docs_tables.py renders)."""
+    args, acc, results = result["args"], result["accuracy"], result["results"]
 
     def t(v, L):
-        return median(results[(v, L)]["seconds"])
+        return median(results[f"{v}@{L}"]["seconds"])
 
     def mem(v, L):
-        return results[(v, L)]["peak"]
+        return results[f"{v}@{L}"]["peak"]
 
     rows = []
-    for (v, L), r in results.items():
+    for key, r in results.items():
+        v, L = key.rsplit("@", 1)
         rows.append([L, v, f"{t(v, L):.2f}", f"{mem(v, L) / GB:.2f}", f"{(mem(v, L) - r['base']) / GB:.2f}",
                      f"{t(v, L) / t('unpatched', L):.2f}", f"{mem(v, L) / mem('unpatched', L):.2f}"])
-    print(f"SmolLM2-shaped Llama (d=576, 9/3 heads, head_dim 64), {args.layers} layers, random weights; "
-          f"G={args.group_size}, W={args.window}; forward of the base model, batch 1, median of {args.repeats}; "
-          "peak = process peak RSS during the forwards")
-    print(markdown_table(["L", "variant", "forward (s)", "peak RSS (GB)", "peak above steady state (GB)",
-                          "time / unpatched", "peak / unpatched"], rows))
-    print("\nAgainst float64: the Self-Extend attention output (max abs error, 8 query rows, all their keys) and the "
-          "grouped q/k (max abs error / max abs value):")
-    print(markdown_table(["q/k at the grouped positions", "dtype", *[f"output {L}" for L in args.lengths],
-                          *[f"q/k {L}" for L in args.lengths]],
-                         [[way, dt, *[f"{acc[f'{way}/{dt}@{L}']:.1e}" for L in args.lengths],
-                           *[f"{acc[f'qk {way}/{dt}@{L}']:.1e}" for L in args.lengths]]
-                          for way in ("once", "re-rotated") for dt in ("float32", "bfloat16")]))
-    write_json(args.json, {"args": vars(args), "accuracy": acc,
-                           "results": {f"{v}@{L}": r for (v, L), r in results.items()}})
+    lengths = args["lengths"]
+    return "\n".join([
+        f"SmolLM2-shaped Llama (d=576, 9/3 heads, head_dim 64), {args['layers']} layers, random weights; "
+        f"G={args['group_size']}, W={args['window']}; forward of the base model, batch 1, median of "
+        f"{args['repeats']}; peak = process peak RSS during the forwards",
+        markdown_table(["L", "variant", "forward (s)", "peak RSS (GB)", "peak above steady state (GB)",
+                        "time / unpatched", "peak / unpatched"], rows),
+        "\nAgainst float64: the Self-Extend attention output (max abs error, 8 query rows, all their keys) and the "
+        "grouped q/k (max abs error / max abs value):",
+        markdown_table(["q/k at the grouped positions", "dtype", *[f"output {L}" for L in lengths],
+                        *[f"q/k {L}" for L in lengths]],
+                       [[way, dt, *[f"{acc[f'{way}/{dt}@{L}']:.1e}" for L in lengths],
+                         *[f"{acc[f'qk {way}/{dt}@{L}']:.1e}" for L in lengths]]
+                        for way in ("once", "re-rotated") for dt in ("float32", "bfloat16")])])
 
 
 if __name__ == "__main__":

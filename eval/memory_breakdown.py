@@ -283,10 +283,16 @@ def main(argv=None):
     result = rope_report(args) if args.rope else run(args)
     print(json.dumps(result, indent=1))
     if not args.rope:
-        print(markdown_table(["held at the peak", "MB"],
-                             [[k, f"{v:.0f}"] for k, v in list(result["at_peak_by_part_mb"].items())[:25]]))
+        print(table(result))
     write_json(args.json, result)
     return result
+
+
+def table(result: dict) -> str:
+    """What was held at the tracked peak, by phase and part (the --json form: also what eval/docs_tables.py
+    renders)."""
+    return markdown_table(["held at the peak", "MB"],
+                          [[k, f"{v:.0f}"] for k, v in list(result["at_peak_by_part_mb"].items())[:25]])
 
 
 if __name__ == "__main__":
