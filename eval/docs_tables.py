@@ -347,6 +347,15 @@ def soak_recipe():
             f"{d['file_events_per_run']} file operations under `output_dir`.\n\n{summary}\n\n{landed}")
 
 
+@table("eval/results/reliability/patch_interrupts.json")
+def patch_interrupts():
+    d = load("reliability/patch_interrupts.json")
+    rows = [[r["family"], r["operation"], r["points"], r["before"], r["after"], len(r["bad"])] for r in d["results"]]
+    return (f"{d['interrupts']} injected interrupts; {d['bad']} left a state that was neither the one before the "
+            "call nor the one after it.\n\n"
+            + markdown_table(["family", "operation", "interrupts", "before state", "after state", "other"], rows))
+
+
 # ---------------------------------------------------------------------------------------------------- families
 
 def families() -> dict:
@@ -401,6 +410,13 @@ def families_coverage():
             + markdown_table(["check", "pass", "target"], rows) + "\n\nWhat did not pass, with the reason hfpatch "
             "gives (n/a: hfpatch says the patch does not apply, and why):\n\n"
             + markdown_table(["model type", "check", "reason"], misses))
+
+
+@table("hfpatch/data/sweep.json")
+def sweep_versions():
+    sweep = json.loads(SWEEP.read_text())
+    return markdown_table(["transformers", "causal-LM model types measured", "RoPE families swept"],
+                          [[", ".join(sweep["passed_on"]), len(sweep["model_types"]), len(sweep["rope_checks"])]])
 
 
 @table("eval/results/families/tiny_table.md")
