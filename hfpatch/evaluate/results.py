@@ -2,7 +2,7 @@
 work (a document of a cell, a trial, a sample).
 
 A file is continued only if it was written for the same identity (everything that decides the numbers besides the
-cell coordinates: model, dtype, corpus, seed, ...). Loading it checks what a crash or a hand edit could have broken
+cell coordinates: the model's files by content, dtype, corpus, seed, ...). Loading it checks what a crash or a hand edit could have broken
 — that it is JSON, that each cell has its fields, and that every finished cell's numbers are what its records give
 — and stops with what is wrong and how to recover, rather than mixing damaged numbers into new results.
 A lock on OUT keeps two runs from writing the same file.
@@ -16,12 +16,9 @@ import math
 import os
 from pathlib import Path
 
-try:
-    import fcntl
-except ImportError:  # not on Windows: no lock there
-    fcntl = None
+from ..files import Lock, Locked, differences
 
-FORMAT = 2
+FORMAT = 3  # 3: the identity holds the model's files by content (model_files)
 
 
 def now() -> str:
@@ -46,13 +43,11 @@ class Results:
         self.path = Path(path)
         self.kind, self.records, self.summarize = kind, records, summarize
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.path.with_name(self.path.name + ".lock"), "w")
         try:
-            if fcntl is not None:
-                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the OS when the run dies
-        except BlockingIOError:
-            self._lock.close()
-            raise ValueError(f"another run is writing {self.path} now; wait for it or use another --out") from None
+            self._lock = Lock(self.path.with_name(self.path.name + ".lock"), str(self.path))
+        except Locked as e:
+            raise ValueError(f"another run is writing {self.path} now (process {e.pid or 'unknown'}); wait for it "
+                             "or use another --out") from None
         for stale in self.path.parent.glob(self.path.name + ".*.tmp"):  # left by a killed run (we hold the lock)
             stale.unlink(missing_ok=True)
         self.data = None
@@ -88,8 +83,9 @@ class Results:
                              f"of hfpatch (this one writes {FORMAT}); use another --out, or --overwrite")
         old = data.get("identity") if isinstance(data.get("identity"), dict) else {}
         if old != identity:
-            diff = sorted(k for k in set(identity) | set(old) if identity.get(k) != old.get(k))
-            raise ValueError(f"{self.path} was written by a run with other settings ({', '.join(diff)} differ); "
+            diff = differences(old, identity)
+            named = ", ".join(diff[:8]) + (f" and {len(diff) - 8} more" if len(diff) > 8 else "")
+            raise ValueError(f"{self.path} was written by a run with other settings ({named} differ); "
                              "use another --out, or --overwrite to discard it")
         for i, cell in enumerate(data["cells"]):
             self._check_cell(i, cell)

@@ -5,6 +5,8 @@ sweep does the rest, the same way for all of them:
   1. parse the command line (the model, dtype, device and patch-spec flags are common), validate everything, plan
      the cells — all before the model is loaded, so bad input is one line and exit 2 at once;
   2. open OUT/results.json: the same identity continues it (finished units are not run again), another is refused;
+     the identity holds the model's files by content (config, weights, tokenizer), so other weights copied to the
+     same path are refused too;
   3. refuse lengths whose memory cannot fit (estimated from the config, before loading);
   4. load the model once; apply and remove every spec once (a spec that does not fit fails now), check learned
      position tables against the longest read; time one forward and print how long the work left will take;
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from .. import command
 from ..apply import unwrap
+from ..files import model_fingerprint
 from ..lm import causal_lm_parts
 from ..text import load_tokenizer
 from . import budget
@@ -144,6 +147,7 @@ def _main(ev: Evaluation, argv) -> int:
     patches = parse_patches(args.patches)  # every spec validated before any loading
     tok = load_tokenizer(args.model)
     plan = ev.plan(args, tok)
+    plan.identity["model_files"] = model_fingerprint(args.model)  # what is loaded, by content: not only its path
     out = Path(args.out)
     results = Results(out / "results.json", ev.kind, plan.identity, ev.records, ev.summarize, args.overwrite)
     try:
