@@ -71,3 +71,21 @@ def test_resume_with_the_same_model_copied_elsewhere_continues(ppl, capsys, tmp_
     copy.rename(model)
     code, err = cli(capsys, *argv, "--patches", "none,ntk:2")
     assert code == 0 and "resuming from" in err, err
+
+
+def test_a_tokenizer_changed_in_place_is_not_served_stale_ids():
+    """The tokenization cache is keyed by the tokenizer's full definition: a normalizer or a post-processor set on
+    the same object (same vocabulary size) gives new ids, the ones an uncached tokenization gives."""
+    from tokenizers import normalizers, processors
+
+    from hfpatch.text import Document, tokenize
+
+    tok = tiny_tokenizer()
+    doc = Document("d", "Hello World. ABC")
+    first = tokenize(tok, doc).ids
+    tok.backend_tokenizer.normalizer = normalizers.Lowercase()
+    lowered = tokenize(tok, doc).ids
+    assert list(lowered) == list(tokenize(tok, doc, use_cache=False).ids) != list(first)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    framed = tokenize(tok, doc).ids
+    assert list(framed) == list(tokenize(tok, doc, use_cache=False).ids) == [1, *lowered]
