@@ -197,7 +197,7 @@ def tokenizer_fingerprint(tok) -> str:
     if cached is None or cached[0] != key:
         backend = getattr(tok, "backend_tokenizer", None)
         if backend is not None:
-            blob = backend.to_str() + "\0" + key
+            blob = backend.to_str()  # the full definition (the BOS/EOS settings live in its post-processor)
         else:
             vocab = sorted(tok.get_vocab().items())
             blob = repr((key, vocab))
