@@ -89,3 +89,69 @@ def test_a_tokenizer_changed_in_place_is_not_served_stale_ids():
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     framed = tokenize(tok, doc).ids
     assert list(framed) == list(tokenize(tok, doc, use_cache=False).ids) == [1, *lowered]
+
+
+# ------------------------------------------------------------------------------------- haystacks and needle files
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return save_tiny(tmp_path / "model")
+
+
+@pytest.mark.parametrize("what", ["niah", "ruler"])
+def test_an_empty_haystack_file_is_refused_before_loading(tiny, tmp_path, capsys, what):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    extra = ["--tasks", "niah_single_2"] if what == "ruler" else []
+    code, err = cli(capsys, "eval", what, "--model", str(tiny), "--text-files", str(empty), "--lengths", "1k",
+                    *extra, "--out", str(tmp_path / "o"))
+    assert code == 2 and len(err.splitlines()) == 1 and "has no words" in err, err
+    assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_niah_refuses_a_haystack_shorter_than_the_cell(tiny, tmp_path, capsys):
+    """A text of a few hundred words cannot fill a 2k-token haystack without repeating itself: refused (as eval
+    ppl refuses documents shorter than the length), instead of a '2k' cell scored on a shorter prompt or a text
+    read round and round."""
+    short = tmp_path / "short.txt"
+    short.write_text("The cat sat on the mat. " * 50)  # 300 words, about 1200 one-character tokens
+    code, err = cli(capsys, "eval", "niah", "--model", str(tiny), "--text-files", str(short), "--lengths", "2k",
+                    "--depths", "0.5", "--out", str(tmp_path / "o"))
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "300 words" in err and "2k" in err, err
+    assert not (tmp_path / "o" / "results.json").exists()
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"answers": [42]}, "answers must be a list of non-empty strings"),
+    ({"needles": ["ok", 7]}, "needles must be a list of non-empty strings"),
+    ({"answers": [""]}, "answers must be a list of non-empty strings"),
+])
+def test_a_needle_file_of_the_wrong_shape_is_refused_before_loading(tiny, tmp_path, capsys, change, message):
+    needles = {"needles": ["The code is 42."], "question": "What is the code?", "answer_prefix": "The code is",
+               "answers": ["42"], **change}
+    path = tmp_path / "needles.json"
+    path.write_text(json.dumps(needles))
+    code, err = cli(capsys, "eval", "niah", "--model", str(tiny), "--needles", str(path), "--lengths", "300",
+                    "--depths", "0.5", "--out", str(tmp_path / "o"))
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "o" / "results.json").exists()
+
+
+@pytest.mark.parametrize("what", ["passkey", "niah", "ruler"])
+def test_a_length_whose_memory_cannot_fit_is_refused_before_any_prompt_is_built(tiny, tmp_path, capsys, what,
+                                                                                 monkeypatch):
+    """A billion tokens: refused from the config's sizes, before the tokenizer is asked for a prompt that long
+    (at 100000k the tokenizer aborted the process after about 20 s)."""
+    from hfpatch.evaluate import haystack, passkey
+
+    def never(*a, **k):
+        raise AssertionError("a prompt was built")
+
+    monkeypatch.setattr(passkey, "build_prompt", never)
+    monkeypatch.setattr(haystack, "fit", never)
+    code, err = cli(capsys, "eval", what, "--model", str(tiny), "--lengths", "1000000k", "--out",
+                    str(tmp_path / "o"))
+    assert code == 2 and len(err.splitlines()) == 1 and "is free on the" in err, err
+    assert not (tmp_path / "o").exists()
