@@ -34,7 +34,7 @@ from transformers import get_cosine_schedule_with_warmup
 import hfpatch
 
 from . import checkpoint, memory, parallel
-from .config import ConfigError
+from .config import ConfigError, RunFailed
 from .data import batch_indices
 from .losses import auto_chunk, chunked_lm_loss, fused_lm_loss, shift
 from .pose import batch_position_ids
@@ -207,15 +207,47 @@ def train_step(cfg, run: Run, train_seqs, step: int) -> torch.Tensor:
             loss, ce, kl = loss_module(*pieces)
             accelerator.backward(loss / cfg.grad_accum)
         totals += torch.stack([loss.detach(), ce.detach(), kl.detach()]).float() / cfg.grad_accum
+    # checked before the optimizer steps: NaN gradients would make every weight NaN. Summed over the processes, so
+    # that every process sees the same answer and they stop together
+    if not torch.isfinite(accelerator.reduce(totals.clone(), reduction="sum")).all():
+        raise NotFinite(f"the loss is {totals[0].item()}")
     if cfg.clip:
-        accelerator.clip_grad_norm_(run.params, cfg.clip)
+        norm = accelerator.clip_grad_norm_(run.params, cfg.clip)
+        if norm is not None and not torch.isfinite(torch.as_tensor(norm)).all():
+            raise NotFinite(f"the gradient norm is {float(norm)}")
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return totals
 
 
+class NotFinite(Exception):
+    """A step whose loss or gradient is no longer a finite number (train() says which step)."""
+
+
+def weights_finite(run: Run) -> bool:
+    """Every trained weight finite, on every process (a checkpoint of inf weights is no checkpoint to go back to)."""
+    bad = torch.zeros((), device=run.accelerator.device)
+    for p in run.params:
+        local = p.to_local() if hasattr(p, "to_local") else p  # an FSDP2 shard
+        if not torch.isfinite(local.detach()).all():
+            bad += 1
+            break
+    return run.accelerator.reduce(bad, reduction="sum").item() == 0
+
+
+def _stopped(step: int, what: str, root: Path, saved: int) -> RunFailed:
+    kept = f"the last good checkpoint step_{saved} is kept in {root}" if saved else "no checkpoint was written"
+    return RunFailed(f"training stopped at step {step}: {what}; {kept}. Lower lr (or set clip) and start again in "
+                     "another output_dir")
+
+
 def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
+    if cfg.memory_check:
+        try:
+            memory.check_fits(cfg, model, teacher)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     run = prepare(cfg, model, teacher)
     accelerator, loss_module = run.accelerator, run.loss_module
     out = Path(cfg.output_dir)
@@ -223,8 +255,9 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
     states = {"progress": progress, "scheduler": run.scheduler}  # saved as JSON in the checkpoint marker
 
     log = out / "log.jsonl"
+    saved = 0  # the step of the last checkpoint written or resumed from
     if cfg.resume:
-        checkpoint.resume(accelerator, cfg.resume, out, states, log)
+        saved = checkpoint.resume(accelerator, cfg.resume, out, states, log)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         accelerator.init_trackers("hfpatch", config={k: v for k, v in cfg.items() if not isinstance(v, dict)})
@@ -232,25 +265,37 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
     tokens_per_step = cfg.batch_size * run.layout.data_size * cfg.grad_accum * cfg.seq_len
     bar = tqdm(total=cfg.max_steps, initial=progress.step, disable=not accelerator.is_main_process, desc="train")
     t_start, last = time.perf_counter(), {}
-    while progress.step < cfg.max_steps:
-        totals = train_step(cfg, run, train_seqs, progress.step)
-        progress.step, progress.tokens = progress.step + 1, progress.tokens + tokens_per_step
-        totals = accelerator.reduce(totals, reduction="mean")
-        elapsed = time.perf_counter() - t_start
-        last = {"step": progress.step, "loss": totals[0].item(), "ce": totals[1].item(), "kl": totals[2].item(),
-                "lr": run.scheduler.get_last_lr()[0], "tokens": progress.tokens, "seconds": round(elapsed, 3)}
-        if progress.step % cfg.eval_every == 0 or progress.step == cfg.max_steps:
-            last["eval_loss"] = evaluate(cfg, loss_module, eval_seqs, accelerator)
-        if accelerator.is_main_process:
-            with log.open("a") as f:
-                f.write(json.dumps(last) + "\n")
-            accelerator.log(last, step=progress.step)
-            bar.set_postfix(loss=f"{last['loss']:.4f}")
-            bar.update(1)
-        if progress.step % cfg.save_every == 0 or progress.step == cfg.max_steps:
-            checkpoint.save(accelerator, out / "checkpoints", progress.step, states)
-        if cfg.stop_after is not None and progress.step >= cfg.stop_after:
-            break
+    try:
+        while progress.step < cfg.max_steps:
+            try:
+                totals = train_step(cfg, run, train_seqs, progress.step)
+            except NotFinite as e:
+                raise _stopped(progress.step + 1, str(e), out / "checkpoints", saved) from None
+            progress.step, progress.tokens = progress.step + 1, progress.tokens + tokens_per_step
+            totals = accelerator.reduce(totals, reduction="mean")
+            elapsed = time.perf_counter() - t_start
+            last = {"step": progress.step, "loss": totals[0].item(), "ce": totals[1].item(), "kl": totals[2].item(),
+                    "lr": run.scheduler.get_last_lr()[0], "tokens": progress.tokens, "seconds": round(elapsed, 3)}
+            if progress.step % cfg.eval_every == 0 or progress.step == cfg.max_steps:
+                last["eval_loss"] = evaluate(cfg, loss_module, eval_seqs, accelerator)
+            if accelerator.is_main_process:
+                with log.open("a") as f:
+                    f.write(json.dumps(last) + "\n")
+                accelerator.log(last, step=progress.step)
+                bar.set_postfix(loss=f"{last['loss']:.4f}")
+                bar.update(1)
+            if progress.step % cfg.save_every == 0 or progress.step == cfg.max_steps:
+                if not weights_finite(run):
+                    raise _stopped(progress.step, "a weight is no longer finite", out / "checkpoints", saved)
+                checkpoint.save(accelerator, out / "checkpoints", progress.step, states)
+                saved = progress.step
+            if cfg.stop_after is not None and progress.step >= cfg.stop_after:
+                break
+    except RunFailed:
+        bar.close()
+        finish(run)
+        run.memory_edits.undo()
+        raise
     bar.close()
     accelerator.wait_for_everyone()
     final = None
