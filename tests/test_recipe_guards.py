@@ -196,3 +196,98 @@ def test_a_loss_that_is_no_longer_finite_stops_the_run_at_its_step(tmp_path, fre
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert checkpoint.problem(out / "checkpoints" / "step_4") is None
+
+
+# ------------------------------------------------------------------------------------- resume: the same run only
+
+
+def tiny_cfg(out, *extra):
+    return config.load("pretrain", None, [TINY, "tokenizer=x", "seq_len=16", "batch_size=2", "max_steps=6",
+                                          "save_every=2", "eval_every=100", "warmup_steps=0", "lr=1e-3",
+                                          f"output_dir={out}", *extra])
+
+
+def tiny_train(cfg, seed=0):
+    """loop.train on a tiny llama (the same initial weights every time) and 40 random sequences of `seed`."""
+    from accelerate.state import AcceleratorState
+    from conftest import tiny_model
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    seqs = torch.randint(3, 101, (40, cfg.seq_len), generator=torch.Generator().manual_seed(seed))
+    try:
+        return loop.train(cfg, tiny_model("llama"), None, seqs[:36], seqs[36:])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def steps_logged(out):
+    return [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def test_a_resume_with_changed_settings_is_refused_listing_what_differs(tmp_path):
+    """resume=true seq_len=8 lr=0.5 used to halve the tokens per step and ignore the new lr without a word."""
+    out = tmp_path / "out"
+    tiny_train(tiny_cfg(out, "stop_after=2"))
+    with pytest.raises(config.ConfigError) as e:
+        tiny_train(tiny_cfg(out, "resume=true", "seq_len=8", "lr=0.5"))
+    message = str(e.value)
+    assert "lr 0.001 -> 0.5" in message and "seq_len 16 -> 8" in message, message
+    assert "another output_dir" in message
+    assert steps_logged(out) == [1, 2]  # nothing trained, nothing cut
+
+
+def test_a_resume_with_other_data_is_refused(tmp_path):
+    out = tmp_path / "out"
+    tiny_train(tiny_cfg(out, "stop_after=2"))
+    with pytest.raises(config.ConfigError, match="the training data"):
+        tiny_train(tiny_cfg(out, "resume=true"), seed=1)
+    tiny_train(tiny_cfg(out, "resume=true", "stop_after=4", "save_every=4", "eval_every=3", "memory_check=false"))
+    assert steps_logged(out) == [1, 2, 3, 4]  # what may change (when to save or evaluate): accepted
+
+
+def _flip_a_bit(folder):
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 1  # a weight's bit: same size
+    path.write_bytes(bytes(data))
+
+
+def _marker(folder, change):
+    path = folder / checkpoint.MARKER
+    info = json.loads(path.read_text())
+    change(info)
+    path.write_text(json.dumps(info))
+
+
+def _zero(folder, name, count=None):
+    path = folder / name
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.write(bytes(count or size))
+    assert path.stat().st_size == size
+
+
+@pytest.mark.parametrize("tamper,reason", [
+    (_flip_a_bit, "model.safetensors: its content is not what was saved"),
+    (lambda f: _zero(f, "model.safetensors", 8), "model.safetensors: its content is not what was saved"),
+    (lambda f: _zero(f, "optimizer.bin"), "optimizer.bin: its content is not what was saved"),
+    (lambda f: _marker(f, lambda m: m.pop("states")), "no states"),
+    (lambda f: _marker(f, lambda m: m["states"]["progress"].update(step=2)), "progress is at step 2, not 4"),
+    (lambda f: _marker(f, lambda m: m["states"]["scheduler"].update(last_epoch=1)), "LR schedule is at step 1"),
+    (lambda f: _marker(f, lambda m: m["files"].pop("optimizer.bin")), "optimizer.bin is not listed"),
+])
+def test_a_tampered_checkpoint_is_skipped_for_the_older_complete_one(tmp_path, capsys, tamper, reason):
+    """step_4 damaged in place (same sizes) or its marker edited: the resume says why it skips it, continues from
+    step_2, and the log holds every step once; the run ends as an untouched one does."""
+    out, whole = tmp_path / "out", tmp_path / "whole"
+    tiny_train(tiny_cfg(whole))
+    tiny_train(tiny_cfg(out, "stop_after=4"))
+    tamper(out / "checkpoints" / "step_4")
+    capsys.readouterr()
+    tiny_train(tiny_cfg(out, "resume=true"))
+    said = capsys.readouterr().out
+    assert f"skipped step_4: {reason}" in said or (f"skipped step_4:" in said and reason in said), said
+    assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in said
+    assert steps_logged(out) == [1, 2, 3, 4, 5, 6]
+    rows = lambda o: [(r["step"], r["loss"]) for r in map(json.loads, (o / "log.jsonl").read_text().splitlines())]
+    assert rows(out) == rows(whole)

@@ -19,6 +19,7 @@ was given.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import shutil
 import time
@@ -33,6 +34,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 import hfpatch
 
+from ..files import model_fingerprint
 from . import checkpoint, memory, parallel
 from .config import ConfigError, RunFailed
 from .data import batch_indices
@@ -221,6 +223,62 @@ def train_step(cfg, run: Run, train_seqs, step: int) -> torch.Tensor:
     return totals
 
 
+# Config keys a resumed run may change: they decide when to save, evaluate or stop, how memory is spent (never the
+# arithmetic of a step: memory.py), where output goes, or where the model and data are read from (their content is
+# compared instead). Every other key decides the training: a resume with another value is refused.
+MAY_CHANGE = {"resume", "stop_after", "log_with", "output_dir", "save_every", "eval_every", "memory_check",
+              "gradient_checkpointing", "loss_chunk", "mlp_tile", "fused_loss", "release_memory", "fused_optimizer",
+              "trust_remote_code", "allow_pickled_weights", "model", "tokenizer", "data.text_files"}
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):  # an empty section adds nothing: {} and an unset section are the same
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def run_identity(cfg, train_seqs, eval_seqs) -> dict:
+    """What makes a run the run it is, kept in every checkpoint marker and compared on resume: its settings (the
+    keys outside MAY_CHANGE), a SHA-256 of its packed data (the tokens of both splits: the files' content, the
+    tokenizer, seq_len and the split all decide them) and the starting model's files by content."""
+    data = hashlib.sha256()
+    for seqs in (train_seqs, eval_seqs):
+        data.update(repr(tuple(seqs.shape)).encode())
+        data.update(seqs.contiguous().numpy().tobytes())
+    return {"settings": {k: v for k, v in _flat(cfg).items() if k not in MAY_CHANGE},
+            "data": data.hexdigest(), "model_files": model_fingerprint(cfg.model) if cfg.model else None}
+
+
+def _states_agree(info: dict) -> str | None:
+    """The marker's step counter and LR schedule at the marker's step (an edited marker is not resumed from)."""
+    step, states = info["step"], info["states"]
+    at = states["progress"].get("step")
+    if at != step:
+        return f"its progress is at step {at}, not {step} as its marker says"
+    at = states["scheduler"].get("last_epoch")
+    if at != step:
+        return f"its LR schedule is at step {at}, not {step}"
+    return None
+
+
+def _optimizer_agrees(run: Run):
+    """After loading: AdamW counts its own steps; they must be the marker's."""
+    def check(step: int) -> str | None:
+        try:
+            counts = {int(s["step"]) for s in run.optimizer.state_dict()["state"].values() if "step" in s}
+        except (AttributeError, KeyError, TypeError, ValueError):  # an optimizer that keeps no such count
+            return None
+        if counts and max(counts) != step:
+            return f"the optimizer state has made {max(counts)} steps, the marker says {step}"
+        return None
+    return check
+
+
 class NotFinite(Exception):
     """A step whose loss or gradient is no longer a finite number (train() says which step)."""
 
@@ -256,8 +314,15 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
 
     log = out / "log.jsonl"
     saved = 0  # the step of the last checkpoint written or resumed from
+    identity = run_identity(cfg, train_seqs, eval_seqs)
     if cfg.resume:
-        saved = checkpoint.resume(accelerator, cfg.resume, out, states, log)
+        try:
+            saved = checkpoint.resume(accelerator, cfg.resume, out, states, log, identity, _states_agree,
+                                      _optimizer_agrees(run))
+        except ConfigError:
+            finish(run)
+            run.memory_edits.undo()
+            raise
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         accelerator.init_trackers("hfpatch", config={k: v for k, v in cfg.items() if not isinstance(v, dict)})
@@ -287,7 +352,7 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
             if progress.step % cfg.save_every == 0 or progress.step == cfg.max_steps:
                 if not weights_finite(run):
                     raise _stopped(progress.step, "a weight is no longer finite", out / "checkpoints", saved)
-                checkpoint.save(accelerator, out / "checkpoints", progress.step, states)
+                checkpoint.save(accelerator, out / "checkpoints", progress.step, states, identity)
                 saved = progress.step
             if cfg.stop_after is not None and progress.step >= cfg.stop_after:
                 break
