@@ -212,8 +212,10 @@ def write_folder(path, write) -> Path:
 
 def describe_os_error(e: OSError) -> str:
     """An OSError in words a user can act on: the full-disk case says so."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"no space left on the device ({e.strerror}); free some space and run again"
+    if e.errno == errno.ENOSPC:
+        return "no space left on the device; free some space and run again"
+    if e.errno == errno.EDQUOT:
+        return "the disk quota is used up; free some space and run again"
     where = f" ({e.filename})" if e.filename else ""
     return f"{e.strerror or e}{where}"
 

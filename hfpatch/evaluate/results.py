@@ -67,9 +67,11 @@ class Results:
 
     def _load(self, identity: dict) -> dict:
         try:
-            text = self.path.read_text()
+            text = self.path.read_text(encoding="utf-8")
         except OSError as e:
             raise ValueError(f"{self.path}: cannot read it ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise self._damaged(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
