@@ -291,3 +291,28 @@ def test_a_tampered_checkpoint_is_skipped_for_the_older_complete_one(tmp_path, c
     assert steps_logged(out) == [1, 2, 3, 4, 5, 6]
     rows = lambda o: [(r["step"], r["loss"]) for r in map(json.loads, (o / "log.jsonl").read_text().splitlines())]
     assert rows(out) == rows(whole)
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_complete_checkpoints(base, tmp_path, capsys, fresh_accelerate,
+                                                                     monkeypatch):
+    """The disk fills while step_4 is written: one line that says so (exit 1), step_2 complete and resumable."""
+    import errno
+
+    import accelerate.utils.other as accelerate_io
+
+    real, calls = accelerate_io.safe_save_file, [0]
+
+    def filling(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(accelerate_io, "safe_save_file", filling)
+    capsys.readouterr()
+    assert run("pretrain", recipe("pretrain").main, base) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "no space left on the device" in errors[0] and "resume=true" in errors[0], errors
+    out = tmp_path / "out"
+    assert checkpoint.problem(out / "checkpoints" / "step_2") is None
+    assert not (out / "checkpoints" / "step_4").exists()

@@ -44,7 +44,9 @@ def run(recipe: str, main, argv=None) -> int:
         return 2
     except (RunFailed, OSError) as e:
         if main_process:
-            what = describe_os_error(e) if isinstance(e, OSError) else str(e)
+            what = str(e)
+            if isinstance(e, OSError):  # the checkpoints are published whole: the newest complete one is intact
+                what = f"{describe_os_error(e)} with resume=true (it continues from the newest complete checkpoint)"
             print(f"{recipe}: error: {' '.join(what.split())}", file=sys.stderr)
         return 1
     return 0

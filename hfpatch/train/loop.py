@@ -356,10 +356,13 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
                 saved = progress.step
             if cfg.stop_after is not None and progress.step >= cfg.stop_after:
                 break
-    except RunFailed:
+    except RunFailed:  # every process stops at the same step: they end together
         bar.close()
         finish(run)
         run.memory_edits.undo()
+        raise
+    except OSError:  # a full disk, on this process: its error line starts on a line of its own
+        bar.close()
         raise
     bar.close()
     accelerator.wait_for_everyone()
