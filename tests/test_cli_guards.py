@@ -107,3 +107,11 @@ def test_a_results_file_that_is_not_utf8_is_named(model, tmp_path, capsys):
                     "--lengths", "32", "--no-plot", "--out", str(out))
     assert code == 2 and err, err
     assert str(out / "results.json") in err and "UTF-8" in err and "--overwrite" in err, err
+
+
+def test_an_eval_out_inside_a_file_is_one_error(model, tmp_path, capsys):
+    (tmp_path / "a.txt").write_text(text_of(200, 1), encoding="utf-8")
+    (tmp_path / "file.txt").write_text("x")
+    code, err = cli(capsys, "eval", "ppl", "--model", str(model), "--text-files", str(tmp_path / "a.txt"),
+                    "--lengths", "32", "--no-plot", "--out", str(tmp_path / "file.txt" / "sub"))
+    assert code == 2 and "file.txt" in err and "cannot create" in err, err

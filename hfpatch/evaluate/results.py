@@ -16,7 +16,7 @@ import math
 import os
 from pathlib import Path
 
-from ..files import Lock, Locked, differences
+from ..files import Lock, Locked, describe_os_error, differences
 
 FORMAT = 3  # 3: the identity holds the model's files by content (model_files)
 
@@ -42,7 +42,10 @@ class Results:
     def __init__(self, path: Path, kind: str, identity: dict, records: str, summarize, overwrite: bool = False):
         self.path = Path(path)
         self.kind, self.records, self.summarize = kind, records, summarize
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file where a folder should be, a read-only place
+            raise ValueError(f"--out {self.path.parent}: cannot create it ({describe_os_error(e)})") from None
         try:
             self._lock = Lock(self.path.with_name(self.path.name + ".lock"), str(self.path))
         except Locked as e:
