@@ -155,3 +155,20 @@ def test_a_length_whose_memory_cannot_fit_is_refused_before_any_prompt_is_built(
                     str(tmp_path / "o"))
     assert code == 2 and len(err.splitlines()) == 1 and "is free on the" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_hub_model_is_identified_by_its_cached_commit(tmp_path, monkeypatch):
+    """A hub id names no content; the snapshot the cache holds (by commit) does."""
+    import huggingface_hub.constants as constants
+
+    from hfpatch.files import model_fingerprint
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert model_fingerprint("someone/tiny") == {"hub": "someone/tiny", "revision": commit}
+    assert model_fingerprint("someone/other") == {"hub": "someone/other", "revision": None}
