@@ -316,3 +316,23 @@ def test_a_full_disk_is_one_line_and_keeps_the_complete_checkpoints(base, tmp_pa
     out = tmp_path / "out"
     assert checkpoint.problem(out / "checkpoints" / "step_2") is None
     assert not (out / "checkpoints" / "step_4").exists()
+
+
+def test_a_marker_edited_consistently_is_refused_by_the_optimizers_own_count(tmp_path):
+    """step_4 renamed step_6 with its marker's step, progress and LR schedule all set to 6: the files still hold 4
+    optimizer steps, which AdamW's state says after loading. Refused (the loaded weights are not a fresh start's),
+    instead of a run that skips steps 5 and 6."""
+    out = tmp_path / "out"
+    tiny_train(tiny_cfg(out, "stop_after=4"))
+    folder = out / "checkpoints" / "step_4"
+
+    def to_6(m):
+        m["step"] = 6
+        m["states"]["progress"]["step"] = 6
+        m["states"]["scheduler"].update(last_epoch=6, _step_count=7)
+
+    _marker(folder, to_6)
+    folder.rename(out / "checkpoints" / "step_6")
+    with pytest.raises(config.ConfigError, match="the optimizer state has made 4 steps, the marker says 6"):
+        tiny_train(tiny_cfg(out, "resume=true"))
+    assert steps_logged(out) == [1, 2, 3, 4]

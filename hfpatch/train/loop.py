@@ -250,7 +250,8 @@ def run_identity(cfg, train_seqs, eval_seqs) -> dict:
     for seqs in (train_seqs, eval_seqs):
         data.update(repr(tuple(seqs.shape)).encode())
         data.update(seqs.contiguous().numpy().tobytes())
-    return {"settings": {k: v for k, v in _flat(cfg).items() if k not in MAY_CHANGE},
+    settings = {k: v for k, v in _flat(cfg).items() if k not in MAY_CHANGE}
+    return {"settings": json.loads(json.dumps(settings, default=str)),  # as the marker will hold it (a YAML date)
             "data": data.hexdigest(), "model_files": model_fingerprint(cfg.model) if cfg.model else None}
 
 
