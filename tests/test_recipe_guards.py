@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -286,7 +285,7 @@ def test_a_tampered_checkpoint_is_skipped_for_the_older_complete_one(tmp_path, c
     capsys.readouterr()
     tiny_train(tiny_cfg(out, "resume=true"))
     said = capsys.readouterr().out
-    assert f"skipped step_4: {reason}" in said or (f"skipped step_4:" in said and reason in said), said
+    assert "skipped step_4:" in said and reason in said, said
     assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in said
     assert steps_logged(out) == [1, 2, 3, 4, 5, 6]
     rows = lambda o: [(r["step"], r["loss"]) for r in map(json.loads, (o / "log.jsonl").read_text().splitlines())]

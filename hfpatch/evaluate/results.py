@@ -2,9 +2,10 @@
 work (a document of a cell, a trial, a sample).
 
 A file is continued only if it was written for the same identity (everything that decides the numbers besides the
-cell coordinates: the model's files by content, dtype, corpus, seed, ...). Loading it checks what a crash or a hand edit could have broken
-— that it is JSON, that each cell has its fields, and that every finished cell's numbers are what its records give
-— and stops with what is wrong and how to recover, rather than mixing damaged numbers into new results.
+cell coordinates: the model's files by content, dtype, corpus, seed, ...). Loading it checks what a crash or a hand
+edit could have broken — that it is UTF-8 JSON, that each cell has its fields, and that every finished cell's numbers
+are what its records give — and stops with what is wrong and how to recover, rather than mixing damaged numbers into
+new results.
 A lock on OUT keeps two runs from writing the same file.
 """
 

@@ -46,7 +46,7 @@ def run(recipe: str, main, argv=None) -> int:
         if main_process:
             what = str(e)
             if isinstance(e, OSError):  # the checkpoints are published whole: the newest complete one is intact
-                what = f"{describe_os_error(e)} with resume=true (it continues from the newest complete checkpoint)"
+                what = f"{describe_os_error(e)}; the newest complete checkpoint is kept: resume=true continues from it"
             print(f"{recipe}: error: {' '.join(what.split())}", file=sys.stderr)
         return 1
     return 0

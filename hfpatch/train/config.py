@@ -321,8 +321,8 @@ def _check_numbers(cfg: Config) -> None:
 
 
 # model_config keys that are sizes or counts: a value <= 0 builds no model (or a model of nothing)
-_SIZE = re.compile(r"(^|_)(size|dim|layers|heads|positions|experts|n_embd|n_layer|n_head|n_positions|n_inner|ffn_dim)"
-                   r"($|_)|^num_")
+_SIZE = re.compile(r"(^|_)(size|dim|layers|heads|positions|position_embeddings|experts|n_embd|n_layer|n_head|"
+                   r"n_inner|ffn_dim)($|_)|^num_")
 
 
 def check_model_config(options: dict) -> None:

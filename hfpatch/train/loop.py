@@ -270,9 +270,10 @@ def _states_agree(info: dict) -> str | None:
 def _optimizer_agrees(run: Run):
     """After loading: AdamW counts its own steps; they must be the marker's."""
     def check(step: int) -> str | None:
+        optimizer = getattr(run.optimizer, "optimizer", run.optimizer)  # inside accelerate's wrapper
         try:
-            counts = {int(s["step"]) for s in run.optimizer.state_dict()["state"].values() if "step" in s}
-        except (AttributeError, KeyError, TypeError, ValueError):  # an optimizer that keeps no such count
+            counts = {int(s["step"]) for s in optimizer.state.values() if isinstance(s, dict) and "step" in s}
+        except Exception:  # an optimizer that keeps no such count (DeepSpeed's): nothing to compare, not a refusal
             return None
         if counts and max(counts) != step:
             return f"the optimizer state has made {max(counts)} steps, the marker says {step}"
