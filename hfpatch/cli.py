@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from .command import Parser, UsageError, run_main
 from .evaluate import EVALUATIONS
+from .files import write_folder
 from .norm.modules import NORMS
 
 
@@ -91,6 +94,24 @@ def _loading(args) -> dict:
     return {"trust_remote_code": args.trust_remote_code, "allow_pickled_weights": args.allow_pickled_weights}
 
 
+def _check_out(out: str, source: str) -> Path:
+    """--out, checked before the model is loaded: a folder that can be created, not the source model's own folder
+    (the patched model would replace it), and not a folder of other things (it would be replaced)."""
+    path = Path(out).expanduser()
+    for parent in [path, *path.parents]:
+        if parent.is_file():
+            raise ValueError(f"--out {out}: {parent} is a file, not a folder")
+    source_dir = Path(source).expanduser()
+    source_dir = source_dir if source_dir.is_dir() else source_dir.parent if source_dir.is_file() else None
+    if source_dir is not None and path.exists() and os.path.samefile(path, source_dir):
+        raise ValueError(f"--out {out} is the model's own folder: the patched model would replace the original; "
+                         "choose another folder")
+    if path.is_dir() and any(path.iterdir()) and not (path / "config.json").is_file():
+        raise ValueError(f"--out {out} holds files and is not a model folder: give a new or empty folder (a model "
+                         "folder given as --out is replaced whole)")
+    return path
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # every following argument is lm_eval's own, --help included
@@ -128,6 +149,7 @@ def _run(args) -> int:
     if not kwargs:
         raise UsageError("hfpatch patch: error: nothing to patch: give --position, --norm or --placement")
     hfpatch.spec.request(**kwargs)
+    out = _check_out(args.out, args.model)
     dtype = None
     if args.dtype:
         import torch
@@ -135,7 +157,8 @@ def _run(args) -> int:
         dtype = getattr(torch, args.dtype)
     model, tok = load(args.model, dtype=dtype, **_loading(args))
     hfpatch.patch(model, **kwargs)
-    hfpatch.save_pretrained(model, args.out, tokenizer=tok)
+    # written as OUT.partial and renamed once complete: a full disk leaves OUT as it was, never half a model
+    write_folder(out, lambda tmp: hfpatch.save_pretrained(model, tmp, tokenizer=tok))
     info = hfpatch.describe(model)
     print(f"saved {info['family']} with {hfpatch.spec.describe_string(info['applied'])} to {args.out}")
     return 0

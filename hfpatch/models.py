@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pickle
 
 SMOLLM2 = "smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -70,6 +71,11 @@ def load(name: str, dtype=None, device_map=None, tokenizer: bool = True, trust_r
             model = from_pretrained(where, use_safetensors=None if allow_pickled_weights else True, **kwargs)
     except OSError as e:  # hub ids that cannot be reached, unreadable folders
         raise ValueError(f"could not load {name!r}: {str(e).splitlines()[0]}") from e
+    except pickle.UnpicklingError as e:  # torch.load(weights_only=True) refused an object: nothing was run
+        pickles = sorted(f for f in os.listdir(where) if f.endswith(".bin")) if os.path.isdir(where) else []
+        raise ValueError(f"could not load {name!r}: its pickled weights ({', '.join(pickles) or 'a .bin file'}) "
+                         f"hold objects that are not plain tensors, refused unread: "
+                         f"{' '.join(str(e).split('WeightsUnpickler error:')[-1].split())[:200]}") from None
     except ValueError as e:
         if "trust_remote_code" not in str(e) or trust_remote_code:
             raise

@@ -187,20 +187,38 @@ _FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def tokenizer_fingerprint(tok) -> str:
     """A hash of everything that decides the ids: the full tokenizer definition for fast tokenizers (vocabulary,
-    merges, normalizer, pre-tokenizer, post-processor), else the class, vocabulary and special tokens. Cached per
-    tokenizer object, and computed again when its vocabulary grows (tokens added after the first call)."""
-    size = len(tok)
+    merges, normalizer, pre-tokenizer, post-processor, added tokens), else the class, vocabulary and special tokens.
+    Serializing the vocabulary takes tens of ms, too long for every document: the hash is cached per tokenizer
+    object, and computed again whenever a cheap key of it changes (its size, the serialized normalizer,
+    pre-tokenizer, post-processor and decoder, the added tokens, the BOS/EOS settings), so a tokenizer edited in
+    place (a normalizer set on it, a post-processor swapped) is never served the ids of its former self."""
+    key = _cheap_key(tok)
     cached = _FINGERPRINTS.get(tok)
-    if cached is None or cached[0] != size:
+    if cached is None or cached[0] != key:
         backend = getattr(tok, "backend_tokenizer", None)
         if backend is not None:
-            blob = backend.to_str()
+            blob = backend.to_str()  # the full definition (the BOS/EOS settings live in its post-processor)
         else:
             vocab = sorted(tok.get_vocab().items())
-            blob = repr((type(tok).__name__, vocab, tok.all_special_tokens, getattr(tok, "add_bos_token", None)))
-        cached = (size, hashlib.sha256(blob.encode("utf-8")).hexdigest())
+            blob = repr((key, vocab))
+        cached = (key, hashlib.sha256(blob.encode("utf-8")).hexdigest())
         _FINGERPRINTS[tok] = cached
     return cached[1]
+
+
+def _cheap_key(tok) -> str:
+    """What can change on a tokenizer object and is quick to read (microseconds)."""
+    parts = [type(tok).__name__, len(tok), tok.all_special_tokens, getattr(tok, "add_bos_token", None),
+             getattr(tok, "add_eos_token", None)]
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        for name in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
+            part = getattr(backend, name)
+            parts.append(part.__getstate__() if part is not None else None)
+        model = backend.model
+        parts += [type(model).__name__, getattr(model, "unk_token", None), backend.truncation, backend.padding,
+                  sorted((i, repr(t)) for i, t in backend.get_added_tokens_decoder().items())]
+    return repr(parts)
 
 
 def _byte_offsets(text: str) -> np.ndarray:

@@ -14,6 +14,7 @@ import torch
 from conftest import REPO, stdlib_text
 
 import hfpatch
+from hfpatch.files import sha256
 from hfpatch.train import checkpoint, faults
 from hfpatch.train.config import ConfigError
 
@@ -218,7 +219,8 @@ def test_a_checkpoint_pickle_that_would_run_code_is_refused_unread(accelerator, 
     folder, ran = root / "step_2", tmp_path / "payload-ran"
     torch.save({"state": {}, "param_groups": [], "x": Payload(ran)}, folder / "optimizer.bin")
     marker = json.loads((folder / checkpoint.MARKER).read_text())
-    marker["files"]["optimizer.bin"] = (folder / "optimizer.bin").stat().st_size  # a consistent forgery
+    marker["files"]["optimizer.bin"] = {"bytes": (folder / "optimizer.bin").stat().st_size,  # a consistent forgery
+                                        "sha256": sha256(folder / "optimizer.bin")}
     (folder / checkpoint.MARKER).write_text(json.dumps(marker))
     with pytest.raises(ConfigError, match="refused unread"):
         checkpoint.resume(accelerator, True, tmp_path, {"counter": Counter()}, tmp_path / "log.jsonl")

@@ -40,7 +40,7 @@ class Source:
 
     def __init__(self, text: str):
         self.text = re.sub(r"\s+", " ", text).strip()
-        self.words = self.text.split(" ")
+        self.words = self.text.split(" ") if self.text else []
         self.pool = sorted(set(re.findall(r"\b[a-z]{3,10}\b", self.text)))
         self.sha256 = hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
@@ -53,7 +53,11 @@ class Source:
 def source(text_files) -> Source:
     """The haystack text: the given files, or the default corpus."""
     docs = texts.text_files(text_files) if text_files else texts.default_corpus()
-    return Source(" ".join(d.text for d in docs))
+    src = Source(" ".join(d.text for d in docs))
+    if not src.words:
+        raise ValueError(f"the haystack text ({', '.join(map(str, text_files or ['the default corpus']))}) has no "
+                         "words; give text files with text in them")
+    return src
 
 
 class Prompter:

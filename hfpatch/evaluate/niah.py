@@ -31,7 +31,7 @@ from .. import text as texts
 from ..lm import greedy
 from . import haystack as hs
 from . import sweep
-from .common import parse_fractions, parse_lengths
+from .common import length_label, parse_fractions, parse_lengths
 
 NEEDLE_SETS = {
     "sandwich": {
@@ -67,6 +67,9 @@ def needle_set(name: str) -> dict:
     if bad or not data["needles"] or not data["answers"]:
         raise ValueError(f"--needles {name}: needs needles (a non-empty list), question, answer_prefix and answers "
                          f"(a non-empty list); wrong or missing: {', '.join(bad) or 'an empty list'}")
+    for key in ("needles", "answers"):  # answers are matched as text in the model's answer
+        if not all(isinstance(v, str) and v.strip() for v in data[key]):
+            raise ValueError(f"--needles {name}: {key} must be a list of non-empty strings, got {data[key]!r}")
     return {k: data[k] for k in want}
 
 
@@ -86,6 +89,15 @@ def build(src: hs.Source, offset: int, n_words: int, needles: dict, depth: float
     return hs.Sample(TEMPLATE.format(context=context, question=needles["question"]),
                      " " + needles["answer_prefix"], list(needles["answers"]),
                      {"fractions": fractions, "positions": positions, "sentences": len(units)})
+
+
+def _check_haystack(src: hs.Source, size: int, length: int, text_files) -> None:
+    """A haystack is a stretch of the text without repeats: a text shorter than the cell needs would be read
+    round and round (or, when empty, leave a prompt far shorter than the cell's length)."""
+    if size > len(src.words):
+        given = ", ".join(map(str, text_files)) if text_files else "the default corpus"
+        raise ValueError(f"the haystack text ({given}) has {len(src.words)} words; the {length_label(length)} cell "
+                         f"needs about {size}: give longer text (--text-files) or use shorter --lengths")
 
 
 def trial_offset(seed: int, trial: int, n_words: int) -> int:
@@ -135,6 +147,7 @@ class Niah(sweep.Evaluation):
                     size, sample = hs.fit(lambda m: build(src, offset, m, needles, d), lambda s: len(prompter.ids(s)),
                                           n - args.new_tokens, 1, 4 * n, sizes.get(n))
                     sizes[n] = size
+                    _check_haystack(src, size, n, args.text_files)
                     ids = prompter.ids(sample)
                     units.append(sweep.Unit(t, sweep.decoding(len(ids), args.new_tokens),
                                             (ids, sample.references, offset, size)))

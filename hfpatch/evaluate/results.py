@@ -2,9 +2,10 @@
 work (a document of a cell, a trial, a sample).
 
 A file is continued only if it was written for the same identity (everything that decides the numbers besides the
-cell coordinates: model, dtype, corpus, seed, ...). Loading it checks what a crash or a hand edit could have broken
-— that it is JSON, that each cell has its fields, and that every finished cell's numbers are what its records give
-— and stops with what is wrong and how to recover, rather than mixing damaged numbers into new results.
+cell coordinates: the model's files by content, dtype, corpus, seed, ...). Loading it checks what a crash or a hand
+edit could have broken — that it is UTF-8 JSON, that each cell has its fields, and that every finished cell's numbers
+are what its records give — and stops with what is wrong and how to recover, rather than mixing damaged numbers into
+new results.
 A lock on OUT keeps two runs from writing the same file.
 """
 
@@ -16,12 +17,9 @@ import math
 import os
 from pathlib import Path
 
-try:
-    import fcntl
-except ImportError:  # not on Windows: no lock there
-    fcntl = None
+from ..files import Lock, Locked, describe_os_error, differences
 
-FORMAT = 2
+FORMAT = 3  # 3: the identity holds the model's files by content (model_files)
 
 
 def now() -> str:
@@ -45,14 +43,15 @@ class Results:
     def __init__(self, path: Path, kind: str, identity: dict, records: str, summarize, overwrite: bool = False):
         self.path = Path(path)
         self.kind, self.records, self.summarize = kind, records, summarize
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.path.with_name(self.path.name + ".lock"), "w")
         try:
-            if fcntl is not None:
-                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the OS when the run dies
-        except BlockingIOError:
-            self._lock.close()
-            raise ValueError(f"another run is writing {self.path} now; wait for it or use another --out") from None
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file where a folder should be, a read-only place
+            raise ValueError(f"--out {self.path.parent}: cannot create it ({describe_os_error(e)})") from None
+        try:
+            self._lock = Lock(self.path.with_name(self.path.name + ".lock"), str(self.path))
+        except Locked as e:
+            raise ValueError(f"another run is writing {self.path} now (process {e.pid or 'unknown'}); wait for it "
+                             "or use another --out") from None
         for stale in self.path.parent.glob(self.path.name + ".*.tmp"):  # left by a killed run (we hold the lock)
             stale.unlink(missing_ok=True)
         self.data = None
@@ -72,9 +71,11 @@ class Results:
 
     def _load(self, identity: dict) -> dict:
         try:
-            text = self.path.read_text()
+            text = self.path.read_text(encoding="utf-8")
         except OSError as e:
             raise ValueError(f"{self.path}: cannot read it ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise self._damaged(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -88,8 +89,9 @@ class Results:
                              f"of hfpatch (this one writes {FORMAT}); use another --out, or --overwrite")
         old = data.get("identity") if isinstance(data.get("identity"), dict) else {}
         if old != identity:
-            diff = sorted(k for k in set(identity) | set(old) if identity.get(k) != old.get(k))
-            raise ValueError(f"{self.path} was written by a run with other settings ({', '.join(diff)} differ); "
+            diff = differences(old, identity)
+            named = ", ".join(diff[:8]) + (f" and {len(diff) - 8} more" if len(diff) > 8 else "")
+            raise ValueError(f"{self.path} was written by a run with other settings ({named} differ); "
                              "use another --out, or --overwrite to discard it")
         for i, cell in enumerate(data["cells"]):
             self._check_cell(i, cell)

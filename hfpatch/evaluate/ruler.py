@@ -285,6 +285,9 @@ class Ruler(sweep.Evaluation):
             raise ValueError(f"--samples must be >= 1, got {args.samples}")
         source = texts.describe_source(args.text_files)
         src = hs.source(args.text_files)
+        if not src.pool:  # keys and word lists are drawn from it
+            raise ValueError("the text has no words of 3 to 10 lowercase letters to draw RULER's keys and word lists "
+                             "from; give other text (--text-files)")
         prompter, sizes = hs.Prompter(tok, args.chat_template), {}
         first = {(t, n): build(prompter, src, t, n, f"{args.seed}:{t}:{n}:0", sizes) for t in tasks for n in lengths}
         if args.samples > 1:  # every (task, length) fits: the input is valid; now the long part

@@ -5,6 +5,8 @@ sweep does the rest, the same way for all of them:
   1. parse the command line (the model, dtype, device and patch-spec flags are common), validate everything, plan
      the cells — all before the model is loaded, so bad input is one line and exit 2 at once;
   2. open OUT/results.json: the same identity continues it (finished units are not run again), another is refused;
+     the identity holds the model's files by content (config, weights, tokenizer), so other weights copied to the
+     same path are refused too;
   3. refuse lengths whose memory cannot fit (estimated from the config, before loading);
   4. load the model once; apply and remove every spec once (a spec that does not fit fails now), check learned
      position tables against the longest read; time one forward and print how long the work left will take;
@@ -25,10 +27,12 @@ from pathlib import Path
 
 from .. import command
 from ..apply import unwrap
+from ..files import model_fingerprint
 from ..lm import causal_lm_parts
 from ..text import load_tokenizer
 from . import budget
-from .common import applied, length_label, load_model, parse_patches, table_limit, trained_window, versions
+from .common import (applied, length_label, load_model, parse_lengths, parse_patches, table_limit, trained_window,
+                     versions)
 from .results import Results, now
 
 
@@ -142,8 +146,11 @@ def main(ev: Evaluation, argv=None) -> int:
 def _main(ev: Evaluation, argv) -> int:
     args = build_parser(ev).parse_args(argv)
     patches = parse_patches(args.patches)  # every spec validated before any loading
+    if not args.no_memory_check:
+        check_longest_read(args)
     tok = load_tokenizer(args.model)
     plan = ev.plan(args, tok)
+    plan.identity["model_files"] = model_fingerprint(args.model)  # what is loaded, by content: not only its path
     out = Path(args.out)
     results = Results(out / "results.json", ev.kind, plan.identity, ev.records, ev.summarize, args.overwrite)
     try:
@@ -213,6 +220,15 @@ def _todo(ev: Evaluation, results: Results, plan: Plan, patches) -> list:
             if left or not (stored and stored.get("complete")):
                 todo.append((spec, kwargs, c, left))
     return todo
+
+
+def check_longest_read(args) -> None:
+    """The memory check of the longest --lengths alone, before the tokenizer builds any prompt: a prompt of
+    millions of tokens takes the tokenizer minutes and more memory than the machine has (it aborted the process at
+    100000k). The full check, with the plan's generation and scoring, follows the plan."""
+    if getattr(args, "lengths", None):
+        check_memory(args, Plan({}, [], read=max(parse_lengths(args.lengths)),
+                                new_tokens=getattr(args, "new_tokens", 0) or 0))
 
 
 def check_memory(args, plan: Plan) -> None:

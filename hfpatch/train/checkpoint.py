@@ -10,8 +10,14 @@ Layout of output_dir:
 Why a marker and a rename: accelerate's save_state writes its files one by one into the folder it is given, so a
 kill leaves a folder that looks like a checkpoint (an empty step_N/ was taken for the newest one and the resume died
 on the missing weights). Here a folder only gets its step_N name by one rename, after every file, the marker
-included, is written and fsync'ed. The marker lists every file with its size; they are checked again before a resume
-(a folder damaged later, or written by an hfpatch without markers, is skipped and the reason printed).
+included, is written and fsync'ed. The marker lists every file with its size and SHA-256; before a resume they are
+checked again, and the marker's own step, progress and LR schedule must agree. A folder damaged later (a bit
+flipped, a file zeroed or added, the marker edited), or written by an hfpatch without such markers, is skipped with
+the reason printed, and the resume goes on from the newest checkpoint that passes.
+
+The marker also holds the run's identity (loop.run_identity: the settings that decide the training, a hash of its
+data, the model's files): a resume with another identity is refused with what differs, never continued as if it
+were the same run.
 
 What is a pickle: the model weights are safetensors (save_state(safe_serialization=True)). The optimizer state
 (optimizer.bin) and the RNG states (random_states_<rank>.pkl) are torch.save files, that is pickles, written by
@@ -30,19 +36,22 @@ import re
 import shutil
 from pathlib import Path
 
+from accelerate.utils import broadcast_object_list
 from accelerate.utils import load as load_pickle  # torch.load(weights_only=True) + numpy arrays
 
+from ..files import PARTIAL as _PARTIAL  # suffix of a folder being written (or being deleted)
+from ..files import differences, fsync as _fsync, publish, sha256_many, write_json  # noqa: F401 (re-exported)
 from .config import ConfigError
 
 MARKER = "hfpatch_checkpoint.json"
-FORMAT = 1
+FORMAT = 2  # 2: every file's SHA-256, the run's identity
 _STEP = re.compile(r"step_(\d+)")
-_PARTIAL = ".partial"  # suffix of a folder being written (or being deleted)
 
 
-def save(accelerator, root: Path, step: int, states: dict) -> Path:
+def save(accelerator, root: Path, step: int, states: dict, identity: dict | None = None) -> Path:
     """accelerator.save_state for `step` under root/step_<step>; `states`: objects with a JSON-able state_dict()
-    and load_state_dict() (the step counter, the LR scheduler), kept in the marker. Every process must call this."""
+    and load_state_dict() (the step counter, the LR scheduler), kept in the marker with the run's `identity`. Every
+    process must call this."""
     path = root / f"step_{step}"
     tmp = path.with_name(path.name + _PARTIAL)
     if accelerator.is_main_process:
@@ -52,8 +61,8 @@ def save(accelerator, root: Path, step: int, states: dict) -> Path:
     accelerator.save_state(str(tmp), safe_serialization=True)
     accelerator.wait_for_everyone()  # every process has written its part (its RNG state, its shards)
     if accelerator.is_main_process:
-        marker = {"format": FORMAT, "step": step, "processes": accelerator.num_processes,
-                  "states": {name: obj.state_dict() for name, obj in states.items()}, "files": _sizes(tmp)}
+        marker = {"format": FORMAT, "step": step, "processes": accelerator.num_processes, "run": identity,
+                  "states": {name: obj.state_dict() for name, obj in states.items()}, "files": _contents(tmp)}
         write_json(tmp / MARKER, marker)
         publish(tmp, path)
     accelerator.wait_for_everyone()
@@ -61,7 +70,8 @@ def save(accelerator, root: Path, step: int, states: dict) -> Path:
 
 
 def problem(path: Path) -> str | None:
-    """Why `path` is not a complete checkpoint, or None if it is one."""
+    """Why `path` is not a complete checkpoint, or None if it is one: its marker is readable and of this format,
+    names its step, and lists exactly the files in the folder, each with the size and SHA-256 it has."""
     marker = path / MARKER
     if not path.is_dir():
         return "not a folder"
@@ -70,47 +80,88 @@ def problem(path: Path) -> str | None:
     try:
         info = json.loads(marker.read_text())
         files, step = info["files"], int(info["step"])
-    except (ValueError, KeyError, TypeError) as e:
-        return f"unreadable {MARKER} ({e})"
+        if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+            raise TypeError("files is not a table of files")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable {MARKER} ({type(e).__name__}: {e})"
     if info.get("format") != FORMAT:
         return f"{MARKER} of format {info.get('format')!r}, this hfpatch reads format {FORMAT}"
+    if not isinstance(info.get("states"), dict):
+        return f"its {MARKER} has no states (the step counter and the LR schedule)"
     named = _STEP.fullmatch(path.name)
     if named and int(named.group(1)) != step:
         return f"the folder is named {path.name} but holds step {step}"
-    for name, size in files.items():
+    present = {str(f.relative_to(path)) for f in path.rglob("*") if f.is_file()} - {MARKER}
+    extra = sorted(present - set(files))
+    if extra:
+        return f"{extra[0]} is not listed in its {MARKER}"
+    for name, entry in files.items():
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
-        if f.stat().st_size != size:
-            return f"{name} has {f.stat().st_size} bytes, the marker says {size}"
+        if f.stat().st_size != entry.get("bytes"):
+            return f"{name} has {f.stat().st_size} bytes, the marker says {entry.get('bytes')}"
+    names = sorted(files)
+    for name, digest in zip(names, sha256_many([path / n for n in names])):
+        if digest != files[name].get("sha256"):
+            return f"{name}: its content is not what was saved (its SHA-256 differs from the marker's)"
     return None
 
 
-def newest_complete(root: Path) -> tuple[Path | None, list[str]]:
-    """(the complete checkpoint of the highest step under root, or None; why each newer folder was skipped)."""
+def states_problem(info: dict, states: dict) -> str | None:
+    """Why the marker's states cannot be loaded into `states` (None if they can)."""
+    for name in states:
+        if not isinstance(info["states"].get(name), dict):
+            return f"its {MARKER} has no state for {name}"
+    return None
+
+
+def newest_complete(root: Path, check=None) -> tuple[Path | None, list[str]]:
+    """(the complete checkpoint of the highest step under root, or None; why each newer folder was skipped).
+    `check(info)`: a further reason to skip a checkpoint whose files are complete (None: none)."""
     found = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
                    if (m := _STEP.fullmatch(p.name)))
     skipped = []
     for _, path in reversed(found):
         why = problem(path)
+        if why is None and check is not None:
+            why = check(json.loads((path / MARKER).read_text()))
         if why is None:
             return path, skipped
         skipped.append(f"{path.name}: {why}")
     return None, skipped
 
 
-def resume(accelerator, resume, out: Path, states: dict, log: Path) -> int:
+def resume(accelerator, resume, out: Path, states: dict, log: Path, identity: dict | None = None, consistent=None,
+           loaded=None) -> int:
     """Load what the run resumes from and return its step: the checkpoint folder `resume` names, or with
     resume=True the newest complete one under out/checkpoints (0 and a fresh start, said on stdout, when there is
-    none). log.jsonl is cut back to the rows of the steps up to it, so the resumed run writes the rest once."""
-    if isinstance(resume, str):
-        path = Path(resume)
-        why = problem(path)
-        if why is not None:
-            raise ConfigError(f"resume: {path} is not a complete checkpoint: {why}")
-        skipped = []
-    else:
-        path, skipped = newest_complete(out / "checkpoints")
+    none). log.jsonl is cut back to the rows of the steps up to it, so the resumed run writes the rest once.
+
+    `identity`: the run's, refused (ConfigError, listing what differs) when the checkpoint's is another.
+    `consistent(info)`: why the marker's states disagree with its step (a checkpoint skipped for it).
+    `loaded(step)`: after loading, why the loaded files disagree with the step (refused: the weights are no longer
+    the ones a fresh start would have)."""
+    def check(info):
+        return states_problem(info, states) or (consistent(info) if consistent else None)
+
+    # the main process checks the files (hashing them once) and tells the others what it chose
+    choice = [None, [], None]  # (why refused, skipped folders, the chosen one)
+    if accelerator.is_main_process:
+        if isinstance(resume, str):
+            path = Path(resume)
+            why = problem(path)
+            why = why or check(json.loads((path / MARKER).read_text()))
+            choice = [why and f"resume: {path} is not a complete checkpoint: {why}", [], str(path)]
+        else:
+            path, skipped = newest_complete(out / "checkpoints", check)
+            choice = [None, skipped, str(path) if path else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(choice)
+    refused, skipped, path = choice
+    if refused:
+        raise ConfigError(refused)
+    path = Path(path) if path else None
     for line in skipped:
         accelerator.print(f"resume: skipped {line}")
     step = 0
@@ -118,6 +169,8 @@ def resume(accelerator, resume, out: Path, states: dict, log: Path) -> int:
         accelerator.print(f"resume: no complete checkpoint in {out / 'checkpoints'}; starting from step 0")
     else:
         info = json.loads((path / MARKER).read_text())
+        if identity is not None:
+            _check_identity(path, info.get("run"), identity)
         try:
             for rng in sorted(path.glob("random_states_*.pkl")):  # accelerate would skip an unreadable one silently
                 load_pickle(rng)
@@ -125,9 +178,17 @@ def resume(accelerator, resume, out: Path, states: dict, log: Path) -> int:
         except pickle.UnpicklingError as e:  # torch.load(weights_only=True) refused an object: nothing was run
             raise ConfigError(f"resume: {path} holds a pickle that is not plain tensors and containers, refused "
                               f"unread: {' '.join(str(e).split())[:300]}") from None
+        except Exception as e:  # files whose hashes match what was saved and still do not load
+            raise ConfigError(f"resume: {path} passed its checks but could not be loaded ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:300]}); move it out of {path.parent} to resume from an "
+                              "older checkpoint") from None
         for name, obj in states.items():
             obj.load_state_dict(info["states"][name])
         step = int(info["step"])
+        why = loaded(step) if loaded else None
+        if why:
+            raise ConfigError(f"resume: {path}: {why}; its marker was edited: move it out of {path.parent} to "
+                              "resume from an older checkpoint")
         if info["processes"] != accelerator.num_processes:
             accelerator.print(f"resume: note: {path} was written by {info['processes']} processes, this run has "
                               f"{accelerator.num_processes}: the batches (and the loss curve) differ from there on")
@@ -139,6 +200,30 @@ def resume(accelerator, resume, out: Path, states: dict, log: Path) -> int:
             shutil.rmtree(stale, ignore_errors=True)
     accelerator.wait_for_everyone()
     return step
+
+
+def _check_identity(path: Path, old, new: dict) -> None:
+    """Refuse to continue, from `path`, a run other than this one, naming what differs."""
+    new = json.loads(json.dumps(new))  # as the marker holds it (tuples as lists)
+    if old == new:
+        return
+    if not isinstance(old, dict):
+        raise ConfigError(f"resume: {path} does not say which run wrote it; start again in another output_dir")
+    said = []
+    for key in differences(old, new):
+        if key.startswith("settings/"):
+            name = key[len("settings/"):]
+            was, now = (side.get("settings", {}).get(name, "unset") for side in (old, new))
+            said.append(f"{name} {was} -> {now}")
+        elif key == "data":
+            said.append("the training data (its tokens differ)")
+        elif key.startswith("model_files"):
+            said.append(f"the model's files ({key.split('/', 1)[-1]})")
+        else:
+            said.append(key)
+    said = list(dict.fromkeys(said))
+    raise ConfigError(f"resume: {path} was written by another run: {', '.join(said)}; resume with the settings it "
+                      "was made with, or start again in another output_dir")
 
 
 def cut_log(log: Path, step: int) -> None:
@@ -160,38 +245,7 @@ def cut_log(log: Path, step: int) -> None:
     os.replace(tmp, log)
 
 
-def publish(tmp: Path, path: Path) -> None:
-    """Give the finished folder `tmp` its name `path` in one rename, after its files reached the disk. A folder
-    already at `path` (a step saved again after resuming from an older one, or a new final model) is first renamed
-    out of the way and deleted, so `path` is at every instant either the old complete folder, absent, or the new one.
-    """
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            _fsync(f)
-    _fsync(tmp)
-    if path.exists():
-        trash = path.with_name(path.name + ".old" + _PARTIAL)
-        shutil.rmtree(trash, ignore_errors=True)
-        os.rename(path, trash)
-        shutil.rmtree(trash)
-    os.rename(tmp, path)
-    _fsync(path.parent)
-
-
-def write_json(path: Path, value) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _sizes(folder: Path) -> dict[str, int]:
-    return {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _contents(folder: Path) -> dict[str, dict]:
+    names = [str(f.relative_to(folder)) for f in sorted(folder.rglob("*")) if f.is_file()]
+    digests = sha256_many([folder / n for n in names])
+    return {n: {"bytes": (folder / n).stat().st_size, "sha256": d} for n, d in zip(names, digests)}

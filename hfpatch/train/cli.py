@@ -3,16 +3,24 @@
     accelerate launch recipes/<recipe>.py --config recipes/configs/<name>.yaml [key=value ...]
 
 A bad config (unknown key, wrong type, missing data, a sequence length the patch does not support, a model that
-cannot be loaded) is one line on stderr and exit code 2, before any training starts.
+cannot be loaded) is one line on stderr and exit code 2, before any training starts. output_dir is locked for the
+whole run (by the main process): a second run on it is refused with the pid of the one that holds it. A run that
+fails while it trains (a loss that is no longer finite, a full disk) is one line and exit code 1; its last complete
+checkpoint is kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from pathlib import Path
 
-from .config import ConfigError, load  # noqa: F401 (ConfigError is re-exported to recipes)
+from ..files import Lock, Locked, describe_os_error
+from .config import ConfigError, RunFailed, check_fresh, load  # noqa: F401 (ConfigError is re-exported to recipes)
+
+LOCK = "hfpatch.lock"  # in output_dir; held by the main process while the run lives
 
 
 def run(recipe: str, main, argv=None) -> int:
@@ -20,14 +28,49 @@ def run(recipe: str, main, argv=None) -> int:
     p.add_argument("--config", help="YAML file with the recipe's knobs")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted keys override the YAML (lr=3e-4)")
     args = p.parse_args(argv)
+    main_process = os.environ.get("RANK", "0") == "0"  # under accelerate launch, one process locks and speaks
     try:
-        cfg = load(recipe, args.config, args.overrides)
-        from accelerate.utils import set_seed
+        cfg = load(recipe, args.config, args.overrides, check_previous=False)
+        with holding(Path(cfg.output_dir)) if main_process else contextlib.nullcontext():
+            if main_process:
+                check_fresh(cfg)
+            from accelerate.utils import set_seed
 
-        set_seed(cfg.seed)  # before any model is built: from-scratch weights (and LoRA) are reproducible
-        main(cfg)
+            set_seed(cfg.seed)  # before any model is built: from-scratch weights (and LoRA) are reproducible
+            main(cfg)
     except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":  # under accelerate launch, one process says it
+        if main_process:
             print(f"{recipe}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except (RunFailed, OSError) as e:
+        if main_process:
+            what = str(e)
+            if isinstance(e, OSError):  # the checkpoints are published whole: the newest complete one is intact
+                what = f"{describe_os_error(e)}; the newest complete checkpoint is kept: resume=true continues from it"
+            print(f"{recipe}: error: {' '.join(what.split())}", file=sys.stderr)
+        return 1
     return 0
+
+
+@contextlib.contextmanager
+def holding(out: Path):
+    """output_dir created if needed and locked while the run lives. A run refused before it wrote anything leaves
+    no folder behind (nor an empty one it created)."""
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = Lock(out / LOCK, f"output_dir {out}")
+    except Locked as e:
+        raise ConfigError(str(e)) from None
+    except OSError as e:
+        raise ConfigError(f"output_dir {out}: cannot create it or write in it ({describe_os_error(e)})") from None
+    try:
+        yield
+    except ConfigError:
+        if created and [p.name for p in out.iterdir()] == [LOCK]:
+            (out / LOCK).unlink()
+            lock.close()
+            out.rmdir()
+        raise
+    finally:
+        lock.close()

@@ -8,7 +8,11 @@ missing data path is one clear error (ConfigError), never ignored.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
+import math
 import os
+import re
 from pathlib import Path
 
 import yaml
@@ -16,6 +20,10 @@ import yaml
 
 class ConfigError(ValueError):
     pass
+
+
+class RunFailed(RuntimeError):
+    """A run that cannot go on (its loss is no longer finite): one line, exit code 1, its checkpoints kept."""
 
 
 # name: (type or tuple of types, default). A dict default is a section with its own schema.
@@ -74,6 +82,8 @@ COMMON = {
     "resume": ((bool, str), False),  # True: the newest checkpoint in output_dir; or a checkpoint folder
     "stop_after": ((int, type(None)), None),  # stop after this step (as if interrupted; resume continues)
     "dtype": (str, "float32"),  # weights in memory: float32 | bfloat16
+    # refuse, before the first step, a run whose estimated memory (memory.training_bytes) exceeds what is free
+    "memory_check": (bool, True),
 }
 
 DISTILL = {
@@ -167,7 +177,30 @@ def _yaml(text: str, where: str):
         raise ConfigError(f"{where}: not valid YAML: {what}{at}") from None
 
 
-def load(recipe: str, path: str | None, overrides: list[str]) -> Config:
+MAX_VALUES = 100_000  # a recipe config holds a few hundred; more is an expansion (YAML aliases), not a config
+
+
+def _check_size(values, limit: int = MAX_VALUES) -> None:
+    """Count the values of the config as copies (an alias read twice counts twice), stopping past `limit`: YAML
+    aliases let a few kB expand to billions of values, which safe_load builds as shared references in no time, but
+    which anything that copies or writes the config (config.json at the final save) expands."""
+    count, stack = 0, [values]
+    while stack:
+        item = stack.pop()
+        count += 1
+        if count > limit:
+            raise ConfigError(f"the config holds more than {limit} values (YAML anchors and aliases expand to "
+                              "copies); a recipe config needs a few hundred")
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+def load(recipe: str, path: str | None, overrides: list[str], check_previous: bool = True) -> Config:
+    """The checked config. check_previous=False leaves out the check that output_dir holds no earlier run (the
+    recipes' command line makes it after locking output_dir: check_fresh)."""
     schema = SCHEMAS[recipe]
     values: dict = {}
     if path:
@@ -182,6 +215,7 @@ def load(recipe: str, path: str | None, overrides: list[str]) -> Config:
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value")
         _set(values, key.strip(), _yaml(raw, f"override {item!r}") if raw.strip() else None)
+    _check_size(values)
     merged = _defaults(schema)
     for key, value in values.items():
         if isinstance(merged.get(key), dict) and isinstance(value, dict) and key != "patch" and key != "model_config":
@@ -191,6 +225,8 @@ def load(recipe: str, path: str | None, overrides: list[str]) -> Config:
     cfg = _check(schema, merged)
     _expand_home(cfg)
     _validate(cfg, recipe)
+    if check_previous:
+        check_fresh(cfg)
     return cfg
 
 
@@ -218,8 +254,9 @@ def _validate(cfg: Config, recipe: str) -> None:
                 "loss_chunk", "mlp_tile"):
         if cfg[key] is not None and cfg[key] <= 0:
             raise ConfigError(f"{key} must be > 0, got {cfg[key]}")
-    if cfg.warmup_steps < 0 or cfg.lr <= 0:
-        raise ConfigError(f"need warmup_steps >= 0 and lr > 0, got {cfg.warmup_steps} and {cfg.lr}")
+    if cfg.warmup_steps < 0:
+        raise ConfigError(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
+    _check_numbers(cfg)
     if cfg.precision not in ("no", "bf16", "fp16"):
         raise ConfigError(f"precision must be no, bf16 or fp16, got {cfg.precision!r}")
     if cfg.dtype not in ("float32", "bfloat16"):
@@ -228,14 +265,14 @@ def _validate(cfg: Config, recipe: str) -> None:
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
     if recipe == "pretrain" and cfg.model:
         raise ConfigError("pretrain builds its model from model_config; remove model (or use context_extension/heal)")
-    found = None if cfg.resume else previous_run(Path(cfg.output_dir))
-    if found:
-        raise ConfigError(f"output_dir {cfg.output_dir} already holds a run ({found}); resume=true continues it, or "
-                          "choose another output_dir")
+    if recipe == "pretrain":
+        check_model_config(cfg.model_config)
     files = cfg.data.text_files  # neither files nor a dataset: the default corpus (Python stdlib sources)
     for f in [files] if isinstance(files, str) else (files or []):
         if not Path(f).exists():
             raise ConfigError(f"data path not found: {f}")
+        if Path(f).is_dir() and not any(p.is_file() for p in Path(f).rglob("*.txt")):
+            raise ConfigError(f"data: folder {f} has no .txt files (folders contribute their *.txt files)")
     _check_trackers(cfg.log_with)
     pose = cfg.get("pose")
     if pose and pose.target_len is not None:
@@ -257,6 +294,70 @@ def _validate(cfg: Config, recipe: str) -> None:
         raise ConfigError(f"patch: {e}") from None
 
 
+SEED_MAX = 2**32 - 1  # numpy's seed range (accelerate's set_seed seeds numpy too)
+
+
+def _check_numbers(cfg: Config) -> None:
+    """Numbers that would train to NaN, train backwards, or fail deep inside: refused with their valid range. The
+    upper bound on lr: AdamW moves every weight by about lr per step, so an lr above 1 destroys any model (1e308
+    trained to inf weights and wrote them into checkpoints)."""
+    if not (math.isfinite(cfg.lr) and 0 < cfg.lr <= 1):
+        raise ConfigError(f"lr must be a finite number in (0, 1], got {cfg.lr}")
+    if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
+        raise ConfigError(f"weight_decay must be a finite number >= 0, got {cfg.weight_decay}")
+    if cfg.lr * cfg.weight_decay >= 1:  # AdamW multiplies every weight by 1 - lr * weight_decay each step
+        raise ConfigError(f"lr x weight_decay must stay below 1 (each step multiplies the weights by 1 - lr x "
+                          f"weight_decay), got lr={cfg.lr}, weight_decay={cfg.weight_decay}")
+    if cfg.clip is not None and not (math.isfinite(cfg.clip) and cfg.clip > 0):
+        raise ConfigError(f"clip must be a finite number > 0 or null (no clipping), got {cfg.clip}")
+    if not 0 <= cfg.seed <= SEED_MAX:
+        raise ConfigError(f"seed must be between 0 and {SEED_MAX}, got {cfg.seed}")
+    if "distill" in cfg and not (math.isfinite(cfg.distill.temperature) and cfg.distill.temperature > 0):
+        raise ConfigError(f"distill.temperature must be a finite number > 0, got {cfg.distill.temperature}")
+    lora = cfg.lora
+    if lora.enabled and (lora.r <= 0 or lora.alpha <= 0 or not 0 <= lora.dropout < 1):
+        raise ConfigError(f"lora needs r > 0, alpha > 0 and dropout in [0, 1), got r={lora.r}, alpha={lora.alpha}, "
+                          f"dropout={lora.dropout}")
+
+
+# model_config keys that are sizes or counts: a value <= 0 builds no model (or a model of nothing)
+_SIZE = re.compile(r"(^|_)(size|dim|layers|heads|positions|position_embeddings|experts|n_embd|n_layer|n_head|"
+                   r"n_inner|ffn_dim)($|_)|^num_")
+
+
+def check_model_config(options: dict) -> None:
+    """model_config against the config class of its model_type: every key must be a setting of the class (a typo,
+    stored by transformers as a plain attribute and ignored, would be written into config.json), sizes > 0, and
+    the class must accept the values together."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import CONFIG_MAPPING
+
+    options = dict(options)
+    model_type = options.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING), n=3)
+        raise ConfigError(f"model_config.model_type {model_type!r} is not a model type of the installed "
+                          f"transformers{f' (did you mean {close[0]}?)' if close else ''}")
+    for key, value in options.items():
+        if _SIZE.search(key) and isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+            raise ConfigError(f"model_config.{key} must be > 0, got {value}")
+    cls = CONFIG_MAPPING[model_type]
+    try:
+        built = cls(**options)
+    except (ValueError, TypeError, AttributeError, StrictDataclassError) as e:  # values that do not fit together
+        raise ConfigError(f"model_config: {' '.join(str(e).split())}") from None
+    known = set(getattr(cls, "attribute_map", {}))
+    known |= {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    # transformers keeps a key it does not know as a plain attribute; the ones it knows (rope_theta,
+    # attn_implementation, ...) are turned into settings and not kept under their own name
+    unknown = [k for k in options if k not in known and k in vars(built)]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        raise ConfigError(f"model_config: {key} is not a setting of {cls.__name__}"
+                          f"{f' (did you mean {close[0]}?)' if close else ''}")
+
+
 def _check_trackers(log_with) -> None:
     """accelerate raises on an unknown tracker name and quietly drops one whose package is missing."""
     if not log_with:
@@ -269,6 +370,14 @@ def _check_trackers(log_with) -> None:
             raise ConfigError(f"log_with: unknown tracker {name!r}; accelerate knows {', '.join(LoggerType.list())}")
         if name != "all" and LoggerType(name) not in get_available_trackers():
             raise ConfigError(f"log_with: {name} is not installed (install its package, or leave it out)")
+
+
+def check_fresh(cfg: Config) -> None:
+    """A run that does not resume needs an output_dir without an earlier run in it."""
+    found = None if cfg.resume else previous_run(Path(cfg.output_dir))
+    if found:
+        raise ConfigError(f"output_dir {cfg.output_dir} already holds a run ({found}); resume=true continues it, or "
+                          "choose another output_dir")
 
 
 def previous_run(out: Path) -> str | None:

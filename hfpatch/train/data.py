@@ -17,17 +17,21 @@ def packed(cfg, tok) -> tuple[torch.Tensor, torch.Tensor]:
     """(train [N, seq_len], held-out [M, seq_len]) int64 token ids."""
     d = cfg.data
     files = [d.text_files] if isinstance(d.text_files, str) else d.text_files
-    docs = documents(text_files_arg=files, dataset=d.dataset, config=d.config, split=d.split, text_field=d.text_field)
     eos = tok.eos_token_id
     parts, total = [], 0
-    for doc in docs:
-        ids = tokenize(tok, doc).ids
-        parts.append(ids)
-        if eos is not None:
-            parts.append(np.asarray([eos], dtype=np.int64))
-        total += len(ids)
-        if d.max_tokens and total >= d.max_tokens:
-            break
+    try:  # unreadable or non-UTF-8 files, a folder without .txt files, a dataset that cannot be loaded
+        docs = documents(text_files_arg=files, dataset=d.dataset, config=d.config, split=d.split,
+                         text_field=d.text_field)
+        for doc in docs:
+            ids = tokenize(tok, doc).ids
+            parts.append(ids)
+            if eos is not None:
+                parts.append(np.asarray([eos], dtype=np.int64))
+            total += len(ids)
+            if d.max_tokens and total >= d.max_tokens:
+                break
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"data: {' '.join(str(e).split())}") from None
     ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     if d.max_tokens:
         ids = ids[: d.max_tokens]

@@ -19,6 +19,7 @@ was given.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import shutil
 import time
@@ -33,8 +34,9 @@ from transformers import get_cosine_schedule_with_warmup
 
 import hfpatch
 
+from ..files import model_fingerprint
 from . import checkpoint, memory, parallel
-from .config import ConfigError
+from .config import ConfigError, RunFailed
 from .data import batch_indices
 from .losses import auto_chunk, chunked_lm_loss, fused_lm_loss, shift
 from .pose import batch_position_ids
@@ -207,15 +209,105 @@ def train_step(cfg, run: Run, train_seqs, step: int) -> torch.Tensor:
             loss, ce, kl = loss_module(*pieces)
             accelerator.backward(loss / cfg.grad_accum)
         totals += torch.stack([loss.detach(), ce.detach(), kl.detach()]).float() / cfg.grad_accum
+    # checked before the optimizer steps: NaN gradients would make every weight NaN. Summed over the processes, so
+    # that every process sees the same answer and they stop together
+    if not torch.isfinite(accelerator.reduce(totals.clone(), reduction="sum")).all():
+        raise NotFinite(f"the loss is {totals[0].item()}")
     if cfg.clip:
-        accelerator.clip_grad_norm_(run.params, cfg.clip)
+        norm = accelerator.clip_grad_norm_(run.params, cfg.clip)
+        if norm is not None and not torch.isfinite(torch.as_tensor(norm)).all():
+            raise NotFinite(f"the gradient norm is {float(norm)}")
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return totals
 
 
+# Config keys a resumed run may change: they decide when to save, evaluate or stop, how memory is spent (never the
+# arithmetic of a step: memory.py), where output goes, or where the model and data are read from (their content is
+# compared instead). Every other key decides the training: a resume with another value is refused.
+MAY_CHANGE = {"resume", "stop_after", "log_with", "output_dir", "save_every", "eval_every", "memory_check",
+              "gradient_checkpointing", "loss_chunk", "mlp_tile", "fused_loss", "release_memory", "fused_optimizer",
+              "trust_remote_code", "allow_pickled_weights", "model", "tokenizer", "data.text_files"}
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):  # an empty section adds nothing: {} and an unset section are the same
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def run_identity(cfg, train_seqs, eval_seqs) -> dict:
+    """What makes a run the run it is, kept in every checkpoint marker and compared on resume: its settings (the
+    keys outside MAY_CHANGE), a SHA-256 of its packed data (the tokens of both splits: the files' content, the
+    tokenizer, seq_len and the split all decide them) and the starting model's files by content."""
+    data = hashlib.sha256()
+    for seqs in (train_seqs, eval_seqs):
+        data.update(repr(tuple(seqs.shape)).encode())
+        data.update(seqs.contiguous().numpy().tobytes())
+    settings = {k: v for k, v in _flat(cfg).items() if k not in MAY_CHANGE}
+    return {"settings": json.loads(json.dumps(settings, default=str)),  # as the marker will hold it (a YAML date)
+            "data": data.hexdigest(), "model_files": model_fingerprint(cfg.model) if cfg.model else None}
+
+
+def _states_agree(info: dict) -> str | None:
+    """The marker's step counter and LR schedule at the marker's step (an edited marker is not resumed from)."""
+    step, states = info["step"], info["states"]
+    at = states["progress"].get("step")
+    if at != step:
+        return f"its progress is at step {at}, not {step} as its marker says"
+    at = states["scheduler"].get("last_epoch")
+    if at != step:
+        return f"its LR schedule is at step {at}, not {step}"
+    return None
+
+
+def _optimizer_agrees(run: Run):
+    """After loading: AdamW counts its own steps; they must be the marker's."""
+    def check(step: int) -> str | None:
+        optimizer = getattr(run.optimizer, "optimizer", run.optimizer)  # inside accelerate's wrapper
+        try:
+            counts = {int(s["step"]) for s in optimizer.state.values() if isinstance(s, dict) and "step" in s}
+        except Exception:  # an optimizer that keeps no such count (DeepSpeed's): nothing to compare, not a refusal
+            return None
+        if counts and max(counts) != step:
+            return f"the optimizer state has made {max(counts)} steps, the marker says {step}"
+        return None
+    return check
+
+
+class NotFinite(Exception):
+    """A step whose loss or gradient is no longer a finite number (train() says which step)."""
+
+
+def weights_finite(run: Run) -> bool:
+    """Every trained weight finite, on every process (a checkpoint of inf weights is no checkpoint to go back to)."""
+    bad = torch.zeros((), device=run.accelerator.device)
+    for p in run.params:
+        local = p.to_local() if hasattr(p, "to_local") else p  # an FSDP2 shard
+        if not torch.isfinite(local.detach()).all():
+            bad += 1
+            break
+    return run.accelerator.reduce(bad, reduction="sum").item() == 0
+
+
+def _stopped(step: int, what: str, root: Path, saved: int) -> RunFailed:
+    kept = f"the last good checkpoint step_{saved} is kept in {root}" if saved else "no checkpoint was written"
+    return RunFailed(f"training stopped at step {step}: {what}; {kept}. Lower lr (or set clip) and start again in "
+                     "another output_dir")
+
+
 def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
+    if cfg.memory_check:
+        try:
+            memory.check_fits(cfg, model, teacher)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     run = prepare(cfg, model, teacher)
     accelerator, loss_module = run.accelerator, run.loss_module
     out = Path(cfg.output_dir)
@@ -223,8 +315,16 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
     states = {"progress": progress, "scheduler": run.scheduler}  # saved as JSON in the checkpoint marker
 
     log = out / "log.jsonl"
+    saved = 0  # the step of the last checkpoint written or resumed from
+    identity = run_identity(cfg, train_seqs, eval_seqs)
     if cfg.resume:
-        checkpoint.resume(accelerator, cfg.resume, out, states, log)
+        try:
+            saved = checkpoint.resume(accelerator, cfg.resume, out, states, log, identity, _states_agree,
+                                      _optimizer_agrees(run))
+        except ConfigError:
+            finish(run)
+            run.memory_edits.undo()
+            raise
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         accelerator.init_trackers("hfpatch", config={k: v for k, v in cfg.items() if not isinstance(v, dict)})
@@ -232,25 +332,40 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
     tokens_per_step = cfg.batch_size * run.layout.data_size * cfg.grad_accum * cfg.seq_len
     bar = tqdm(total=cfg.max_steps, initial=progress.step, disable=not accelerator.is_main_process, desc="train")
     t_start, last = time.perf_counter(), {}
-    while progress.step < cfg.max_steps:
-        totals = train_step(cfg, run, train_seqs, progress.step)
-        progress.step, progress.tokens = progress.step + 1, progress.tokens + tokens_per_step
-        totals = accelerator.reduce(totals, reduction="mean")
-        elapsed = time.perf_counter() - t_start
-        last = {"step": progress.step, "loss": totals[0].item(), "ce": totals[1].item(), "kl": totals[2].item(),
-                "lr": run.scheduler.get_last_lr()[0], "tokens": progress.tokens, "seconds": round(elapsed, 3)}
-        if progress.step % cfg.eval_every == 0 or progress.step == cfg.max_steps:
-            last["eval_loss"] = evaluate(cfg, loss_module, eval_seqs, accelerator)
-        if accelerator.is_main_process:
-            with log.open("a") as f:
-                f.write(json.dumps(last) + "\n")
-            accelerator.log(last, step=progress.step)
-            bar.set_postfix(loss=f"{last['loss']:.4f}")
-            bar.update(1)
-        if progress.step % cfg.save_every == 0 or progress.step == cfg.max_steps:
-            checkpoint.save(accelerator, out / "checkpoints", progress.step, states)
-        if cfg.stop_after is not None and progress.step >= cfg.stop_after:
-            break
+    try:
+        while progress.step < cfg.max_steps:
+            try:
+                totals = train_step(cfg, run, train_seqs, progress.step)
+            except NotFinite as e:
+                raise _stopped(progress.step + 1, str(e), out / "checkpoints", saved) from None
+            progress.step, progress.tokens = progress.step + 1, progress.tokens + tokens_per_step
+            totals = accelerator.reduce(totals, reduction="mean")
+            elapsed = time.perf_counter() - t_start
+            last = {"step": progress.step, "loss": totals[0].item(), "ce": totals[1].item(), "kl": totals[2].item(),
+                    "lr": run.scheduler.get_last_lr()[0], "tokens": progress.tokens, "seconds": round(elapsed, 3)}
+            if progress.step % cfg.eval_every == 0 or progress.step == cfg.max_steps:
+                last["eval_loss"] = evaluate(cfg, loss_module, eval_seqs, accelerator)
+            if accelerator.is_main_process:
+                with log.open("a") as f:
+                    f.write(json.dumps(last) + "\n")
+                accelerator.log(last, step=progress.step)
+                bar.set_postfix(loss=f"{last['loss']:.4f}")
+                bar.update(1)
+            if progress.step % cfg.save_every == 0 or progress.step == cfg.max_steps:
+                if not weights_finite(run):
+                    raise _stopped(progress.step, "a weight is no longer finite", out / "checkpoints", saved)
+                checkpoint.save(accelerator, out / "checkpoints", progress.step, states, identity)
+                saved = progress.step
+            if cfg.stop_after is not None and progress.step >= cfg.stop_after:
+                break
+    except RunFailed:  # every process stops at the same step: they end together
+        bar.close()
+        finish(run)
+        run.memory_edits.undo()
+        raise
+    except OSError:  # a full disk, on this process: its error line starts on a line of its own
+        bar.close()
+        raise
     bar.close()
     accelerator.wait_for_everyone()
     final = None

@@ -19,6 +19,10 @@ arithmetic of a step: the loss and the gradients equal those of the plain step (
   of them) exist for one tile at a time, in the forward pass and in the recomputation alike. Sequences no longer
   than a tile run the module as it is, at no cost.
 
+Before the first step, the memory a step needs is estimated from the sizes (training_bytes) and a run that cannot
+fit in what is free is refused (memory_check: false runs it anyway), instead of being killed by the OS after it
+took all of it (batch_size=100000 was OOM-killed at 20 GB).
+
 The feed-forward module is found through the family's adapter (`Adapter.mlp`) and given a subclass through
 `hfpatch.edits.Edits.mix_in` (never `module.forward = ...`, which gradient checkpointing would not see); the returned
 log undoes it.
@@ -36,6 +40,8 @@ from torch.utils.checkpoint import checkpoint
 from ..adapters import adapter_for, get_path
 from ..apply import unwrap
 from ..edits import Edits
+from ..evaluate import budget
+from .losses import auto_chunk
 
 
 class TiledMLP:
@@ -103,3 +109,57 @@ def apply(model, *, gradient_checkpointing: bool = False, mlp_tile: int | None =
         # every block is recomputed in the backward pass (patched blocks included: they swap classes, not forwards)
         unwrap(model).activation_checkpointing_enable({"use_reentrant": False})
     return edits
+
+
+def training_bytes(cfg, model, teacher=None, processes: int = 1) -> dict:
+    """Bytes one optimizer step needs at least, by part, on the device of one process (`processes` of them share
+    it: CPU runs). A floor, not a forecast: what a step cannot do without.
+      weights     every parameter (and the teacher's)
+      optimizer   gradients and AdamW's two moments of the trained parameters (none counted under LoRA, whose
+                  adapters are tiny)
+      activations what the backward pass keeps of a micro-batch (B = batch_size, L = seq_len, d = hidden): with
+                  gradient checkpointing each block's input (layers x B x L x d), without it at least the block's
+                  largest intermediates as well; plus one block's peak (budget.memory_needed's formula)
+      logits      the LM head's fp32 logits and their gradient, for the positions scored at once (loss_chunk)"""
+    target = unwrap(model)
+    shape = budget.shape_of_config(target.config)
+    params = sum(p.numel() * p.element_size() for p in target.parameters())
+    if teacher is not None:
+        params += sum(p.numel() * p.element_size() for p in teacher.parameters())
+    b = next(target.parameters()).element_size()
+    trained = 0 if cfg.lora.enabled else sum(p.numel() for p in target.parameters() if p.requires_grad)
+    rows, L, d = cfg.batch_size, cfg.seq_len, shape.hidden
+    block = budget.memory_needed(shape, b, L)["activations"] * rows  # one block's peak, the whole micro-batch
+    kept = rows * L * d * b if cfg.gradient_checkpointing else block
+    chunk = auto_chunk(rows, L, shape.vocab, cfg.loss_chunk) or L
+    parts = {"weights": params, "optimizer": trained * b * 3, "activations": shape.layers * kept + block,
+             "logits": rows * min(chunk, L) * shape.vocab * 8}
+    parts = {k: v * processes for k, v in parts.items()}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def check_fits(cfg, model, teacher=None) -> None:
+    """Refuse (ValueError) a run whose training_bytes exceed the memory free where it runs."""
+    import os
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpu = torch.cuda.is_available()
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if gpu else "cpu"
+    free, where = budget.available_memory(device, None)
+    if free is None:
+        return
+    try:
+        need = training_bytes(cfg, model, teacher, 1 if gpu else local)
+    except (ValueError, TypeError, AttributeError, KeyError, RuntimeError):  # sizes the config does not say
+        return
+    # on the CPU this process's weights exist already: what is free was measured without them
+    loaded = 0 if gpu else need["weights"] // local
+    if need["total"] - loaded <= free:
+        return
+    detail = ", ".join(f"{k} {budget.gb(v)}" for k, v in need.items() if k != "total")
+    who = f" ({local} processes)" if local > 1 and not gpu else ""
+    raise ValueError(f"batch_size={cfg.batch_size} x seq_len={cfg.seq_len} needs at least about "
+                     f"{budget.gb(need['total'])}{who} ({detail}) but {budget.gb(free)} is free on the {where}: lower "
+                     "batch_size (grad_accum keeps the tokens per step), turn on gradient_checkpointing, or set "
+                     "memory_check=false to try anyway")

@@ -63,7 +63,9 @@ def from_config(cfg, tok):
         options.setdefault(key, getattr(tok, key))
     try:
         config = AutoConfig.for_model(options.pop("model_type"), **options)
-    except (ValueError, TypeError, StrictDataclassError) as e:  # the last: sizes that do not fit together
+        with torch.device("meta"):  # values the config class lets through but no model can be built from: now
+            AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, AttributeError, RuntimeError, ZeroDivisionError, StrictDataclassError) as e:
         raise ConfigError(f"model_config: {' '.join(str(e).split())}") from None
     model = AutoModelForCausalLM.from_config(config, dtype=dtype_of(cfg))
     check_causal(model)

@@ -1,0 +1,227 @@
+"""What the evaluations and the recipes share about the files they read and write: a lock that keeps two runs out
+of one output, content hashes (of checkpoints, of the model a results file was computed with), and folders that are
+only ever seen complete under their real name.
+
+Content hashes are SHA-256 of the whole file. Hashing a model's files costs a read of them (about 1 GB/s here), so
+the digest of a file is cached under $HFPATCH_CACHE/files, keyed by its path and its stat (size, inode, mtime,
+ctime: any write changes the ctime); a copy of the same model elsewhere is hashed again and gets the same digest.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: no lock there
+    fcntl = None
+
+PARTIAL = ".partial"  # suffix of a folder being written (or being deleted)
+_BLOCK = 8 << 20
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# locks
+
+
+class Locked(ValueError):
+    """The lock is held by another process (`pid`, when it wrote it)."""
+
+    def __init__(self, message: str, pid: int | None):
+        super().__init__(message)
+        self.pid = pid
+
+
+class Lock:
+    """An exclusive lock on the file `path` (created if absent, never deleted: deleting a lock file lets two runs
+    lock two different files of the same name), held until close(); the OS releases it when the process dies. The
+    holder writes its pid into the file, so a refused run can say which process holds it."""
+
+    def __init__(self, path, what: str):
+        self.path = Path(path)
+        self._file = open(self.path, "a+")  # not "w": that would empty the holder's pid before the lock is tried
+        try:
+            if fcntl is not None:
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            text = self._file.read().strip()
+            self._file.close()
+            pid = int(text) if text.isdigit() else None
+            raise Locked(f"{what} is in use by another run (process {pid if pid else 'unknown'}); wait for it to "
+                         f"end, or stop it", pid) from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"{os.getpid()}\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# content hashes
+
+
+def sha256(path) -> str:
+    """SHA-256 of a file's content, read in 8 MiB blocks (hashlib releases the GIL on each: files hash in parallel
+    threads)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_many(paths: list, threads: int = 4) -> list[str]:
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths), os.cpu_count() or 1))) as pool:
+        return list(pool.map(sha256, paths))
+
+
+def _stat_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_ino}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+                          .encode()).hexdigest()
+
+
+def cached_sha256(path) -> str:
+    """sha256(path), remembered per (path, stat) in the cache folder (see the module docstring)."""
+    from .text import cache_dir
+
+    path = Path(path)
+    key = _stat_key(path)
+    entry = cache_dir() / "files" / key[:2] / key
+    try:
+        digest = entry.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    digest = sha256(path)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_name(f"{key}.{os.getpid()}.tmp")
+        tmp.write_text(digest)
+        os.replace(tmp, entry)
+    except OSError:
+        pass  # a read-only cache: hashing again next time is only slower
+    return digest
+
+
+# The files of a model folder that decide what is loaded (weights, configs, tokenizer), at its top level.
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt",
+               "tokenizer.model")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+
+
+def model_fingerprint(name: str) -> dict:
+    """What identifies the model `name` (as hfpatch.models.load takes it) by content: {file: sha256} of a local
+    folder's weights, configs and tokenizer files, or of a .gguf file; for a hub id, the commit of the snapshot in
+    the local cache (a commit's files never change). Two folders with the same files have the same fingerprint,
+    wherever they are."""
+    from .models import resolve
+
+    where, gguf_file = resolve(name)
+    if gguf_file:
+        return {gguf_file: cached_sha256(Path(where) / gguf_file)}
+    folder = Path(where)
+    if not folder.is_dir():
+        return {"hub": where, "revision": _hub_revision(where)}
+    names = sorted(p.name for p in folder.iterdir()
+                   if p.is_file() and (p.name in MODEL_FILES or p.name.endswith(WEIGHT_SUFFIXES)))
+    return {n: cached_sha256(folder / n) for n in names}
+
+
+def _hub_revision(repo: str) -> str | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo, "config.json")
+    except Exception:  # an id the hub library refuses: loading will say why
+        return None
+    return Path(found).parent.name if isinstance(found, str) else None
+
+
+def differences(old, new, prefix: str = "") -> list[str]:
+    """The keys (a/b for nested dicts) whose values differ between two JSON-like dicts."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [prefix] if old != new else []
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        out += differences(old.get(key), new.get(key), f"{prefix}/{key}" if prefix else str(key))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# folders written whole
+
+
+def fsync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Give the finished folder `tmp` its name `path` in one rename, after its files reached the disk. A folder
+    already at `path` is first renamed out of the way and deleted, so `path` is at every instant either the old
+    complete folder, absent, or the new one."""
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            fsync(f)
+    fsync(tmp)
+    if path.exists():
+        trash = path.with_name(path.name + ".old" + PARTIAL)
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(path, trash)
+        shutil.rmtree(trash)
+    os.rename(tmp, path)
+    fsync(path.parent)
+
+
+def write_folder(path, write) -> Path:
+    """Write a folder through `write(tmp)` into `path.partial`, then publish it as `path`. When writing fails (a
+    full disk, a read-only place) the partial folder is removed and the error is a ValueError naming `path`;
+    what was at `path` before stays as it was."""
+    path = Path(path)
+    tmp = path.with_name(path.name + PARTIAL)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing
+        write(tmp)
+        publish(tmp, path)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"could not write {path}: {describe_os_error(e)}") from None
+    return path
+
+
+def describe_os_error(e: OSError) -> str:
+    """An OSError in words a user can act on: the full-disk case says so."""
+    if e.errno == errno.ENOSPC:
+        return "no space left on the device; free some space and run again"
+    if e.errno == errno.EDQUOT:
+        return "the disk quota is used up; free some space and run again"
+    where = f" ({e.filename})" if e.filename else ""
+    return f"{e.strerror or e}{where}"
+
+
+def write_json(path: Path, value) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())

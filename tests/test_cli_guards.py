@@ -1,0 +1,117 @@
+"""The hfpatch command writes a patched model whole or not at all, never over its own source, and turns what used to
+be tracebacks (a --out under a file, a full disk, a pickle that torch refuses, a results file that is not UTF-8) into
+one line and exit code 2."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_eval_perplexity import save_tiny, text_of
+
+import hfpatch
+from hfpatch.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HFPATCH_CACHE", str(tmp_path / "cache"))
+
+
+def cli(capsys, *argv):
+    """(exit code, the error line); more than one error line fails."""
+    capsys.readouterr()
+    code = main(list(argv))
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]  # not progress bars
+    assert len(errors) <= 1, errors
+    return code, errors[0] if errors else ""
+
+
+@pytest.fixture
+def model(tmp_path):
+    return save_tiny(tmp_path / "model")
+
+
+def test_a_full_disk_leaves_no_half_written_model_under_the_real_name(model, tmp_path, capsys, monkeypatch):
+    import transformers.modeling_utils as modeling_utils
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", full)
+    out = tmp_path / "patched"
+    code, err = cli(capsys, "patch", str(model), "--position", "ntk", "--factor", "2", "--out", str(out))
+    assert code == 2 and "no space left on the device" in err, err
+    assert not out.exists() and not (tmp_path / "patched.partial").exists()
+
+
+def test_a_full_disk_keeps_the_model_that_was_at_out(model, tmp_path, capsys, monkeypatch):
+    import transformers.modeling_utils as modeling_utils
+
+    out = tmp_path / "patched"
+    assert cli(capsys, "patch", str(model), "--position", "ntk", "--factor", "2", "--out", str(out))[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.setattr(modeling_utils, "safe_save_file",
+                        lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    assert cli(capsys, "patch", str(model), "--position", "yarn", "--factor", "4", "--out", str(out))[0] == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_out_inside_a_file_is_one_error(model, tmp_path, capsys):
+    (tmp_path / "file.txt").write_text("x")
+    code, err = cli(capsys, "patch", str(model), "--position", "ntk", "--factor", "2", "--out",
+                    str(tmp_path / "file.txt" / "sub"))
+    assert code == 2 and "is a file" in err, err
+
+
+def test_out_equal_to_the_source_folder_is_refused(model, capsys):
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    code, err = cli(capsys, "patch", str(model), "--position", "ntk", "--factor", "2", "--out", str(model) + "/")
+    assert code == 2 and "the model's own folder" in err, err
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
+def test_out_that_is_a_folder_of_other_things_is_refused(model, tmp_path, capsys):
+    """--out names a folder that holds something other than a model: refused rather than replaced."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    code, err = cli(capsys, "patch", str(model), "--position", "ntk", "--factor", "2", "--out", str(out))
+    assert code == 2 and "not a model folder" in err, err
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("ran",))
+
+
+def test_a_pickle_torch_refuses_is_one_error_with_allow_pickled_weights(tmp_path, capsys):
+    path = tmp_path / "pickled"
+    hfpatch.save_pretrained(tiny_model("llama"), path)
+    (path / "model.safetensors").unlink()
+    torch.save({"x": Payload()}, path / "pytorch_model.bin")
+    code, err = cli(capsys, "describe", str(path), "--allow-pickled-weights")
+    assert code == 2 and err, err
+    assert "pytorch_model.bin" in err and "refused" in err, err
+
+
+def test_a_results_file_that_is_not_utf8_is_named(model, tmp_path, capsys):
+    (tmp_path / "a.txt").write_text(text_of(200, 1), encoding="utf-8")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_bytes(b'{"kind": "perplexity", "x": "\xff\xfe"}')
+    code, err = cli(capsys, "eval", "ppl", "--model", str(model), "--text-files", str(tmp_path / "a.txt"),
+                    "--lengths", "32", "--no-plot", "--out", str(out))
+    assert code == 2 and err, err
+    assert str(out / "results.json") in err and "UTF-8" in err and "--overwrite" in err, err
+
+
+def test_an_eval_out_inside_a_file_is_one_error(model, tmp_path, capsys):
+    (tmp_path / "a.txt").write_text(text_of(200, 1), encoding="utf-8")
+    (tmp_path / "file.txt").write_text("x")
+    code, err = cli(capsys, "eval", "ppl", "--model", str(model), "--text-files", str(tmp_path / "a.txt"),
+                    "--lengths", "32", "--no-plot", "--out", str(tmp_path / "file.txt" / "sub"))
+    assert code == 2 and "file.txt" in err and "cannot create" in err, err
