@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedModel
 
 from . import spec as specs
-from .adapters import Adapter, adapter_for, get_path
+from .adapters import Adapter, InferenceError, adapter_for, get_path
 from .edits import Edits
 from .norm import convert as norms
 from .norm.placement import apply_placement, placement_forms
@@ -261,20 +261,41 @@ def _position(model, adapter: Adapter, state: PatchState | None) -> dict:
     return {"scheme": adapter.position_signal}
 
 
+def _limit_kind(model, adapter: Adapter) -> str | None:
+    """What kind of length limit the model has now (position/schemes.py, `limit`): that of the position scheme
+    applied, else "table" for a model's own learned table, "window" for the others."""
+    state = getattr(model, _STATE, None)
+    scheme = (state.applied if state else {}).get("position", {}).get("scheme")
+    if scheme is not None:
+        return SCHEMES[scheme].limit
+    return "table" if adapter.position_table else "window"
+
+
 def position_limit(model) -> int | None:
     """The longest sequence the model's position encoding is meant for now: a learned table's rows, RoPE's
     (scaled) max_position_embeddings; None for schemes without a fixed window (ALiBi, NoPE, sinusoidal, dynamic
     scaling)."""
     target = unwrap(model)
     adapter = adapter_for(target)
-    state = getattr(target, _STATE, None)
-    applied = state.applied if state else {}
-    scheme = applied.get("position", {}).get("scheme")
-    if scheme is not None and not SCHEMES[scheme].bounded:
+    if _limit_kind(target, adapter) is None:
         return None
     if adapter.position_table:
         return get_path(target.base_model, adapter.position_table).num_embeddings - adapter.position_offset
     return int(target.config.get_text_config().max_position_embeddings)
+
+
+def table_limit(model) -> int | None:
+    """The hard length limit of a model that reads a learned position table (its own, interpolated or not, or
+    position='learned'): past it the model fails with an index error deep inside, so evaluations and studies refuse
+    such lengths. None otherwise: RoPE only degrades past its window (that is what the evaluations measure), and
+    ALiBi / NoPE / sinusoidal no longer read the table. None also for a family hfpatch cannot read (it is scored
+    unpatched; its limits are its own)."""
+    target = unwrap(model)
+    try:
+        adapter = adapter_for(target)
+    except InferenceError:
+        return None
+    return position_limit(target) if _limit_kind(target, adapter) == "table" else None
 
 
 def describe(model) -> dict:

@@ -62,8 +62,7 @@ def evaluate(run, study, held_out) -> dict:
     model, _ = load(str(final))
     model.eval()
     info = hfpatch.describe(model)
-    # A learned absolute table (position='learned') refuses positions past its rows: lengths past it are not run.
-    limit = info["position_limit"] if info["position"]["scheme"] == "learned" else None
+    limit = hfpatch.apply.table_limit(model)  # a learned table fails past its rows: lengths past it are not run
     out = {"arm": run.arm, "seed": run.seed, "name": run.name, "overrides": run.overrides, "command": run.command,
            "parameters": sum(p.numel() for p in model.parameters()), "applied": info["applied"],
            "training": compare.training_summary(run.out)}

@@ -1,6 +1,7 @@
 """patch / unpatch / describe as a whole: exact unpatch, idempotence, replacement without stacking, clear errors
 that leave the model exactly as it was, peft models."""
 
+import dataclasses
 import math
 
 import pytest
@@ -11,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hfpatch
 import hfpatch.apply
-import hfpatch.position.rotary
+from hfpatch.position import schemes
 
 SCHEMES = [
     dict(position="linear", factor=2.0),
@@ -198,13 +199,13 @@ def test_failure_half_way_is_rolled_back(monkeypatch, already):
     if already:
         hfpatch.patch(model, position="linear", factor=3)
     fp = fingerprint(model)
-    real = hfpatch.position.rotary.make_dynamic_yarn
+    record = schemes.SCHEMES["dynamic-yarn"]
 
     def boom(*args, **kwargs):
-        real(*args, **kwargs)
+        record.per_forward(*args, **kwargs)
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(hfpatch.position.rotary, "make_dynamic_yarn", boom)
+    monkeypatch.setitem(schemes.SCHEMES, "dynamic-yarn", dataclasses.replace(record, per_forward=boom))
     with pytest.raises(RuntimeError, match="injected"):
         hfpatch.patch(model, position="dynamic-yarn")
     assert_same_fingerprint(fingerprint(model), fp)

@@ -115,21 +115,6 @@ def trained_window(model) -> int | None:
         return None
 
 
-def table_limit(model) -> int | None:
-    """The hard limit of a learned absolute position table that the model still reads (gpt2, opt; interpolated or
-    not): past it the model fails with an index error deep inside. None otherwise: RoPE only degrades past its
-    window (that is what the evaluations measure), and ALiBi / NoPE / sinusoidal no longer read the table."""
-    import hfpatch
-
-    try:
-        scheme = hfpatch.describe(model)["position"]["scheme"]
-    except ValueError:  # a family hfpatch has no adapter for: scored unpatched, its limits are its own
-        return None
-    if scheme not in ("learned", "interpolate"):
-        return None
-    return hfpatch.apply.position_limit(model)
-
-
 @contextlib.contextmanager
 def applied(model, kwargs: dict, name: str):
     import hfpatch

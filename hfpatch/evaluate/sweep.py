@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import command
-from ..apply import unwrap
+from ..apply import table_limit, unwrap
 from ..lm import causal_lm_parts
 from ..text import load_tokenizer
 from . import budget
-from .common import applied, length_label, load_model, parse_patches, table_limit, trained_window, versions
+from .common import applied, length_label, load_model, parse_patches, trained_window, versions
 from .results import Results, now
 
 

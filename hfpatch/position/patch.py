@@ -1,5 +1,6 @@
-"""position=...: RoPE scaling (rescale the live rotary module), alibi / nope / sinusoidal (take the model's own
-position signal out, put another in), interpolate (stretch a learned table). Every change goes through `Edits`."""
+"""position=...: RoPE scaling (rescale the live rotary module), taking the model's own position signal out (what
+nope, sinusoidal, alibi, t5, xl and learned start with), interpolate (stretch a learned table). Every change goes
+through `Edits`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ..adapters import Adapter, get_path
 from ..adapters.infer import mixer_paths
 from ..adapters.probe import position_sources
 from ..edits import Edits
-from . import absolute, alibi
+from . import absolute
 from . import rotary as rot
 
 
@@ -65,7 +66,6 @@ def default_layer_types(config) -> list:
 
 
 def apply_rope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
-    name = req["scheme"]
     text_config = model.config.get_text_config()
     opts = {k: v for k, v in req.items() if k not in ("scheme", "layer_types", "original_max_position_embeddings")}
     rotaries = _rotaries(model, adapter)
@@ -78,8 +78,8 @@ def apply_rope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None
         if rope_config is not config:
             edits.set(rotary, "config", rope_config)
         rot.rebuild(rotary, rope_config, edits)
-        if name == "dynamic-yarn":
-            rot.make_dynamic_yarn(rotary, base, window, opts, edits)
+        if scheme.per_forward is not None:  # rescaled again at every forward (dynamic-yarn)
+            scheme.per_forward(rotary, base, window, opts, edits)
 
 
 def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edits):
@@ -172,29 +172,31 @@ def native_form_kept(config, rope_parameters: dict) -> bool:
     return isinstance(got, dict) and types(got) == types(rope_parameters)
 
 
-def replace_positions(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
-    """alibi / nope / sinusoidal: take the model's own position signal out, then put the new one in."""
-    scheme, config, base = req["scheme"], model.config, model.base_model
-    remove_positions(model, adapter, scheme, edits)
-    if scheme == "sinusoidal":
-        # the table lookup (remove_positions swapped it) or the first block's input carries the new signal
-        if adapter.position_table:
-            carrier = get_path(base, adapter.position_table)
-        else:
-            carrier = get_path(base, adapter.layers)[0]
-            edits.mix_in(carrier, absolute.SinusoidalInput)
-        if "pe_scale" in req:
-            edits.set(carrier, absolute.SCALE_ATTR, float(req["pe_scale"]))
-    if scheme == "alibi":
-        for attn, heads in zip(attention_modules(model, adapter), adapter.heads):
-            slopes = torch.tensor(alibi.alibi_slopes(heads, req.get("alibi_max_bias", 8.0)))
-            edits.set(attn, alibi.SLOPES_ATTR, slopes)
-        use_attention(model, alibi.SDPA_NAME, alibi.EAGER_NAME, edits)
+def apply_nope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+    """No position signal at all: the model's own is taken out and nothing is put in."""
+    remove_positions(model, adapter, req["scheme"], edits)
 
 
-def remove_positions(model, adapter: Adapter, scheme: str, edits: Edits, reloadable: bool = False) -> None:
-    """Take the model's own position signal out: RoPE becomes the identity, a learned table's lookup returns zeros
-    (or the sinusoidal rows, for position='sinusoidal'); then check, numerically, that none is left.
+def apply_sinusoidal(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+    """The fixed sinusoidal table, carried by the learned table's lookup (which returns its rows instead) or, in a
+    model without a table, added to the first block's input."""
+    base = model.base_model
+    remove_positions(model, adapter, req["scheme"], edits, lookup=absolute.SinusoidalPositions)
+    if adapter.position_table:
+        carrier = get_path(base, adapter.position_table)
+        edits.set(carrier, "hfpatch_offset", adapter.position_offset)
+    else:
+        carrier = get_path(base, adapter.layers)[0]
+        edits.mix_in(carrier, absolute.SinusoidalInput)
+    if "pe_scale" in req:
+        edits.set(carrier, absolute.SCALE_ATTR, float(req["pe_scale"]))
+
+
+def remove_positions(model, adapter: Adapter, scheme: str, edits: Edits, reloadable: bool = False,
+                     lookup: type = absolute.ZeroPositions) -> None:
+    """Take the model's own position signal out: RoPE becomes the identity, a learned table's lookup is replaced by
+    `lookup` (zeros, or absolute.SinusoidalPositions: rows that encode position); then check, numerically, that no
+    position signal is left but the one `lookup` adds.
 
     reloadable: the patch adds weights, so a saved model is rebuilt and loaded by transformers, whose loader
     recomputes the rotary modules' (non-persistent) frequencies from their config: they get a mixin that zeroes
@@ -205,12 +207,8 @@ def remove_positions(model, adapter: Adapter, scheme: str, edits: Edits, reloada
         if reloadable:
             edits.mix_in(rotary, absolute.NoRotation)
     if adapter.position_table:
-        table = get_path(base, adapter.position_table)
-        lookup = absolute.SinusoidalPositions if scheme == "sinusoidal" else absolute.ZeroPositions
-        edits.mix_in(table, lookup, under=True)
-        if scheme == "sinusoidal":
-            edits.set(table, "hfpatch_offset", adapter.position_offset)
-    _check_removed(model, adapter, scheme)
+        edits.mix_in(get_path(base, adapter.position_table), lookup, under=True)
+    _check_removed(model, adapter, scheme, embedded_allowed=lookup is not absolute.ZeroPositions)
 
 
 def attention_modules(model, adapter: Adapter) -> list:
@@ -228,16 +226,17 @@ def use_attention(model, sdpa_name: str, eager_name: str, edits: Edits) -> None:
         edits.set(c, "_attn_implementation_internal", name)
 
 
-def _check_removed(model, adapter: Adapter, scheme: str) -> None:
-    """After the model's own position signal was taken out, no attention block may still tell positions apart
-    (checked on a repeated token: adapters.probe.position_sources). Skipped on a model without weights yet (a
-    reload builds it on the meta device; the check was made when the patch was saved)."""
+def _check_removed(model, adapter: Adapter, scheme: str, embedded_allowed: bool) -> None:
+    """After the model's own position signal was taken out, no attention block may still tell positions apart, nor
+    the embeddings unless `embedded_allowed` (a table lookup that now returns sinusoidal rows): checked on a
+    repeated token (adapters.probe.position_sources). Skipped on a model without weights yet (a reload builds it on
+    the meta device; the check was made when the patch was saved)."""
     if any(p.device.type == "meta" for p in model.parameters()):
         return
     top = "" if model.base_model is model else model.base_model_prefix + "."
     mixers = mixer_paths(f"{top}{adapter.layers}", adapter.attention, attention_layers(model, adapter))
     embedded, sources = position_sources(model, mixers, f"{top}{adapter.layers}")
-    if sources or (embedded and scheme != "sinusoidal"):
+    if sources or (embedded and not embedded_allowed):
         where = sources[0] if sources else "the embeddings"
         raise ValueError(f"position={scheme!r} takes out {adapter.model_type}'s position signal, but one remains "
                          f"after removing {_signal_of(adapter)} ({where} still tells positions apart on a repeated "
