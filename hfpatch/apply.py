@@ -20,6 +20,8 @@ from . import spec as specs
 from .adapters import Adapter, InferenceError, adapter_for, get_path
 from .edits import Edits
 from .norm import convert as norms
+from .norm import kinds as norm_kinds
+from .norm.kinds import NORMS
 from .norm.placement import apply_placement, placement_forms
 from .position import schemes
 from .position.schemes import SCHEMES
@@ -82,7 +84,10 @@ def changes_weights(axis: str, req: dict) -> bool:
 
 def _apply_axis(model: PreTrainedModel, adapter: Adapter, axis: str, req: dict, edits: Edits):
     if axis == "norm":
-        return norms.apply_norm(model, adapter, req, adapter.placement_of(model.config), edits)
+        reason = norm_kinds.unavailable(req["kind"], model, adapter)
+        if reason:
+            raise ValueError(reason)
+        return norms.apply_norm(model, adapter, req, NORMS[req["kind"]], adapter.placement_of(model.config), edits)
     if axis == "placement":
         return apply_placement(model, adapter, req, edits)
     scheme = SCHEMES[req["scheme"]]
@@ -332,9 +337,10 @@ def describe(model) -> dict:
 def available(model, adapter: Adapter) -> dict:
     """What `patch` accepts for this model, per axis, and why the rest does not apply."""
     why = {f"position={s}": schemes.unavailable(s, adapter) for s in SCHEMES}
-    has_norms = bool(norms.norm_sites(model, adapter))
-    if not has_norms:
-        why["norm"] = "no norm module of the model computes RMSNorm or LayerNorm"
+    norm_why = {f"norm={k}": norm_kinds.unavailable(k, model, adapter) for k in NORMS}
+    offered = [k for k in NORMS if norm_why[f"norm={k}"] is None]
+    # one reason for the axis where no kind applies, else one per kind that does not
+    why.update(norm_why if offered else {"norm": next(iter(norm_why.values()))})
     exact = norms.exact_blocker(model, adapter, adapter.placement_of(model.config))
     why["exact_layernorm_to_rmsnorm"] = exact
     forms = placement_forms(adapter)
@@ -342,7 +348,7 @@ def available(model, adapter: Adapter) -> dict:
         why["placement"] = adapter.notes.get("placement") or "the blocks have no known pre/post form"
     return {
         "position": [s for s in SCHEMES if why[f"position={s}"] is None],
-        "norm": list(specs.NORMS) if has_norms else [],
+        "norm": offered,
         "exact_layernorm_to_rmsnorm": exact is None,
         "placement": forms,
         "not_available": {k: v for k, v in why.items() if v},

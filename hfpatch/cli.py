@@ -21,7 +21,7 @@ import sys
 
 from .command import Parser, UsageError, run_main
 from .evaluate import EVALUATIONS
-from .norm.modules import NORMS
+from .norm.kinds import NORMS
 
 
 def _key_value(text: str):

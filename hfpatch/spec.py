@@ -7,7 +7,7 @@ Only options the user gave are stored, so two specs are equal when the requests 
 
 from __future__ import annotations
 
-from .norm.modules import NORMS
+from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS
 from .position import schemes
 
