@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from . import spec as specs
 from .adapters import Adapter, InferenceError, adapter_for, get_path
-from .edits import Edits
+from .edits import MISSING, Edits
 from .norm import convert as norms
 from .norm import kinds as norm_kinds
 from .norm.kinds import NORMS
@@ -167,15 +167,13 @@ def block_names(model) -> dict:
 
 
 def _record(spec: dict, touched: dict, facts: dict, stages: list, adapter: dict) -> dict:
-    from .edits import _MISSING
-
     return {
         "version": RECORD_VERSION,
         "spec": copy.deepcopy(spec),
         "stages": copy.deepcopy(stages),
         "facts": copy.deepcopy(facts),
-        "original_config": {k: copy.deepcopy(v) for k, v in touched.items() if v is not _MISSING and k != "hfpatch"},
-        "added_config": sorted(k for k, v in touched.items() if v is _MISSING and k != "hfpatch"),
+        "original_config": {k: copy.deepcopy(v) for k, v in touched.items() if v is not MISSING and k != "hfpatch"},
+        "added_config": sorted(k for k, v in touched.items() if v is MISSING and k != "hfpatch"),
         "adapter": adapter,
     }
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .io import from_pretrained, refuse_pickled_weights, remote_code_refused
+
 SMOLLM2 = "smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -55,10 +59,6 @@ def load(name: str, dtype=None, device_map=None, tokenizer: bool = True, trust_r
     trust_remote_code: run the Python code a model folder (or hub repository) carries, if it needs it; off by
     default. allow_pickled_weights: load pytorch_model.bin weights (pickles, read with torch.load(weights_only=True))
     when there are no safetensors; off by default."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .io import from_pretrained, refuse_pickled_weights, remote_code_refused
-
     where, gguf_file = resolve(name)
     kwargs = {k: v for k, v in {"dtype": dtype, "device_map": device_map, "gguf_file": gguf_file}.items() if v is not None}
     kwargs["trust_remote_code"] = trust_remote_code

@@ -20,11 +20,10 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..edits import Edits
-from ..position.absolute import ZeroPositions
-from ..position.rotary import make_identity
 from . import blocks
 from . import probe as probes
 from .base import Adapter, NormClass, class_key, get_path
+from .positions import ZeroPositions, make_identity, trained_window
 
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")
 _EPS_CONFIG = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
@@ -255,7 +254,7 @@ def infer(model, model_type: str | None = None) -> Adapter:
         # the rotary modules alone are enough to rescale RoPE; everything that needs the blocks is refused
         return Adapter(model_type=model_type or config.model_type, layers=None, attention=None, norms=(),
                        placement=None, rotaries=rotaries, attention_interface=False, source="inferred",
-                       window=_window(config),
+                       window=trained_window(config),
                        notes={"blocks": "cannot find one list of transformer blocks holding all the attention "
                                         "modules (several stacks?): only RoPE rescaling applies"})
     layers = info.rel(layers_top)
@@ -405,7 +404,7 @@ def infer(model, model_type: str | None = None) -> Adapter:
         heads=tuple(probe.attention[f"{layers_top}.{i}.{attention}"].query[1] for i in attention_layers)
         if attention else (),
         source="inferred",
-        window=_window(config),
+        window=trained_window(config),
         notes=notes,
     )
 
@@ -446,16 +445,6 @@ def _verify_form(info: _Info, ref: str, spec: blocks.BlockSpec) -> str | None:
     if not _same(out, call.output):
         return (f"the block computes something besides the {spec.placement}-norm form (checked on a probe input), "
                 "e.g. a residual scale or an extra sublayer")
-    return None
-
-
-def _window(config) -> int | None:
-    params = getattr(config, "rope_parameters", None) or {}
-    flat = [params] + [v for v in params.values() if isinstance(v, dict)]
-    for value in [p.get("original_max_position_embeddings") for p in flat] + [
-            getattr(config, "original_max_position_embeddings", None), getattr(config, "max_position_embeddings", None)]:
-        if isinstance(value, int) and value > 0:
-            return value
     return None
 
 

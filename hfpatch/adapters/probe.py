@@ -228,14 +228,15 @@ def position_sources(model, modules: list[str], stack: str) -> tuple[bool, list[
             module = model.get_submodule(name)
             with torch.no_grad():
                 a, b = (_out_tensor(module(h, *args, **kwargs)) for h in (x, y))
-            if not _close(a[:, -1], b[:, -1]):
+            if not close(a[:, -1], b[:, -1]):
                 sources.append(name)
     finally:
         restore_modes(modes)
     return embedded, sources
 
 
-def _close(a, b) -> bool:
+def close(a, b) -> bool:
+    """Whether two outputs agree to float32 precision (2e-2 in half precision), relative to the first's scale."""
     rtol, atol = (1e-4, 1e-5) if a.dtype in (torch.float32, torch.float64) else (2e-2, 2e-2)
     return bool(torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol * max(1.0, float(a.abs().max()))))
 

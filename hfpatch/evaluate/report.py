@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..command import markdown_table
 from .common import length_label
+from .stats import pooled
 
 
 def _fmt(x, digits=2) -> str:
@@ -155,8 +156,6 @@ def _pct(p: float, ci) -> str:
 
 def ruler_tables(cells: list[dict], patches: list[str], tasks: list[str], lengths: list[int]) -> str:
     """One table per patch spec: rows = task (+ the mean over tasks), columns = length, entries = score % [CI]."""
-    from .ruler import pooled
-
     done = {(c["patch"], c["task"], c["length"]): c for c in _complete(cells)}
     out = []
     for p in patches:
@@ -186,8 +185,6 @@ def ruler_plot(cells: list[dict], patches: list[str], tasks: list[str], lengths:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from .ruler import pooled
 
     done = {(c["patch"], c["task"], c["length"]): c for c in _complete(cells)}
     panels = (["mean"] if len(tasks) > 1 else []) + list(tasks)

@@ -33,9 +33,7 @@ Writes OUT/results.json after every sample (resumable), OUT/table.md (also print
 
 from __future__ import annotations
 
-import math
 import random
-import statistics
 import string
 import sys
 from pathlib import Path
@@ -45,6 +43,7 @@ from ..lm import greedy
 from . import haystack as hs
 from . import sweep
 from .common import parse_lengths
+from .stats import wilson
 
 NIAH_TEMPLATE = ("Some special magic {vs} are hidden within the following text. Make sure to memorize it. I will "
                  "quiz you about the {vs} afterwards.\n{context}\nWhat are all the special magic {vs} for {query} "
@@ -219,18 +218,6 @@ def generate(task: str, rng_seed: str, n: int, src: hs.Source, length: int) -> h
     return fn(random.Random(rng_seed), n, src, **kwargs)
 
 
-Z95 = statistics.NormalDist().inv_cdf(0.975)
-
-
-def wilson(p: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """95 % Wilson score interval of a binomial proportion p observed over n trials."""
-    if n == 0:
-        return 0.0, 1.0
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
 def build(prompter: hs.Prompter, src: hs.Source, task: str, length: int, seed: str, sizes: dict):
     """(sample, token ids): the task's largest prompt that leaves room for its generated tokens in `length`
     (RULER: prompt + generation <= length). `sizes` remembers the haystack size found per (task, length), where
@@ -333,13 +320,6 @@ class Ruler(sweep.Evaluation):
                               title=caption, trained_window=data.get("model", {}).get("trained_window"))
             print(f"\nplot: {out / 'ruler.png'}; results: {out / 'results.json'}", file=sys.stderr)
         return text
-
-
-def pooled(cells: list[dict]) -> tuple[float, int, tuple[float, float]]:
-    """Score over several cells' samples together, with its interval."""
-    scores = [r["score"] for c in cells for r in c["samples"]]
-    p = sum(scores) / len(scores)
-    return p, len(scores), wilson(p, len(scores))
 
 
 EVALUATION = Ruler()

@@ -23,12 +23,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from .. import command
+from ..adapters.positions import trained_window
 from ..apply import table_limit, unwrap
 from ..lm import causal_lm_parts
 from ..text import load_tokenizer
 from . import budget
-from .common import applied, length_label, load_model, parse_patches, trained_window, versions
+from .common import applied, length_label, load_model, parse_patches, versions
 from .results import Results, now
 
 
@@ -255,7 +258,7 @@ def _prepare(model, patches, plan: Plan, results: Results, name: str):
                              f"{plan.read} tokens{extra} cannot run; use lengths <= {limit - plan.new_tokens}")
     target = unwrap(model)
     results.data["model"] = {"name": name, "class": type(target).__name__, "model_type": target.config.model_type,
-                             "trained_window": trained_window(model),
+                             "trained_window": trained_window(target.config),
                              "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
                              "parameters": sum(p.numel() for p in target.parameters())}
     return parts
@@ -277,8 +280,6 @@ def _estimate(ev: Evaluation, run: Run, plan: Plan, todo) -> float:
 
 
 def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=sum(u.tokens for *_, left in todo for u in left), unit="tok", unit_scale=True, desc=ev.name,
                file=sys.stderr, dynamic_ncols=True)
     try:

@@ -43,7 +43,7 @@ def interpolate_rows(table: torch.Tensor, factor: float, keep: int = 0) -> torch
 
 
 class NoRotation:
-    """Mixed into a rotary module made the identity (rotary.make_identity) by a patch whose weights are saved:
+    """Mixed into a rotary module made the identity (adapters.positions.make_identity) by a patch whose weights are saved:
     reloading such a model goes through transformers' loader, which recomputes a rotary module's (non-persistent)
     inverse frequencies from its config; they are zeroed again, in place, before the first forward that finds them
     changed (so cos = 1, sin = 0 whatever form the module returns them in)."""
@@ -53,13 +53,6 @@ class NoRotation:
             if name.endswith("inv_freq") and bool(buffer.any()):
                 buffer.zero_()
         return super().forward(*args, **kwargs)
-
-
-class ZeroPositions(nn.Embedding):
-    """The table lookup returns zeros: the model adds no position embedding (gradients do not reach the table)."""
-
-    def forward(self, input):  # noqa: A002 - nn.Embedding's name
-        return torch.zeros(*input.shape, self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device)
 
 
 SCALE_ATTR = "hfpatch_pe_scale"  # position="sinusoidal", pe_scale=: the table's amplitude (1: the paper's ±1)

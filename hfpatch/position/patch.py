@@ -12,24 +12,14 @@ import torch
 
 from ..adapters import Adapter, get_path
 from ..adapters.infer import mixer_paths
+from ..adapters.positions import ZeroPositions, layer_types, make_identity, params_of, prefix, trained_window
 from ..adapters.probe import position_sources
 from ..edits import Edits
 from . import absolute
 from . import rotary as rot
 
 
-def trained_window(config, params: dict) -> int | None:
-    """The config's trained context: the scheme's original window if the model is already scaled natively,
-    phi3's `original_max_position_embeddings`, else `max_position_embeddings`; None if the config names none
-    (RecurrentGemma: local attention only)."""
-    for value in (params.get("original_max_position_embeddings"), getattr(config, "original_max_position_embeddings", None),
-                  getattr(config, "max_position_embeddings", None)):
-        if value:
-            return int(value)
-    return None
-
-
-def _rotaries(model, adapter: Adapter) -> list:
+def rotaries_of(model, adapter: Adapter) -> list:
     """[(rotary module, the config it reads)], the model's own (text) config first."""
     out = []
     for path in adapter.rotaries:
@@ -61,14 +51,14 @@ def default_layer_types(config) -> list:
     """Where a config nests RoPE per layer type, the types a scaling applies to by default: the global-attention
     layers, as transformers' own legacy `rope_scaling` does (gemma3), else every type that has RoPE (some families
     give their global layers none)."""
-    roped = [lt for lt in rot.layer_types(config) if rot.params_of(config, lt) is not None]
+    roped = [lt for lt in layer_types(config) if params_of(config, lt) is not None]
     return ["full_attention"] if "full_attention" in roped else roped
 
 
 def apply_rope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
     text_config = model.config.get_text_config()
     opts = {k: v for k, v in req.items() if k not in ("scheme", "layer_types", "original_max_position_embeddings")}
-    rotaries = _rotaries(model, adapter)
+    rotaries = rotaries_of(model, adapter)
     n_positions = None
     done = {}  # id(config) -> (new config the rotaries of that config read, per-type base params, window)
     for rotary, config in rotaries:
@@ -86,7 +76,7 @@ def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edi
     """The config `config`'s rotaries should read for this scheme: `config` itself, edited, when transformers can
     express the scheme there (so save_pretrained writes it natively), else a private copy."""
     original = config.rope_parameters
-    all_types = rot.layer_types(config)
+    all_types = layer_types(config)
     if all_types == [None]:
         if "layer_types" in req:
             raise ValueError(f"layer_types= applies to models with per-layer-type RoPE (gemma3); {adapter.model_type} "
@@ -102,12 +92,12 @@ def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edi
     new_params = {}
     window = req.get("original_max_position_embeddings")
     for lt in targets:
-        base = rot.params_of(config, lt)
+        base = params_of(config, lt)
         window = window or trained_window(config, base)
         if window is None and scheme.max_positions == "extended":
             raise ValueError(f"position={req['scheme']!r} needs the trained window, and {adapter.model_type}'s config "
                              "names none (no max_position_embeddings): pass original_max_position_embeddings=")
-        n_freq = getattr(rotary, f"{rot._prefix(lt)}inv_freq").numel()  # rotated channels / 2
+        n_freq = getattr(rotary, f"{prefix(lt)}inv_freq").numel()  # rotated channels / 2
         for key in ("short_factor", "long_factor"):
             if key in opts and len(opts[key]) != n_freq:
                 raise ValueError(
@@ -119,7 +109,7 @@ def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edi
     n_positions = max_positions(scheme, window, opts)
     native = (scheme.native and config is text_config and native_form_kept(config, rope_parameters)
               and _fits_natively(rotary, config, rope_parameters, targets))
-    base = {lt: rot.params_of(config, lt) for lt in targets}
+    base = {lt: params_of(config, lt) for lt in targets}
     if native:
         # The config describes the patch in transformers' own terms, so plain from_pretrained reloads it.
         edits.set(config, "max_position_embeddings", n_positions) if n_positions else None
@@ -147,7 +137,7 @@ def _fits_natively(rotary, config, rope_parameters, targets) -> bool:
     trial.rope_parameters = rope_parameters
     for lt in targets:
         inv_freq, _ = rot.compute(rotary, trial, lt)
-        if inv_freq.shape != getattr(rotary, f"{rot._prefix(lt)}inv_freq").shape:
+        if inv_freq.shape != getattr(rotary, f"{prefix(lt)}inv_freq").shape:
             return False
     return True
 
@@ -193,7 +183,7 @@ def apply_sinusoidal(model, adapter: Adapter, req: dict, scheme, edits: Edits) -
 
 
 def remove_positions(model, adapter: Adapter, scheme: str, edits: Edits, reloadable: bool = False,
-                     lookup: type = absolute.ZeroPositions) -> None:
+                     lookup: type = ZeroPositions) -> None:
     """Take the model's own position signal out: RoPE becomes the identity, a learned table's lookup is replaced by
     `lookup` (zeros, or absolute.SinusoidalPositions: rows that encode position); then check, numerically, that no
     position signal is left but the one `lookup` adds.
@@ -202,13 +192,13 @@ def remove_positions(model, adapter: Adapter, scheme: str, edits: Edits, reloada
     recomputes the rotary modules' (non-persistent) frequencies from their config: they get a mixin that zeroes
     them again (absolute.NoRotation)."""
     base = model.base_model
-    for rotary, rcfg in _rotaries(model, adapter):  # RoPE becomes the identity: cos = 1, sin = 0 everywhere
-        rot.make_identity(rotary, rcfg, edits)
+    for rotary, rcfg in rotaries_of(model, adapter):  # RoPE becomes the identity: cos = 1, sin = 0 everywhere
+        make_identity(rotary, rcfg, edits)
         if reloadable:
             edits.mix_in(rotary, absolute.NoRotation)
     if adapter.position_table:
         edits.mix_in(get_path(base, adapter.position_table), lookup, under=True)
-    _check_removed(model, adapter, scheme, embedded_allowed=lookup is not absolute.ZeroPositions)
+    _check_removed(model, adapter, scheme, embedded_allowed=lookup is not ZeroPositions)
 
 
 def attention_modules(model, adapter: Adapter) -> list:

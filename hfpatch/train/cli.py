@@ -12,6 +12,8 @@ import argparse
 import os
 import sys
 
+from accelerate.utils import set_seed
+
 from .config import ConfigError, load  # noqa: F401 (ConfigError is re-exported to recipes)
 
 
@@ -22,8 +24,6 @@ def run(recipe: str, main, argv=None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load(recipe, args.config, args.overrides)
-        from accelerate.utils import set_seed
-
         set_seed(cfg.seed)  # before any model is built: from-scratch weights (and LoRA) are reproducible
         main(cfg)
     except ConfigError as e:

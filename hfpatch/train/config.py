@@ -12,6 +12,10 @@ import os
 from pathlib import Path
 
 import yaml
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import LoggerType
+
+from .. import spec
 
 
 class ConfigError(ValueError):
@@ -250,9 +254,7 @@ def _validate(cfg: Config, recipe: str) -> None:
     if "distill" in cfg and cfg.distill.enabled and not 0.0 <= cfg.distill.alpha <= 1.0:
         raise ConfigError(f"distill.alpha must be in [0, 1], got {cfg.distill.alpha}")
     try:
-        import hfpatch
-
-        hfpatch.spec.request(**cfg.patch)
+        spec.request(**cfg.patch)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"patch: {e}") from None
 
@@ -261,9 +263,6 @@ def _check_trackers(log_with) -> None:
     """accelerate raises on an unknown tracker name and quietly drops one whose package is missing."""
     if not log_with:
         return
-    from accelerate.tracking import get_available_trackers
-    from accelerate.utils import LoggerType
-
     for name in [log_with] if isinstance(log_with, str) else log_with:
         if name not in LoggerType.list():
             raise ConfigError(f"log_with: unknown tracker {name!r}; accelerate knows {', '.join(LoggerType.list())}")
