@@ -6,7 +6,7 @@ import json
 import statistics
 import time
 
-from hfpatch.command import markdown_table  # noqa: F401 (re-exported to the bench scripts)
+from hfpatch.evaluate.report import markdown_table  # noqa: F401 (re-exported to the bench scripts)
 
 
 def interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:

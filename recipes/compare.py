@@ -26,7 +26,7 @@ from accelerate import PartialState
 from accelerate.utils import set_seed
 
 import hfpatch
-from hfpatch.evaluate import passkey, perplexity
+from hfpatch.evaluate.evaluations import passkey, ppl
 from hfpatch.evaluate.common import versions
 from hfpatch.models import load
 from hfpatch.train import compare, data, loop, setup
@@ -71,7 +71,7 @@ def evaluate(run, study, held_out) -> dict:
         usable = [n for n in lengths if limit is None or n <= limit]
         out["refused_lengths"] = {str(n): f"past the learned table's {limit} rows" for n in lengths if n not in usable}
         where = run.out / "eval_ppl"
-        code = perplexity.main(["--model", str(final), "--text-files", *ev["text_files"],
+        code = ppl.main(["--model", str(final), "--text-files", *ev["text_files"],
                                 "--lengths", ",".join(map(str, usable)), "--tokens-per-doc", str(ev["tokens_per_doc"]),
                                 "--patches", "none", "--out", str(where), "--no-plot"])
         if code:

@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO
 
 from hfpatch.cli import main as cli_main
-from hfpatch.evaluate import perplexity
+from hfpatch.evaluate.evaluations import ppl as perplexity
 from hfpatch.evaluate.results import comparable as strip_timing
 from hfpatch.tiny import save_sized as save_tiny
 from hfpatch.tiny import char_text as text_of

@@ -12,8 +12,8 @@ from conftest import tiny_model
 
 import hfpatch
 from hfpatch.cli import main as cli_main
-from hfpatch.evaluate import passkey
-from hfpatch.evaluate.passkey import FILLER, build_prompt, is_correct, make_key
+from hfpatch.evaluate.evaluations import passkey
+from hfpatch.evaluate.evaluations.passkey import FILLER, build_prompt, is_correct, make_key
 from hfpatch.evaluate.results import comparable as strip_timing
 from hfpatch.lm import causal_lm_parts, greedy
 from hfpatch.tiny import save_sized as save_tiny

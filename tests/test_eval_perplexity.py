@@ -16,7 +16,8 @@ from conftest import FAMILIES, REPO, tiny_model, tokens
 import hfpatch
 from hfpatch import text
 from hfpatch.cli import main as cli_main
-from hfpatch.evaluate import perplexity, sweep
+from hfpatch.evaluate import sweep
+from hfpatch.evaluate.evaluations import ppl as perplexity
 from hfpatch.evaluate.results import comparable as strip_timing
 from hfpatch.lm import causal_lm_parts, window_nll, windows
 from hfpatch.tiny import char_text as text_of
@@ -320,8 +321,8 @@ def test_learned_position_table_limits_the_length(tiny_run, tmp_path, capsys):
     assert "learned positions for 96 tokens only" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def test_script_is_the_same_command(tmp_path):
-    r = subprocess.run([sys.executable, str(REPO / "eval" / "perplexity.py"), "--patches", "none,yarm:2"],
+def test_the_command_in_a_process_of_its_own(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "hfpatch", "eval", "ppl", "--patches", "none,yarm:2"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "unknown position scheme" in r.stderr
 

@@ -15,7 +15,7 @@ import pytest
 
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate import haystack as hs
-from hfpatch.evaluate import ruler
+from hfpatch.evaluate.evaluations import ruler
 from hfpatch.evaluate.results import comparable as strip_timing
 from hfpatch.evaluate.stats import wilson
 from hfpatch.lm import causal_lm_parts, greedy

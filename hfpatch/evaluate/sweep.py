@@ -1,7 +1,7 @@
-"""The one loop every evaluation runs, so that adding an evaluation is writing one file.
+"""The one loop every evaluation runs, so that adding an evaluation is writing one file (evaluate/evaluations/).
 
-An evaluation (a subclass of `Evaluation`) says what its cells and units of work are and how to run one unit; the
-sweep does the rest, the same way for all of them:
+An evaluation (a subclass of `Evaluation`) says what its cells and units of work are, how to run one unit, and how
+its results read as tables and a plot; the sweep does the rest, the same way for all of them:
   1. parse the command line (the model, dtype, device and patch-spec flags are common), validate everything, plan
      the cells — all before the model is loaded, so bad input is one line and exit 2 at once;
   2. open OUT/results.json: the same identity continues it (finished units are not run again), another is refused;
@@ -81,17 +81,25 @@ class Run:
 
 
 class Evaluation:
-    name = ""  # hfpatch eval NAME
+    name = ""  # hfpatch eval NAME: the name of its module in evaluate/evaluations/
     kind = ""  # the results file's kind
     records = "records"  # the cell field with one record per unit
     unit_key = "id"  # the record field that holds the unit's id
     default_out = "runs/eval"
     default_patches = "none,yarn:2"
     description = ""
+    # the cells' coordinates besides the patch spec: settings key -> the cell field it lists (numeric ones are shown
+    # sorted, the others in the order they were run)
+    axes: dict = {}
+    plot_name = "plot.png"  # the plot's file under --out
 
     @property
     def prog(self) -> str:
         return f"hfpatch eval {self.name}"
+
+    def main(self, argv=None) -> int:
+        """The command: hfpatch eval NAME ARGS."""
+        return main(self, argv)
 
     def add_arguments(self, parser) -> None:
         pass
@@ -107,8 +115,16 @@ class Evaluation:
         """A finished cell's numbers: a pure function of its records (the results file is checked with it)."""
         raise NotImplementedError
 
-    def report(self, data: dict, out: Path, plot: bool) -> str:
-        """The Markdown table of a results file (and the plot, written under out), from the file's data alone."""
+    def caption(self, data: dict) -> str:
+        """One line above the tables, and the plot's title: what was measured on what."""
+        raise NotImplementedError
+
+    def tables(self, data: dict) -> str:
+        """The Markdown tables of a results file's data."""
+        raise NotImplementedError
+
+    def plot(self, data: dict, path: Path, title: str) -> None:
+        """The plot of a results file's data, written to `path`."""
         raise NotImplementedError
 
 
@@ -176,7 +192,7 @@ def _main(ev: Evaluation, argv) -> int:
         elif args.dry_run:
             print(f"{ev.prog}: nothing left to run in {out / 'results.json'}", file=sys.stderr)
             return 0
-        text = ev.report(_covering(results.data), out, not args.no_plot)
+        text = report(ev, covering(ev, results.data), out, not args.no_plot)
         (out / "table.md").write_text(text + "\n")
         print(text)
         return 0
@@ -184,16 +200,21 @@ def _main(ev: Evaluation, argv) -> int:
         results.close()
 
 
-# settings key -> the cell field it lists; numeric ones are shown sorted, the others in the order they were run
-_AXES = {"patches": "patch", "tasks": "task", "windowing": "windowing", "lengths": "length", "depths": "depth"}
+def report(ev: Evaluation, data: dict, out: Path, plot: bool) -> str:
+    """The caption and tables of a results file's data (and its plot, written under `out`)."""
+    caption = ev.caption(data)
+    if plot:
+        ev.plot(data, out / ev.plot_name, caption)
+        print(f"\nplot: {out / ev.plot_name}; results: {out / 'results.json'}", file=sys.stderr)
+    return f"{caption}\n\n{ev.tables(data)}"
 
 
-def _covering(data: dict) -> dict:
+def covering(ev: Evaluation, data: dict) -> dict:
     """The results with settings widened to every cell the file holds, for the report: a command that resumed a
     results file to add one spec or one length (e.g. `dynamic` only at 16k) shows the whole table, the cells it
     did not run included, instead of its own slice. The file itself keeps the command's settings."""
     cells, settings = data.get("cells", []), dict(data.get("settings", {}))
-    for key, field in _AXES.items():
+    for key, field in {"patches": "patch", **ev.axes}.items():
         if isinstance(settings.get(key), list):
             values = list(dict.fromkeys([*(c[field] for c in cells if field in c), *settings[key]]))
             numeric = all(isinstance(v, (int, float)) for v in values)

@@ -27,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import hfpatch
 
 from ..adapters import adapter_for
-from ..command import markdown_table
+from ..evaluate.report import markdown_table
 from ..norm.batchnorm import batch_statistics
 from ..text import documents, tokenize
 from .config import ConfigError
