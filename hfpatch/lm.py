@@ -103,6 +103,20 @@ def window_nll(parts: LMParts, ids: torch.Tensor, first: int = 1, chunk: int = 1
     return float(total), n - first
 
 
+@torch.no_grad()
+def logits_nll(model, seqs: torch.Tensor, first: int = 1, batch: int = 1) -> tuple[float, int]:
+    """(sum of -log p(seqs[:, t] | seqs[:, :t]) for t in first..len-1, number of terms) from the model's own logits,
+    `batch` sequences per forward: every position goes through the LM head at once (for small models, and any
+    module whose output has .logits), where window_nll keeps the head to chunks."""
+    total, count = 0.0, 0
+    for i in range(0, len(seqs), batch):
+        x = seqs[i:i + batch]
+        logits = model(input_ids=x, use_cache=False).logits[:, first - 1:-1].float()
+        total += float(F.cross_entropy(logits.flatten(0, 1), x[:, first:].flatten(), reduction="sum"))
+        count += x[:, first:].numel()
+    return total, count
+
+
 def windows(n_tokens: int, length: int, windowing: str, stride: int | None = None) -> list[tuple[int, int, int]]:
     """The windows that score a span of n_tokens, as (start, end, first): the tokens at start+first .. end-1 are
     scored, each given everything before it in ids[start:end] (window_nll reads ids[start:end-1]).

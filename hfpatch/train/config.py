@@ -22,7 +22,20 @@ class ConfigError(ValueError):
     pass
 
 
-# name: (type or tuple of types, default). A dict default is a section with its own schema.
+class _Required:
+    """The default of a key that must be given."""
+
+    def __repr__(self):
+        return "REQUIRED"
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+REQUIRED = _Required()
+
+# name: (type or tuple of types, default[, type of a list's items: str unless named]). A dict in place of the tuple
+# is a section with its own schema. The default REQUIRED: the key must be given.
 COMMON = {
     "model": ((str, type(None)), None),  # hfpatch.models.load name: folder, .gguf, hub id, "smollm2"
     "tokenizer": ((str, type(None)), None),  # defaults to the model's
@@ -130,7 +143,9 @@ def _check(schema: dict, values: dict, where: str = "") -> Config:
                 raise ConfigError(f"{name} must be a section (key: value pairs), got {value!r}")
             out[key] = _check(spec, {**_defaults(spec), **value}, f"{name}.")
             continue
-        types, _ = spec
+        if value is REQUIRED:
+            raise ConfigError(f"{name} is required")
+        types, items = spec[0], (spec[2] if len(spec) > 2 else str)
         types = types if isinstance(types, tuple) else (types,)
         if float in types and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
@@ -142,8 +157,9 @@ def _check(schema: dict, values: dict, where: str = "") -> Config:
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
             raise ConfigError(f"{name} must be {names}, got {value!r} ({type(value).__name__})")
-        if isinstance(value, list) and not all(isinstance(v, str) for v in value):  # every list holds names
-            raise ConfigError(f"{name} must be a list of strings, got {value!r}")
+        if isinstance(value, list) and not all(isinstance(v, items) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{name} must be a list of {'strings' if items is str else items.__name__ + 's'}, "
+                              f"got {value!r}")
         out[key] = value
     return out
 
@@ -171,8 +187,9 @@ def _yaml(text: str, where: str):
         raise ConfigError(f"{where}: not valid YAML: {what}{at}") from None
 
 
-def load(recipe: str, path: str | None, overrides: list[str]) -> Config:
-    schema = SCHEMAS[recipe]
+def read(path: str | None, overrides: list[str]) -> dict:
+    """The values of a YAML file (none: {}) with `key=value` overrides (dotted keys reach into sections, values are
+    YAML), not yet checked."""
     values: dict = {}
     if path:
         p = Path(path)
@@ -186,13 +203,22 @@ def load(recipe: str, path: str | None, overrides: list[str]) -> Config:
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value")
         _set(values, key.strip(), _yaml(raw, f"override {item!r}") if raw.strip() else None)
+    return values
+
+
+def check(schema: dict, values: dict) -> Config:
+    """`values` over the schema's defaults (a section key by key, any other key as a whole), every key checked."""
     merged = _defaults(schema)
     for key, value in values.items():
-        if isinstance(merged.get(key), dict) and isinstance(value, dict) and key != "patch" and key != "model_config":
+        if isinstance(schema.get(key), dict) and isinstance(value, dict):
             merged[key] = {**merged[key], **value}
         else:
             merged[key] = value
-    cfg = _check(schema, merged)
+    return _check(schema, merged)
+
+
+def load(recipe: str, path: str | None, overrides: list[str]) -> Config:
+    cfg = check(SCHEMAS[recipe], read(path, overrides))
     _expand_home(cfg)
     _validate(cfg, recipe)
     return cfg
