@@ -15,7 +15,6 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -249,6 +248,3 @@ def restore_modes(modes) -> None:
 def _detach(v):
     return v.detach() if isinstance(v, torch.Tensor) else v
 
-
-def leaf_params(module: nn.Module) -> dict:
-    return dict(module.named_parameters(recurse=False))
