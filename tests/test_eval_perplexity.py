@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FAMILIES, REPO, tiny_model, tokens
+from conftest import FAMILIES, tiny_model, tokens
 
 import hfpatch
 from hfpatch import text

@@ -31,8 +31,8 @@ def trained_window(config, params: dict | None = None) -> int | None:
         sets = [own] + [v for v in own.values() if isinstance(v, dict)]
     else:
         sets = [params]
-    for value in [p.get("original_max_position_embeddings") for p in sets] + [
-            getattr(config, "original_max_position_embeddings", None), getattr(config, "max_position_embeddings", None)]:
+    named = [getattr(config, name, None) for name in ("original_max_position_embeddings", "max_position_embeddings")]
+    for value in [p.get("original_max_position_embeddings") for p in sets] + named:
         if isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0:
             return int(value)
     return None

@@ -93,8 +93,9 @@ def names(name, value):
 
 # Options every RoPE rescaling scheme takes.
 ROPE_COMMON = {"original_max_position_embeddings": positive_int, "layer_types": names}
-YARN_OPTIONS = {"attention_factor": positive, "beta_fast": positive, "beta_slow": positive, "mscale": real,
-                "mscale_all_dim": real, "truncate": flag}
+# YaRN's options are the ones its builder passes on (rope.YARN_OPTIONS): positive numbers, but for these
+YARN_OPTIONS = {name: {"mscale": real, "mscale_all_dim": real, "truncate": flag}.get(name, positive)
+                for name in rope.YARN_OPTIONS}
 
 
 def _betas(req):

@@ -161,7 +161,8 @@ class Perplexity(sweep.Evaluation):
         per_doc = data["identity"]["tokens_per_doc"]
         total = sum(d["tokens"] for d in src["documents"])
         each = f"{per_doc} tokens each" if per_doc != "all" else f"whole documents ({total:,} tokens)"
-        return f"{model.get('name', data['identity']['model'])}: {len(src['documents'])} document(s) of {src_name}, {each}"
+        name = model.get("name", data["identity"]["model"])
+        return f"{name}: {len(src['documents'])} document(s) of {src_name}, {each}"
 
     def tables(self, data) -> str:
         """One table per windowing and measure: rows = patch spec, columns = length."""
