@@ -8,7 +8,7 @@ sweep (sweep.py):
     hfpatch lm-eval ...         lm-evaluation-harness with --model hfpatch   harness.py
 
 A module there is an evaluation by being there: the list below is read from the folder (without importing the
-modules, so `hfpatch --help` stays fast); the module defines EVALUATION, whose name is the module's.
+modules, so `hfpatch --help` stays fast); the module defines EVALUATION, which takes its name from the module.
 """
 
 import importlib
@@ -23,8 +23,4 @@ def evaluation(name: str):
     """The EVALUATION (a sweep.Evaluation) of `hfpatch eval NAME`; ValueError for a name that is none."""
     if name not in EVALUATIONS:
         raise ValueError(f"unknown evaluation {name!r}; the evaluations: {', '.join(EVALUATIONS)}")
-    ev = importlib.import_module(f"{evaluations.__name__}.{name}").EVALUATION
-    if ev.name != name:
-        raise ValueError(f"{evaluations.__name__}.{name} defines the evaluation {ev.name!r}: a module is named as "
-                         "its evaluation")
-    return ev
+    return importlib.import_module(f"{evaluations.__name__}.{name}").EVALUATION

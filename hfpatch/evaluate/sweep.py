@@ -81,17 +81,38 @@ class Run:
 
 
 class Evaluation:
-    name = ""  # hfpatch eval NAME: the name of its module in evaluate/evaluations/
-    kind = ""  # the results file's kind
+    """One evaluation; its module (evaluate/evaluations/NAME.py) gives it its name, and the first paragraph of the
+    module's docstring its description."""
+
     records = "records"  # the cell field with one record per unit
     unit_key = "id"  # the record field that holds the unit's id
-    default_out = "runs/eval"
     default_patches = "none,yarn:2"
-    description = ""
     # the cells' coordinates besides the patch spec: settings key -> the cell field it lists (numeric ones are shown
     # sorted, the others in the order they were run)
     axes: dict = {}
-    plot_name = "plot.png"  # the plot's file under --out
+
+    @property
+    def name(self) -> str:
+        """hfpatch eval NAME: the name of its module."""
+        return type(self).__module__.rpartition(".")[2]
+
+    @property
+    def kind(self) -> str:
+        """The results file's kind."""
+        return self.name
+
+    @property
+    def description(self) -> str:
+        return (sys.modules[type(self).__module__].__doc__ or "").split("\n\n")[0]
+
+    @property
+    def default_out(self) -> str:
+        return f"runs/{self.name}"
+
+    @property
+    def plot_name(self) -> str:
+        """The plot's file under --out."""
+        return f"{self.name}.png"
 
     @property
     def prog(self) -> str:

@@ -92,14 +92,9 @@ def trial_offset(seed: int, trial: int, n_words: int) -> int:
 
 
 class Niah(sweep.Evaluation):
-    name = "niah"
-    kind = "niah"
     records = "trials"
     unit_key = "trial"
-    default_out = "runs/niah"
-    description = __doc__.split("\n\n")[0]
     axes = {"lengths": "length", "depths": "depth"}
-    plot_name = "niah.png"
 
     def add_arguments(self, p) -> None:
         p.add_argument("--lengths", default="1k,2k,4k,8k",

@@ -71,14 +71,9 @@ def make_key(seed: int, length: int, depth: float, trial: int, digits: int) -> s
 
 
 class Passkey(sweep.Evaluation):
-    name = "passkey"
-    kind = "passkey"
     records = "trials"
     unit_key = "trial"
-    default_out = "runs/passkey"
-    description = __doc__.split("\n\n")[0]
     axes = {"lengths": "length", "depths": "depth"}
-    plot_name = "passkey.png"
 
     def add_arguments(self, p) -> None:
         p.add_argument("--lengths", default="1k,2k,4k,8k",

@@ -37,14 +37,10 @@ WINDOWINGS = ("chunks", "sliding", "rolling")
 
 
 class Perplexity(sweep.Evaluation):
-    name = "ppl"
-    kind = "perplexity"
+    kind = "perplexity"  # what its results files are marked with (files written so far resume under it)
     records = "documents"
     unit_key = "name"
-    default_out = "runs/ppl"
-    description = __doc__.split("\n\n")[0]
     axes = {"windowing": "windowing", "lengths": "length"}
-    plot_name = "ppl.png"
 
     def add_arguments(self, p) -> None:
         p.add_argument("--lengths", default=DEFAULT_LENGTHS,

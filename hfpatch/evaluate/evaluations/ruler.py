@@ -247,14 +247,9 @@ def parse_tasks(text: str) -> list[str]:
 
 
 class Ruler(sweep.Evaluation):
-    name = "ruler"
-    kind = "ruler"
     records = "samples"
     unit_key = "sample"
-    default_out = "runs/ruler"
-    description = __doc__.split("\n\n")[0]
     axes = {"tasks": "task", "lengths": "length"}
-    plot_name = "ruler.png"
 
     def add_arguments(self, p) -> None:
         p.add_argument("--tasks", default="all", help=f"comma-separated tasks or all (default): {', '.join(TASKS)}")
