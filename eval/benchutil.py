@@ -1,4 +1,5 @@
-"""Small helpers shared by the eval/bench_*.py scripts: timing measured side by side in one run."""
+"""Small helpers shared by the eval/bench_*.py scripts: memory of a process, workers in processes of their own,
+timed forwards; side-by-side timing (hfpatch.timing) and tables (hfpatch.evaluate.report) for the scripts."""
 
 from __future__ import annotations
 
@@ -6,23 +7,8 @@ import json
 import statistics
 import time
 
-from hfpatch.command import markdown_table  # noqa: F401 (re-exported to the bench scripts)
-
-
-def interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Run each callable `repeats` times, alternating between them (and reversing the order every round) so that
-    slow drifts of a shared 2-core machine hit all of them alike. Returns {name: [seconds, ...]}."""
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else reversed(names):
-            t0 = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - t0)
-    return times
+from hfpatch.evaluate.report import markdown_table  # noqa: F401 (re-exported to the bench scripts)
+from hfpatch.timing import interleaved  # noqa: F401 (re-exported to the bench scripts)
 
 
 def median(xs):

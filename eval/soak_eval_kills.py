@@ -27,6 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from hfpatch.evaluate.results import comparable
+from hfpatch.tiny import char_text, save_sized
+
 REPO = Path(__file__).resolve().parents[1]
 
 # The child: the hfpatch command, with the results file's writes instrumented to SIGKILL the process itself at
@@ -126,20 +129,17 @@ def main(argv=None) -> int:
     p.add_argument("--kills", type=int, default=25, help="kills per evaluation (default 25)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    sys.path.insert(0, str(REPO / "tests"))
-    from test_eval_perplexity import save_tiny, strip_timing, text_of
-
     rng = random.Random(args.seed)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     summary = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         env["HFPATCH_CACHE"] = str(tmp / "cache")
-        model = save_tiny(tmp / "model")
+        model = save_sized(tmp / "model")
         docs = tmp / "docs"
         docs.mkdir()
         for i in range(12):
-            (docs / f"d{i:02d}.txt").write_text(text_of(140, i), encoding="utf-8")
+            (docs / f"d{i:02d}.txt").write_text(char_text(140, i), encoding="utf-8")
         commands = {
             "ppl": ["eval", "ppl", "--model", str(model), "--text-files", str(docs), "--lengths", "16,32,64",
                     "--patches", "none,ntk:2,yarn:2", "--windowing", "both", "--stride", "8", "--no-plot"],
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
             out = tmp / name / "killed"
             got = kill_and_resume([*command, "--out", str(out)], out, random_faults(rng, args.kills), env,
                                   saves_of(whole))
-            same = strip_timing(got["final"]) == strip_timing(whole)
+            same = comparable(got["final"]) == comparable(whole)
             summary[name] = {"kills": sum(r["killed"] for r in got["runs"]), "runs": len(got["runs"]) + 1,
                              "by_mode": {m: sum(r["killed"] for r in got["runs"] if r["mode"] == m) for m in MODES},
                              "resumed_runs_in_file": len(got["final"].get("runs", [])),

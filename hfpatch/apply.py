@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from . import spec as specs
-from .adapters import Adapter, adapter_for, get_path
-from .edits import Edits, deferred_interrupts
+from .adapters import Adapter, InferenceError, adapter_for, get_path
+from .edits import MISSING, Edits, deferred_interrupts
 from .norm import convert as norms
+from .norm import kinds as norm_kinds
+from .norm.kinds import NORMS
 from .norm.placement import apply_placement, placement_forms
 from .position import schemes
 from .position.schemes import SCHEMES
@@ -88,7 +90,10 @@ def changes_weights(axis: str, req: dict) -> bool:
 
 def _apply_axis(model: PreTrainedModel, adapter: Adapter, axis: str, req: dict, edits: Edits):
     if axis == "norm":
-        return norms.apply_norm(model, adapter, req, adapter.placement_of(model.config), edits)
+        reason = norm_kinds.unavailable(req["kind"], model, adapter)
+        if reason:
+            raise ValueError(reason)
+        return norms.apply_norm(model, adapter, req, NORMS[req["kind"]], adapter.placement_of(model.config), edits)
     if axis == "placement":
         return apply_placement(model, adapter, req, edits)
     scheme = SCHEMES[req["scheme"]]
@@ -168,15 +173,13 @@ def block_names(model) -> dict:
 
 
 def _record(spec: dict, touched: dict, facts: dict, stages: list, adapter: dict) -> dict:
-    from .edits import _MISSING
-
     return {
         "version": RECORD_VERSION,
         "spec": copy.deepcopy(spec),
         "stages": copy.deepcopy(stages),
         "facts": copy.deepcopy(facts),
-        "original_config": {k: copy.deepcopy(v) for k, v in touched.items() if v is not _MISSING and k != "hfpatch"},
-        "added_config": sorted(k for k, v in touched.items() if v is _MISSING and k != "hfpatch"),
+        "original_config": {k: copy.deepcopy(v) for k, v in touched.items() if v is not MISSING and k != "hfpatch"},
+        "added_config": sorted(k for k, v in touched.items() if v is MISSING and k != "hfpatch"),
         "adapter": adapter,
     }
 
@@ -319,20 +322,41 @@ def _position(model, adapter: Adapter, state: PatchState | None) -> dict:
     return {"scheme": adapter.position_signal}
 
 
+def _limit_kind(model, adapter: Adapter) -> str | None:
+    """What kind of length limit the model has now (position/schemes.py, `limit`): that of the position scheme
+    applied, else "table" for a model's own learned table, "window" for the others."""
+    state = getattr(model, _STATE, None)
+    scheme = (state.applied if state else {}).get("position", {}).get("scheme")
+    if scheme is not None:
+        return SCHEMES[scheme].limit
+    return "table" if adapter.position_table else "window"
+
+
 def position_limit(model) -> int | None:
     """The longest sequence the model's position encoding is meant for now: a learned table's rows, RoPE's
     (scaled) max_position_embeddings; None for schemes without a fixed window (ALiBi, NoPE, sinusoidal, dynamic
     scaling)."""
     target = unwrap(model)
     adapter = adapter_for(target)
-    state = getattr(target, _STATE, None)
-    applied = state.applied if state else {}
-    scheme = applied.get("position", {}).get("scheme")
-    if scheme is not None and not SCHEMES[scheme].bounded:
+    if _limit_kind(target, adapter) is None:
         return None
     if adapter.position_table:
         return get_path(target.base_model, adapter.position_table).num_embeddings - adapter.position_offset
     return int(target.config.get_text_config().max_position_embeddings)
+
+
+def table_limit(model) -> int | None:
+    """The hard length limit of a model that reads a learned position table (its own, interpolated or not, or
+    position='learned'): past it the model fails with an index error deep inside, so evaluations and studies refuse
+    such lengths. None otherwise: RoPE only degrades past its window (that is what the evaluations measure), and
+    ALiBi / NoPE / sinusoidal no longer read the table. None also for a family hfpatch cannot read (it is scored
+    unpatched; its limits are its own)."""
+    target = unwrap(model)
+    try:
+        adapter = adapter_for(target)
+    except InferenceError:
+        return None
+    return position_limit(target) if _limit_kind(target, adapter) == "table" else None
 
 
 def describe(model) -> dict:
@@ -369,9 +393,10 @@ def describe(model) -> dict:
 def available(model, adapter: Adapter) -> dict:
     """What `patch` accepts for this model, per axis, and why the rest does not apply."""
     why = {f"position={s}": schemes.unavailable(s, adapter) for s in SCHEMES}
-    has_norms = bool(norms.norm_sites(model, adapter))
-    if not has_norms:
-        why["norm"] = "no norm module of the model computes RMSNorm or LayerNorm"
+    norm_why = {f"norm={k}": norm_kinds.unavailable(k, model, adapter) for k in NORMS}
+    offered = [k for k in NORMS if norm_why[f"norm={k}"] is None]
+    # one reason for the axis where no kind applies, else one per kind that does not
+    why.update(norm_why if offered else {"norm": next(iter(norm_why.values()))})
     exact = norms.exact_blocker(model, adapter, adapter.placement_of(model.config))
     why["exact_layernorm_to_rmsnorm"] = exact
     forms = placement_forms(adapter)
@@ -379,7 +404,7 @@ def available(model, adapter: Adapter) -> dict:
         why["placement"] = adapter.notes.get("placement") or "the blocks have no known pre/post form"
     return {
         "position": [s for s in SCHEMES if why[f"position={s}"] is None],
-        "norm": list(specs.NORMS) if has_norms else [],
+        "norm": offered,
         "exact_layernorm_to_rmsnorm": exact is None,
         "placement": forms,
         "not_available": {k: v for k, v in why.items() if v},

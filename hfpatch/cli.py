@@ -3,10 +3,10 @@
     hfpatch describe MODEL
     hfpatch patch MODEL --position yarn --factor 4 --out DIR
     hfpatch supported
-    hfpatch eval ppl ...        (python eval/perplexity.py ...; hfpatch eval ppl --help)
-    hfpatch eval passkey ...    (python eval/passkey.py ...)
-    hfpatch eval ruler ...      (python eval/ruler.py ...)
-    hfpatch eval niah ...       (python eval/niah.py ...)
+    hfpatch eval ppl ...        (hfpatch eval ppl --help)
+    hfpatch eval passkey ...
+    hfpatch eval ruler ...
+    hfpatch eval niah ...
     hfpatch lm-eval ...         (lm-evaluation-harness's lm_eval command, with --model hfpatch registered)
 
 MODEL: a hub id, a local folder, a .gguf file, or "smollm2" (the embedded default). Bad input: one line on stderr
@@ -24,7 +24,7 @@ from pathlib import Path
 from .command import Parser, UsageError, run_main
 from .evaluate import EVALUATIONS
 from .files import write_folder
-from .norm.modules import NORMS
+from .norm.kinds import NORMS
 
 
 def _key_value(text: str):

@@ -8,13 +8,6 @@ import argparse
 import sys
 
 
-def markdown_table(header: list, rows: list[list]) -> str:
-    """The tables the commands print (evaluations, the compare recipe)."""
-    lines = ["| " + " | ".join(str(h) for h in header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 class UsageError(Exception):
     pass
 

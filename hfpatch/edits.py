@@ -17,6 +17,8 @@ import contextlib
 import signal
 import threading
 
+import torch
+
 
 class _Marker:
     """A log marker that stays itself when the model is copied (copy.deepcopy) or pickled: markers are compared
@@ -38,7 +40,7 @@ class _Marker:
         return self.name  # pickled by reference to this module's global
 
 
-_MISSING = _Marker("_MISSING")
+MISSING = _Marker("MISSING")  # a value that was not there: what touched() reports for an added attribute
 _KEYS = _Marker("_KEYS")  # log marker: the set of attribute names an object had
 
 
@@ -46,7 +48,7 @@ class Edits:
     """An ordered log of reversible changes."""
 
     def __init__(self):
-        # (target, attribute, (previous value or _MISSING, its slot)): see _held
+        # (target, attribute, (previous value or MISSING, its slot)): see _held
         self._log: list[tuple[object, str, object]] = []
         self._undone: list[tuple[object, str, object, object]] = []  # what undo() removed, for redo()
 
@@ -65,7 +67,7 @@ class Edits:
     def delete(self, obj, name: str) -> None:
         """delattr(obj, name) if it exists, remembering the value."""
         old = _held(obj, name)
-        if old[0] is _MISSING:
+        if old[0] is MISSING:
             return
         self._log.append((obj, name, old))
         delattr(obj, name)
@@ -140,7 +142,7 @@ def _revert(obj, name, old, now) -> None:
         obj.__class__ = old
     elif name is _KEYS:
         for extra in now:
-            if _current(obj, extra) is not _MISSING or extra in getattr(obj, "_buffers", {}):
+            if _current(obj, extra) is not MISSING or extra in getattr(obj, "_buffers", {}):
                 delattr(obj, extra)
     else:
         _put(obj, name, (_like(old[0], now[0]), old[1]))
@@ -206,11 +208,11 @@ def _current(obj, name):
     # PretrainedConfig maps legacy names (e.g. GPT-2's n_positions) through attribute_map.
     amap = d.get("attribute_map") or getattr(type(obj), "attribute_map", {}) or {}
     name = amap.get(name, name)
-    return d.get(name, _MISSING)
+    return d.get(name, MISSING)
 
 
 def _held(obj, name):
-    """(value or _MISSING, its slot): "buffer" (persistent), "buffer-np" (non-persistent), "parameter", "module" or
+    """(value or MISSING, its slot): "buffer" (persistent), "buffer-np" (non-persistent), "parameter", "module" or
     None (a plain attribute, or absent), so that undo/redo put a value back where it was."""
     for slot, table in (("buffer", "_buffers"), ("parameter", "_parameters"), ("module", "_modules")):
         if name in getattr(obj, table, {}):
@@ -221,12 +223,12 @@ def _held(obj, name):
 
 
 def _put(obj, name, held) -> None:
-    """Put `held` (from _held) back: the value in its own kind of slot, or nothing if it was _MISSING. A value of
+    """Put `held` (from _held) back: the value in its own kind of slot, or nothing if it was MISSING. A value of
     another kind there now is removed first (nn.Module refuses e.g. a plain value over a submodule)."""
     value, slot = held
-    if _current(obj, name) is not _MISSING and (value is _MISSING or _held(obj, name)[1] != slot):
+    if _current(obj, name) is not MISSING and (value is MISSING or _held(obj, name)[1] != slot):
         delattr(obj, name)
-    if value is _MISSING:
+    if value is MISSING:
         return
     if slot in ("buffer", "buffer-np") and name not in obj._buffers:
         obj.register_buffer(name, value, persistent=slot == "buffer")
@@ -256,8 +258,6 @@ def _like(old, now):
     """The saved tensor or module, moved to the device and floating dtype its replacement has now: the model may
     have been moved (`model.to("cuda")`, `model.bfloat16()`) between patch and unpatch, and the saved objects were
     not in the model then."""
-    import torch
-
     if isinstance(old, torch.nn.Module) and isinstance(now, torch.nn.Module):
         target, have = _float_tensor(now), _float_tensor(old)
         if target is not None and have is not None and (have.dtype, have.device) != (target.dtype, target.device):

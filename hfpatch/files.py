@@ -96,10 +96,13 @@ def _stat_key(path: Path) -> str:
                           .encode()).hexdigest()
 
 
+def cache_dir() -> Path:
+    """hfpatch's cache folder: $HFPATCH_CACHE, else ~/.cache/hfpatch."""
+    return Path(os.environ.get("HFPATCH_CACHE") or Path.home() / ".cache" / "hfpatch")
+
+
 def cached_sha256(path) -> str:
     """sha256(path), remembered per (path, stat) in the cache folder (see the module docstring)."""
-    from .text import cache_dir
-
     path = Path(path)
     key = _stat_key(path)
     entry = cache_dir() / "files" / key[:2] / key
@@ -118,41 +121,6 @@ def cached_sha256(path) -> str:
     except OSError:
         pass  # a read-only cache: hashing again next time is only slower
     return digest
-
-
-# The files of a model folder that decide what is loaded (weights, configs, tokenizer), at its top level.
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt",
-               "tokenizer.model")
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
-
-
-def model_fingerprint(name: str) -> dict:
-    """What identifies the model `name` (as hfpatch.models.load takes it) by content: {file: sha256} of a local
-    folder's weights, configs and tokenizer files, or of a .gguf file; for a hub id, the commit of the snapshot in
-    the local cache (a commit's files never change). Two folders with the same files have the same fingerprint,
-    wherever they are."""
-    from .models import resolve
-
-    where, gguf_file = resolve(name)
-    if gguf_file:
-        return {gguf_file: cached_sha256(Path(where) / gguf_file)}
-    folder = Path(where)
-    if not folder.is_dir():
-        return {"hub": where, "revision": _hub_revision(where)}
-    names = sorted(p.name for p in folder.iterdir()
-                   if p.is_file() and (p.name in MODEL_FILES or p.name.endswith(WEIGHT_SUFFIXES)))
-    return {n: cached_sha256(folder / n) for n in names}
-
-
-def _hub_revision(repo: str) -> str | None:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(repo, "config.json")
-    except Exception:  # an id the hub library refuses: loading will say why
-        return None
-    return Path(found).parent.name if isinstance(found, str) else None
 
 
 def differences(old, new, prefix: str = "") -> list[str]:

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from . import spec as specs
 from .adapters import Adapter, adapter_for, set_adapter
-from .apply import AXES, apply_axes, bake, changes_weights, patch, state_of, touched_config, unwrap
+from .apply import AXES, apply_axes, bake, changes_weights, describe, patch, state_of, touched_config, unwrap
 
 
 @contextlib.contextmanager
@@ -83,8 +83,6 @@ def save_pretrained(model, path, tokenizer=None, **kwargs):
 
 
 def _native(model) -> bool:
-    from .apply import describe
-
     return describe(model)["position"].get("native", True)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .adapters import adapter_for
 from .apply import unwrap
@@ -26,6 +27,17 @@ class LMParts:
     input_device: torch.device
 
 
+def softcap_of(config) -> float | None:
+    """The cap a family puts on its final logits (gemma2/3: cap * tanh(logits / cap)), None where it has none."""
+    return getattr(config, "final_logit_softcapping", None) or None
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap), as the model's own forward computes it (in the logits' dtype); the logits where
+    there is no cap."""
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 def _not_causal(name: str, model_type) -> ValueError:
     return ValueError(
         f"{name} ({model_type}) is not a causal language model; perplexity and passkey retrieval need a model that "
@@ -35,8 +47,6 @@ def _not_causal(name: str, model_type) -> ValueError:
 
 def check_causal_config(config) -> None:
     """The same refusal from a config alone (its `architectures`), before any weights are loaded."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     archs = getattr(config, "architectures", None) or []
     if archs and not set(archs) & set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
         raise _not_causal(archs[0], config.model_type)
@@ -44,8 +54,6 @@ def check_causal_config(config) -> None:
 
 def causal_lm_parts(model) -> LMParts:
     """Split a causal LM into its body and head; ValueError for models that do not predict the next token."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     target = unwrap(model)
     config = target.config
     name = type(target).__name__
@@ -62,7 +70,7 @@ def causal_lm_parts(model) -> LMParts:
     device = target.get_input_embeddings().weight.device
     if device.type == "meta":  # offloaded by accelerate (device_map): its hooks move the inputs where they run
         device = torch.device("cpu")
-    return LMParts(base, head, getattr(config, "final_logit_softcapping", None), device)
+    return LMParts(base, head, softcap_of(config), device)
 
 
 def head_logits(parts: LMParts, h: torch.Tensor) -> torch.Tensor:
@@ -70,10 +78,8 @@ def head_logits(parts: LMParts, h: torch.Tensor) -> torch.Tensor:
     w = getattr(parts.head, "weight", None)
     if w is not None and w.device.type != "meta" and h.device != w.device:  # sharded by device_map: the last
         h = h.to(w.device)  # layer and the head may sit on different GPUs
-    logits = parts.head(h).float()  # like transformers' loss: logits in the model's dtype, upcast for the loss
-    if parts.softcap:
-        logits = torch.tanh(logits / parts.softcap) * parts.softcap
-    return logits
+    # like transformers' loss: logits in the model's dtype, upcast for the loss, then capped
+    return softcap(parts.head(h).float(), parts.softcap)
 
 
 @torch.no_grad()
@@ -95,6 +101,20 @@ def window_nll(parts: LMParts, ids: torch.Tensor, first: int = 1, chunk: int = 1
         total += nll.double().cpu()
         del logits, nll
     return float(total), n - first
+
+
+@torch.no_grad()
+def logits_nll(model, seqs: torch.Tensor, first: int = 1, batch: int = 1) -> tuple[float, int]:
+    """(sum of -log p(seqs[:, t] | seqs[:, :t]) for t in first..len-1, number of terms) from the model's own logits,
+    `batch` sequences per forward: every position goes through the LM head at once (for small models, and any
+    module whose output has .logits), where window_nll keeps the head to chunks."""
+    total, count = 0.0, 0
+    for i in range(0, len(seqs), batch):
+        x = seqs[i:i + batch]
+        logits = model(input_ids=x, use_cache=False).logits[:, first - 1:-1].float()
+        total += float(F.cross_entropy(logits.flatten(0, 1), x[:, first:].flatten(), reduction="sum"))
+        count += x[:, first:].numel()
+    return total, count
 
 
 def windows(n_tokens: int, length: int, windowing: str, stride: int | None = None) -> list[tuple[int, int, int]]:

@@ -6,6 +6,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import pickle
+from pathlib import Path
+
+from huggingface_hub import try_to_load_from_cache
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from . import files
+from .io import from_pretrained, refuse_pickled_weights, remote_code_refused
 
 SMOLLM2 = "smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,10 +63,6 @@ def load(name: str, dtype=None, device_map=None, tokenizer: bool = True, trust_r
     trust_remote_code: run the Python code a model folder (or hub repository) carries, if it needs it; off by
     default. allow_pickled_weights: load pytorch_model.bin weights (pickles, read with torch.load(weights_only=True))
     when there are no safetensors; off by default."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .io import from_pretrained, refuse_pickled_weights, remote_code_refused
-
     where, gguf_file = resolve(name)
     kwargs = {k: v for k, v in {"dtype": dtype, "device_map": device_map, "gguf_file": gguf_file}.items() if v is not None}
     kwargs["trust_remote_code"] = trust_remote_code
@@ -90,3 +93,34 @@ def load(name: str, dtype=None, device_map=None, tokenizer: bool = True, trust_r
                 raise ValueError(remote_code_refused(f"the tokenizer of {name}", OPT_IN["trust_remote_code"])) from None
             tok = None  # a weights-only folder: the model is still usable
     return model, tok
+
+
+# The files of a model folder that decide what is loaded (weights, configs, tokenizer), at its top level.
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt",
+               "tokenizer.model")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+
+
+def model_fingerprint(name: str) -> dict:
+    """What identifies the model `name` (as hfpatch.models.load takes it) by content: {file: sha256} of a local
+    folder's weights, configs and tokenizer files, or of a .gguf file; for a hub id, the commit of the snapshot in
+    the local cache (a commit's files never change). Two folders with the same files have the same fingerprint,
+    wherever they are."""
+    where, gguf_file = resolve(name)
+    if gguf_file:
+        return {gguf_file: files.cached_sha256(Path(where) / gguf_file)}
+    folder = Path(where)
+    if not folder.is_dir():
+        return {"hub": where, "revision": _hub_revision(where)}
+    names = sorted(p.name for p in folder.iterdir()
+                   if p.is_file() and (p.name in MODEL_FILES or p.name.endswith(WEIGHT_SUFFIXES)))
+    return {n: files.cached_sha256(folder / n) for n in names}
+
+
+def _hub_revision(repo: str) -> str | None:
+    try:
+        found = try_to_load_from_cache(repo, "config.json")
+    except Exception:  # an id the hub library refuses: loading will say why
+        return None
+    return Path(found).parent.name if isinstance(found, str) else None

@@ -7,7 +7,9 @@ Only options the user gave are stored, so two specs are equal when the requests 
 
 from __future__ import annotations
 
-from .norm.modules import NORMS
+import json
+
+from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS
 from .position import schemes
 
@@ -79,8 +81,6 @@ def parse(text: str) -> dict:
 
 
 def _parse_position(item: str, text: str) -> dict:
-    import json
-
     head, *rest = item.split(":")
     kwargs: dict = {"position": head}
     for i, part in enumerate(rest):

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
+from transformers import AutoConfig, AutoTokenizer
 
+from .files import cache_dir
 from .lm import check_causal_config
 from .models import resolve
 
@@ -110,7 +112,7 @@ def dataset_documents(name: str, config: str | None = None, split: str = "test",
                       text_field: str = "text") -> Iterator[Document]:
     """Rows of a `datasets` dataset, streamed (a large hub dataset is not downloaded beyond what is used)."""
     try:
-        import datasets
+        import datasets  # only --dataset reads it, and importing it costs about a second
 
         ds = datasets.load_dataset(name, config, split=split, streaming=True)
         rows = iter(ds)
@@ -156,8 +158,6 @@ def documents(text_files_arg=None, dataset=None, config=None, split="test", text
 def load_tokenizer(name: str):
     """The tokenizer of a model (hub id, folder, .gguf, "smollm2"), after checking from its config alone that the
     model is a causal LM: both before any weights are loaded, so that those errors come at once."""
-    from transformers import AutoConfig, AutoTokenizer
-
     where, gguf_file = resolve(name)
     if not gguf_file:
         try:
@@ -174,10 +174,6 @@ def load_tokenizer(name: str):
 
 # ---------------------------------------------------------------------------------------------------------------
 # tokenization (cached)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("HFPATCH_CACHE") or Path.home() / ".cache" / "hfpatch")
 
 
 # Keyed by the tokenizer object itself, held weakly: a cache keyed by id() handed a freed tokenizer's fingerprint

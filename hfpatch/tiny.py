@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import string
 
 import torch
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedConfig
+from tokenizers import Tokenizer, decoders, models
+from transformers import (CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, PreTrainedConfig,
+                          PreTrainedTokenizerFast)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import is_timm_available
 from transformers.utils import logging as hf_logging
@@ -537,15 +540,33 @@ def sample_ids(batch: int = 1, length: int = 8, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB - 8, (batch, length), generator=g)
 
 
+def from_config(config, seed: int = 0, norm_noise: float = 0.0, auto_class=AutoModelForCausalLM, dtype=None):
+    """The one way a tiny model is made: `auto_class.from_config(config)` (in `dtype` if given, which the config then
+    records) with the RNG seeded by `seed`, in eval mode; with `norm_noise`, every norm weight moved off its init by
+    N(0, norm_noise²) (perturb_norms)."""
+    torch.manual_seed(seed)
+    model = auto_class.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+    if norm_noise:
+        perturb_norms(model, norm_noise)
+    return model.eval()
+
+
+def perturb_norms(model, scale: float = 0.1) -> None:
+    """Norm weights and biases plus N(0, scale²) noise from the global RNG, so that a test notices a norm that is
+    lost or mis-scaled (their init, all ones or zeros, hides both)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() or "ln_" in name:
+                p.add_(scale * torch.randn_like(p))
+
+
 def _build(model_type: str, seed: int = 0, **overrides):
     config = tiny_config(model_type, **overrides)
-    torch.manual_seed(seed)
     with quiet():
         try:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = from_config(config, seed, dtype=torch.float32)
         except Exception as e:
             raise TinyBuildError(f"{model_type}: model does not build ({_one_line(e)})") from e
-        model.eval()
         if model_type in _AFTER_BUILD:
             _AFTER_BUILD[model_type](model)
         try:
@@ -575,3 +596,70 @@ def build_tiny(model_type: str, seed: int = 0, **overrides):
     if model_type in EXPECTED_FAILURES:
         raise TinyBuildError(f"{model_type}: {EXPECTED_FAILURES[model_type]}")
     return _build(model_type, seed, **overrides)
+
+
+# --- hand-sized models ----------------------------------------------------------------------------------------------
+# The models the test suite checks numerically: a few families at sizes written out here (not shrunk by the rules
+# above), a vocabulary of SIZED_VOCAB ids (that of char_tokenizer), random norm weights (perturb_norms). BERT is its
+# masked-LM model: the bidirectional case.
+SIZED_VOCAB = 101
+_SIZED_COMMON = dict(vocab_size=SIZED_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=WINDOW, pad_token_id=0, bos_token_id=1,
+                     eos_token_id=2)
+SIZED: dict[str, dict] = {
+    "llama": dict(_SIZED_COMMON, num_key_value_heads=2),
+    "mistral": dict(_SIZED_COMMON, num_key_value_heads=2),
+    "qwen2": dict(_SIZED_COMMON, num_key_value_heads=2),
+    "qwen3": dict(_SIZED_COMMON, num_key_value_heads=2),
+    "gemma": dict(_SIZED_COMMON, num_key_value_heads=2),
+    "gemma2": dict(_SIZED_COMMON, num_key_value_heads=2, head_dim=16, sliding_window=16),
+    "gemma3_text": dict(_SIZED_COMMON, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(_SIZED_COMMON, original_max_position_embeddings=WINDOW),
+    "olmo2": dict(_SIZED_COMMON, num_key_value_heads=2),
+    "gpt_neox": dict(_SIZED_COMMON, hidden_size=128, partial_rotary_factor=0.25),  # head 32, 8 rotated channels
+    "gpt2": dict(vocab_size=SIZED_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=WINDOW, bos_token_id=1,
+                 eos_token_id=2),
+    "opt": dict(_SIZED_COMMON, ffn_dim=128, word_embed_proj_dim=64),
+    "bert": dict(_SIZED_COMMON),
+}
+_ENCODERS = {"bert"}  # built as masked LMs
+
+
+def sized_config(model_type: str, **overrides):
+    """The hand-sized config of `model_type` (a key of SIZED; any other family with the common sizes), `overrides`
+    applied last."""
+    return AutoConfig.for_model(model_type, **{**SIZED.get(model_type, dict(_SIZED_COMMON, num_key_value_heads=2)),
+                                               **overrides})
+
+
+def sized_model(model_type: str, seed: int = 0, **overrides):
+    """A hand-sized model: sized_config, seeded, with its norm weights perturbed (scale 0.1)."""
+    config = sized_config(model_type, **overrides)
+    auto_class = AutoModelForMaskedLM if model_type in _ENCODERS else AutoModelForCausalLM
+    return from_config(config, seed, norm_noise=0.1, auto_class=auto_class)
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer with exactly the hand-sized models' 101 ids (pad 0, bos 1, eos 2, unk 3): each
+    printable ASCII character is one token; anything else (é, emoji) is one <unk> token that owns 2-4 bytes."""
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + chars)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+
+
+def char_text(n_chars: int, seed: int) -> str:
+    """Deterministic pseudo-text for char_tokenizer, with some multi-byte characters (2-byte é, 4-byte emoji)."""
+    g = torch.Generator().manual_seed(seed)
+    alphabet = list(string.ascii_lowercase + "     .,\n") + ["é", "\U0001F600"]
+    return "".join(alphabet[i] for i in torch.randint(0, len(alphabet), (n_chars,), generator=g).tolist())
+
+
+def save_sized(path, model_type: str = "llama"):
+    """A hand-sized model and the char tokenizer saved in folder `path` (a model any command can load); `path`."""
+    sized_model(model_type).save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path

@@ -26,10 +26,11 @@ from accelerate import PartialState
 from accelerate.utils import set_seed
 
 import hfpatch
-from hfpatch.evaluate import passkey, perplexity
+from hfpatch.evaluate.evaluations import passkey, ppl
 from hfpatch.evaluate.common import versions
 from hfpatch.models import load
-from hfpatch.train import compare, data, loop, setup
+from hfpatch.train import data, loop, measure, setup, study_report
+from hfpatch.train.study import claim, load_study, newest_checkpoint_step, plan
 from hfpatch.train.config import ConfigError
 
 
@@ -38,7 +39,7 @@ def train(run, study, tok) -> None:
     if (run.out / "final").is_dir():
         return
     cfg = run.cfg
-    start = compare.newest_checkpoint_step(run.out)
+    start = newest_checkpoint_step(run.out)
     cfg["resume"] = bool(start)  # an interrupted run goes on from its newest checkpoint
     set_seed(cfg.seed)  # as pretrain.py: the same initial weights for every arm that has the same shapes
     model = setup.from_config(cfg, tok)
@@ -47,7 +48,7 @@ def train(run, study, tok) -> None:
     grads = None
     if study["evaluate"]["grad_norms"]:
         run.out.mkdir(parents=True, exist_ok=True)
-        grads = compare.GradNorms(model, run.out / "grad_norms.jsonl", start)
+        grads = measure.GradNorms(model, run.out / "grad_norms.jsonl", start)
     try:
         loop.train(cfg, model, tok, train_seqs, eval_seqs)
     finally:
@@ -62,17 +63,16 @@ def evaluate(run, study, held_out) -> dict:
     model, _ = load(str(final))
     model.eval()
     info = hfpatch.describe(model)
-    # A learned absolute table (position='learned') refuses positions past its rows: lengths past it are not run.
-    limit = info["position_limit"] if info["position"]["scheme"] == "learned" else None
+    limit = hfpatch.apply.table_limit(model)  # a learned table fails past its rows: lengths past it are not run
     out = {"arm": run.arm, "seed": run.seed, "name": run.name, "overrides": run.overrides, "command": run.command,
            "parameters": sum(p.numel() for p in model.parameters()), "applied": info["applied"],
-           "training": compare.training_summary(run.out)}
+           "training": measure.training_summary(run.out)}
     if ev["text_files"]:
         lengths = ev["lengths"] or [cfg.seq_len]
         usable = [n for n in lengths if limit is None or n <= limit]
         out["refused_lengths"] = {str(n): f"past the learned table's {limit} rows" for n in lengths if n not in usable}
         where = run.out / "eval_ppl"
-        code = perplexity.main(["--model", str(final), "--text-files", *ev["text_files"],
+        code = ppl.main(["--model", str(final), "--text-files", *ev["text_files"],
                                 "--lengths", ",".join(map(str, usable)), "--tokens-per-doc", str(ev["tokens_per_doc"]),
                                 "--patches", "none", "--out", str(where), "--no-plot"])
         if code:
@@ -80,10 +80,10 @@ def evaluate(run, study, held_out) -> dict:
         cells = json.loads((where / "results.json").read_text())["cells"]
         out["ppl"] = {str(c["length"]): c["ppl"] for c in cells if c.get("complete")}
     if ev["batch_statistics"]:
-        out["statistics"] = compare.statistics_effect(model, held_out, cfg.seq_len, cfg.batch_size)
+        out["statistics"] = measure.statistics_effect(model, held_out, cfg.seq_len, cfg.batch_size)
     r = ev["recall"]
     if r is not None and run.arm in r.get("arms", study["arms"]):
-        out["recall"] = compare.recall(model, held_out, r["distances"], r.get("span", 32), r.get("trials", 16),
+        out["recall"] = measure.recall(model, held_out, r["distances"], r.get("span", 32), r.get("trials", 16),
                                        limit=limit)
     p = ev["passkey"]
     if p is not None and run.arm in p.get("arms", study["arms"]):
@@ -99,7 +99,7 @@ def evaluate(run, study, held_out) -> dict:
                           max(1, sum(1 for c in cells if c["length"] == n)) for n in p["lengths"]}
         out["passkey_answers"] = [t["answer"] for c in cells for t in c["trials"]][:6]
     if ev["grad_norms"]:
-        rows = compare.read_jsonl(run.out / "grad_norms.jsonl")
+        rows = measure.read_jsonl(run.out / "grad_norms.jsonl")
         steps = [{**row, "total": sum(v * v for k, v in row.items() if k != "step") ** 0.5} for row in rows]
         out["grad_norms"] = {"init": {k: v for k, v in rows[0].items() if k != "step"} if rows else {},
                              "steps": steps}
@@ -111,7 +111,7 @@ def main(study) -> None:
     if PartialState().num_processes > 1:
         raise ConfigError("compare.py trains its runs one after another in one process; launch it with one process "
                           "(--config_file recipes/accelerate/cpu.yaml)")
-    runs = compare.plan(study)  # every arm's config is checked before anything trains
+    runs = plan(study)  # every arm's config is checked before anything trains
     tok_dir = runs[0].cfg.tokenizer
     if not os.path.exists(tok_dir):  # a small BPE on the training text, as README run (b) (the same script)
         spec = importlib.util.spec_from_file_location("train_tokenizer", Path(__file__).with_name("train_tokenizer.py"))
@@ -121,19 +121,19 @@ def main(study) -> None:
         train_tokenizer.main(["--text-files", *([files] if isinstance(files, str) else files),
                               "--vocab-size", str(study["tokenizer_vocab"]), "--out", tok_dir])
     tok = setup.tokenizer(tok_dir)
-    held_out = compare.held_out_tokens(study, tok) if study["evaluate"]["text_files"] else None
+    held_out = measure.held_out_tokens(study, tok) if study["evaluate"]["text_files"] else None
     summary = {"study": study["study"], "config": study, "arms": list(study["arms"]), "seeds": study["seeds"],
                "lengths": study["evaluate"]["lengths"], "trained_length": runs[0].cfg.seq_len, "runs": [],
                "versions": versions(), "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                "argv": sys.argv[1:]}
     out = Path(study["output_dir"])
     for run in runs:
-        compare.claim(run)  # a folder trained with other settings is refused, not reused
+        claim(run)  # a folder trained with other settings is refused, not reused
     for run in runs:
         t0 = time.perf_counter()
         train(run, study, tok)
         summary["runs"].append({**evaluate(run, study, held_out), "wall_seconds": round(time.perf_counter() - t0, 1)})
-        compare.write(summary, out, plot_it=False)
+        study_report.write(summary, out, plot_it=False)
     rounds = study["evaluate"]["step_time_rounds"]
     if rounds:  # the runs' own s/step come from different moments of a shared machine: this compares them fairly
         first = {}
@@ -142,10 +142,10 @@ def main(study) -> None:
         models = {arm: load(str(r.out / "final"))[0] for arm, r in first.items()}
         cfg = runs[0].cfg
         batch = held_out[: cfg.batch_size * cfg.seq_len].view(cfg.batch_size, cfg.seq_len)
-        summary["step_time"] = {"seconds": compare.step_times(models, batch, rounds), "rounds": rounds,
+        summary["step_time"] = {"seconds": measure.step_times(models, batch, rounds), "rounds": rounds,
                                 "batch": f"{cfg.batch_size} x {cfg.seq_len}"}
-    path = compare.write(summary, out)
-    print(compare.table(summary))
+    path = study_report.write(summary, out)
+    print(study_report.table(summary))
     print(f"\n{path} (+ .md, .png)", file=sys.stderr)
 
 
@@ -155,7 +155,7 @@ def cli(argv=None) -> int:
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args(argv)
     try:
-        main(compare.load_study(args.config, args.overrides))
+        main(load_study(args.config, args.overrides))
     except ConfigError as e:
         print(f"compare: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Tiny random models of every supported family, built from configs (no downloads), and shared helpers."""
+"""Tiny random models of every supported family (hfpatch.tiny's hand-sized ones: no downloads), and shared helpers."""
 
 from __future__ import annotations
 
@@ -9,57 +9,24 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 import hfpatch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
-from transformers.utils import logging as hf_logging
+from hfpatch import tiny
 
 hf_logging.set_verbosity_error()
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt_neox",
-            "gpt2", "opt", "bert"]
+FAMILIES = list(tiny.SIZED)
 ROPE_FAMILIES = FAMILIES[:10]
-WINDOW = 64  # trained window of the tiny models; tests run past it
-VOCAB = 101
+WINDOW = tiny.WINDOW  # trained window of the tiny models; tests run past it
+VOCAB = tiny.SIZED_VOCAB
 
 REPO = Path(__file__).resolve().parents[1]
 BOOKS = Path(os.environ.get("HFPATCH_BOOKS", REPO.parent / "shared" / "data" / "books"))
 
-
-def tiny_config(family: str, **overrides):
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=WINDOW, pad_token_id=0, bos_token_id=1,
-                  eos_token_id=2)
-    per_family = {
-        "gpt2": dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=WINDOW, bos_token_id=1,
-                     eos_token_id=2),
-        "opt": dict(common, ffn_dim=128, word_embed_proj_dim=64),
-        "bert": dict(common),
-        "gpt_neox": dict(common, hidden_size=128, partial_rotary_factor=0.25),  # head 32, 8 rotated channels
-        "phi3": dict(common, original_max_position_embeddings=WINDOW),
-        "gemma2": dict(common, num_key_value_heads=2, head_dim=16, sliding_window=16),
-        "gemma3_text": dict(common, num_key_value_heads=2, head_dim=16, sliding_window=16,
-                            layer_types=["sliding_attention", "full_attention"]),
-    }
-    kw = per_family.get(family, dict(common, num_key_value_heads=2))
-    kw.update(overrides)
-    return AutoConfig.for_model(family, **kw)
-
-
-def build(config, seed=0):
-    torch.manual_seed(seed)
-    cls = AutoModelForMaskedLM if config.model_type == "bert" else AutoModelForCausalLM
-    model = cls.from_config(config).eval()
-    # Random norm weights, so that tests notice a norm that is lost or mis-scaled (init would be all ones/zeros).
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name.lower() or "ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-def tiny_model(family: str, seed=0, **overrides):
-    return build(tiny_config(family, **overrides), seed)
+tiny_config = tiny.sized_config
+tiny_model = tiny.sized_model
 
 
 def native_model(family: str, weights_from, rope_parameters, max_position_embeddings, **overrides):

@@ -1,6 +1,7 @@
-"""recipes/compare.py and its machinery (hfpatch/train/compare.py): the study config, per-block gradient norms
-against the gradients themselves, the repeated-span recall probe against a model that copies by construction, the
-normalisation-statistics measurement, and a whole tiny study (run twice: the second run redoes nothing)."""
+"""recipes/compare.py and its machinery (hfpatch/train/study.py, measure.py, study_report.py): the study config,
+per-block gradient norms against the gradients themselves, the repeated-span recall probe against a model that copies
+by construction, the normalisation-statistics measurement, and a whole tiny study (run twice: the second run redoes
+nothing)."""
 
 import json
 import os
@@ -13,7 +14,7 @@ import torch
 from conftest import REPO, stdlib_text, tiny_model, tokens
 
 import hfpatch
-from hfpatch.train import compare
+from hfpatch.train import measure, study
 from hfpatch.train.config import ConfigError
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -35,7 +36,7 @@ def text(tmp_path_factory):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(bogus=1), "unknown key 'bogus'"),
+    (dict(bogus=1), "unknown config key 'bogus'"),
     (dict(arms={}), "arms must name at least one arm"),
     (dict(arms={"x": {"lr": "fast"}}), "arm 'x': lr must be float"),
     (dict(arms={"x": {"patch": {"position": "t6"}}}), "arm 'x': patch: unknown position scheme 't6'"),
@@ -49,7 +50,7 @@ def test_bad_study_configs_are_one_clear_error(tmp_path, text, change, message):
 
     path.write_text(yaml.safe_dump({**study_values(tmp_path, text), **change}))
     with pytest.raises(ConfigError) as e:
-        compare.plan(compare.load_study(str(path), []))
+        study.plan(study.load_study(str(path), []))
     assert message in str(e.value)
 
 
@@ -58,7 +59,7 @@ def test_arms_differ_only_by_their_overrides(tmp_path, text):
 
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(study_values(tmp_path, text, seeds=[0, 1]), sort_keys=False))
-    runs = compare.plan(compare.load_study(str(path), ["pretrain.max_steps=7", "arms.alibi.lr=0.01"]))
+    runs = study.plan(study.load_study(str(path), ["pretrain.max_steps=7", "arms.alibi.lr=0.01"]))
     assert [r.name for r in runs] == ["rope/seed0", "rope/seed1", "alibi/seed0", "alibi/seed1"]
     a, b = dict(runs[0].cfg), dict(runs[2].cfg)
     differ = sorted(k for k in a if a[k] != b[k])
@@ -68,7 +69,7 @@ def test_arms_differ_only_by_their_overrides(tmp_path, text):
 
 def test_grad_norms_are_the_norms_of_the_accumulated_gradients(tmp_path):
     model = tiny_model("llama").train()
-    rec = compare.GradNorms(model, tmp_path / "g.jsonl", first_step=0)
+    rec = measure.GradNorms(model, tmp_path / "g.jsonl", first_step=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     try:
         for _ in range(2):  # two micro-batches accumulate into one step
@@ -81,11 +82,11 @@ def test_grad_norms_are_the_norms_of_the_accumulated_gradients(tmp_path):
         opt.step()
     finally:
         rec.close()
-    [row] = compare.read_jsonl(tmp_path / "g.jsonl")
+    [row] = measure.read_jsonl(tmp_path / "g.jsonl")
     assert row["step"] == 1 and set(row) - {"step"} == set(want) == {"embedding", "layer.0", "layer.1", "final"}
     assert all(abs(row[g] - want[g] ** 0.5) < 1e-5 * max(1.0, want[g] ** 0.5) for g in want)
     opt.step()  # after close, nothing more is recorded
-    assert len(compare.read_jsonl(tmp_path / "g.jsonl")) == 1
+    assert len(measure.read_jsonl(tmp_path / "g.jsonl")) == 1
 
 
 class Copier(torch.nn.Module):
@@ -110,22 +111,22 @@ class Copier(torch.nn.Module):
 def test_recall_gain_measures_how_far_the_model_copies():
     g = torch.Generator().manual_seed(0)
     ids = torch.randperm(5000, generator=g)[:3000]  # held-out text with no repeats
-    result = compare.recall(Copier(5000, reach=100), ids, [8, 40, 200], span=8, trials=3, limit=300)
+    result = measure.recall(Copier(5000, reach=100), ids, [8, 40, 200], span=8, trials=3, limit=300)
     assert result["8"]["gain"] > 5 and result["40"]["gain"] > 5  # the copy is within reach
     assert abs(result["200"]["gain"]) < 1e-6  # 200 + 8 tokens back: out of reach, nothing recalled
-    assert compare.recall(Copier(5000, 100), ids, [400], span=8, trials=1, limit=300)["400"]["skipped"]
+    assert measure.recall(Copier(5000, 100), ids, [400], span=8, trials=1, limit=300)["400"]["skipped"]
 
 
 def test_statistics_effect_only_moves_batch_norms():
     ids = tokens(64 * 8, seed=3)[0]
     ln = tiny_model("llama")
-    nll = compare.statistics_effect(ln, ids, 64, 4)["nll"]
+    nll = measure.statistics_effect(ln, ids, 64, 4)["nll"]
     assert max(nll.values()) - min(nll.values()) < 1e-5
     bn = hfpatch.patch(tiny_model("llama"), norm="batchnorm").train()
     with torch.no_grad():
         for s in range(3):
             bn(tokens(64, batch=4, seed=s))
-    nll = compare.statistics_effect(bn, ids, 64, 4)["nll"]
+    nll = measure.statistics_effect(bn, ids, 64, 4)["nll"]
     assert abs(nll["running_batch1"] - nll["running_batch4"]) < 1e-5  # running statistics: the batch does not matter
     assert abs(nll["batchstats_batch1"] - nll["running_batch1"]) > 1e-3
     assert abs(nll["batchstats_batch1"] - nll["batchstats_batch4"]) > 1e-4

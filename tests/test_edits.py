@@ -11,7 +11,7 @@ from conftest import assert_same_fingerprint, fingerprint, tiny_model
 from torch import nn
 from transformers import GPT2Config
 
-from hfpatch.edits import _KEYS, _MISSING, Edits, with_mixin
+from hfpatch.edits import _KEYS, MISSING, Edits, with_mixin
 
 
 def holder():
@@ -63,7 +63,7 @@ def test_undo_goes_newest_first_and_touched_reports_the_first_value():
     e.set(m, "plain", "one")
     e.set(m, "plain", "two")
     e.set(m, "fresh", 1)
-    assert e.touched(m) == {"plain": "original", "fresh": _MISSING}
+    assert e.touched(m) == {"plain": "original", "fresh": MISSING}
     e.undo()
     assert m.plain == "original" and not hasattr(m, "fresh")
 
@@ -217,8 +217,8 @@ def test_config_legacy_names_are_followed():
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_log_carried_by_a_copied_model_undoes_the_copy(how):
     """Markers are compared by identity: they stay themselves through deepcopy and pickle, so the copy's log
-    deletes the attributes it added (old value _MISSING) on the copy, and the original is not touched."""
-    assert copy.deepcopy(_MISSING) is _MISSING and pickle.loads(pickle.dumps(_KEYS)) is _KEYS
+    deletes the attributes it added (old value MISSING) on the copy, and the original is not touched."""
+    assert copy.deepcopy(MISSING) is MISSING and pickle.loads(pickle.dumps(_KEYS)) is _KEYS
     m = holder()
     e = Edits()
     e.set(m, "plain", "patched")

@@ -14,10 +14,12 @@ import random
 
 import pytest
 from conftest import REPO
-from test_eval_perplexity import save_tiny, strip_timing, text_of
 
 from hfpatch.cli import main as cli_main
-from hfpatch.evaluate import perplexity
+from hfpatch.evaluate.evaluations import ppl as perplexity
+from hfpatch.evaluate.results import comparable as strip_timing
+from hfpatch.tiny import save_sized as save_tiny
+from hfpatch.tiny import char_text as text_of
 
 _spec = importlib.util.spec_from_file_location("soak_eval_kills", REPO / "eval" / "soak_eval_kills.py")
 soak = importlib.util.module_from_spec(_spec)

@@ -161,7 +161,7 @@ def test_a_hub_model_is_identified_by_its_cached_commit(tmp_path, monkeypatch):
     """A hub id names no content; the snapshot the cache holds (by commit) does."""
     import huggingface_hub.constants as constants
 
-    from hfpatch.files import model_fingerprint
+    from hfpatch.models import model_fingerprint
 
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hub" / "models--someone--tiny"

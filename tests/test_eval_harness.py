@@ -10,7 +10,6 @@ import math
 import re
 
 import pytest
-from test_eval_perplexity import save_tiny, text_of, tiny_tokenizer
 
 pytest.importorskip("lm_eval", reason="the lm-eval bridge tests need the optional extra: pip install 'hfpatch[lm-eval]'")
 
@@ -21,6 +20,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noq
 from hfpatch.cli import main as cli_main  # noqa: E402
 from hfpatch.evaluate import harness  # noqa: E402
 from hfpatch.lm import windows  # noqa: E402
+from hfpatch.tiny import save_sized as save_tiny  # noqa: E402
+from hfpatch.tiny import char_text as text_of  # noqa: E402
+from hfpatch.tiny import char_tokenizer as tiny_tokenizer  # noqa: E402
 
 TASK = "hfpatch_local_text"
 LENGTH = 48

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_eval_perplexity import save_tiny, tiny_tokenizer
 
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate import haystack as hs
-from hfpatch.evaluate import niah
+from hfpatch.evaluate.evaluations import niah
+from hfpatch.tiny import save_sized as save_tiny
+from hfpatch.tiny import char_tokenizer as tiny_tokenizer
 
 
 @pytest.fixture(autouse=True)

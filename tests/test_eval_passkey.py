@@ -9,13 +9,15 @@ import re
 import pytest
 import torch
 from conftest import tiny_model
-from test_eval_perplexity import save_tiny, strip_timing, tiny_tokenizer
 
 import hfpatch
 from hfpatch.cli import main as cli_main
-from hfpatch.evaluate import passkey
-from hfpatch.evaluate.passkey import FILLER, build_prompt, is_correct, make_key
+from hfpatch.evaluate.evaluations import passkey
+from hfpatch.evaluate.evaluations.passkey import FILLER, build_prompt, is_correct, make_key
+from hfpatch.evaluate.results import comparable as strip_timing
 from hfpatch.lm import causal_lm_parts, greedy
+from hfpatch.tiny import save_sized as save_tiny
+from hfpatch.tiny import char_tokenizer as tiny_tokenizer
 
 
 @pytest.fixture(autouse=True)

@@ -3,56 +3,32 @@ both windowings; resume; data sources; tokenization cache; one-line errors with 
 
 from __future__ import annotations
 
-import copy
 import json
 import math
-import string
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FAMILIES, REPO, tiny_model, tokens
+from conftest import FAMILIES, tiny_model, tokens
 
 import hfpatch
-from hfpatch.cli import main as cli_main
 from hfpatch import text
-from hfpatch.evaluate import perplexity, sweep
+from hfpatch.cli import main as cli_main
+from hfpatch.evaluate import sweep
+from hfpatch.evaluate.evaluations import ppl as perplexity
+from hfpatch.evaluate.results import comparable as strip_timing
 from hfpatch.lm import causal_lm_parts, window_nll, windows
+from hfpatch.tiny import char_text as text_of
+from hfpatch.tiny import char_tokenizer as tiny_tokenizer
+from hfpatch.tiny import save_sized as save_tiny
 
 CAUSAL = [f for f in FAMILIES if f != "bert"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# helpers shared with test_eval_passkey.py
-
-
-def tiny_tokenizer():
-    """A character-level fast tokenizer with exactly the tiny models' 101 ids (pad 0, bos 1, eos 2, unk 3): each
-    printable ASCII character is one token; anything else (é, emoji) is one <unk> token that owns 2-4 bytes."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + chars)}
-    assert len(vocab) == 101
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tk.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>")
-
-
-def save_tiny(path, family="llama"):
-    hfpatch.save_pretrained(tiny_model(family), path, tokenizer=tiny_tokenizer())
-    return path
-
-
-def text_of(n_chars: int, seed: int) -> str:
-    """Deterministic pseudo-text with some multi-byte characters (2-byte é, 4-byte emoji)."""
-    g = torch.Generator().manual_seed(seed)
-    alphabet = list(string.ascii_lowercase + "     .,\n") + ["é", "\U0001F600"]
-    return "".join(alphabet[i] for i in torch.randint(0, len(alphabet), (n_chars,), generator=g).tolist())
+# helpers
 
 
 @pytest.fixture(autouse=True)
@@ -70,21 +46,6 @@ def tiny_run(tmp_path):
     (docs / "b.txt").write_text(text_of(110, 2), encoding="utf-8")
     (docs / "0short.txt").write_text("too short", encoding="utf-8")
     return model_dir, docs
-
-
-def strip_timing(obj):
-    """A results file without what differs between two runs of the same work (times, --out in argv, the list of
-    runs with their estimates)."""
-    obj = copy.deepcopy(obj)
-    for key in ("started", "updated", "finished", "seconds", "runs"):
-        obj.pop(key, None)
-    obj.get("settings", {}).pop("argv", None)
-    for cell in obj.get("cells", []):
-        cell.pop("finished", None)
-        cell.pop("seconds", None)
-        for d in cell.get("documents", []) + cell.get("trials", []) + cell.get("samples", []):
-            d.pop("seconds", None)
-    return obj
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -360,8 +321,8 @@ def test_learned_position_table_limits_the_length(tiny_run, tmp_path, capsys):
     assert "learned positions for 96 tokens only" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def test_script_is_the_same_command(tmp_path):
-    r = subprocess.run([sys.executable, str(REPO / "eval" / "perplexity.py"), "--patches", "none,yarm:2"],
+def test_the_command_in_a_process_of_its_own(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "hfpatch", "eval", "ppl", "--patches", "none,yarm:2"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "unknown position scheme" in r.stderr
 

@@ -12,12 +12,15 @@ import random
 import re
 
 import pytest
-from test_eval_perplexity import save_tiny, strip_timing, tiny_tokenizer
 
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate import haystack as hs
-from hfpatch.evaluate import ruler
+from hfpatch.evaluate.evaluations import ruler
+from hfpatch.evaluate.results import comparable as strip_timing
+from hfpatch.evaluate.stats import wilson
 from hfpatch.lm import causal_lm_parts, greedy
+from hfpatch.tiny import save_sized as save_tiny
+from hfpatch.tiny import char_tokenizer as tiny_tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -172,7 +175,7 @@ def test_wilson_interval_is_the_score_test_inversion(p, n):
     z = 1.959963984540054
     a, b, c = 1 + z * z / n, -(2 * p + z * z / n), p * p
     disc = math.sqrt(max(b * b - 4 * a * c, 0.0))
-    lo, hi = ruler.wilson(p, n)
+    lo, hi = wilson(p, n)
     assert lo == pytest.approx((-b - disc) / (2 * a), abs=1e-9) and hi == pytest.approx((-b + disc) / (2 * a), abs=1e-9)
     if (p, n) == (0.5, 10):
         assert (round(lo, 4), round(hi, 4)) == (0.2366, 0.7634)  # the textbook example
@@ -217,7 +220,7 @@ def test_cli_scores_tables_and_resume(tmp_path, monkeypatch, capsys):
     assert len(res["cells"]) == 12 and all(c["complete"] and c["n"] == 2 for c in res["cells"])
     for c in res["cells"]:
         assert c["score"] == (1.0 if c["length"] == 2100 else 0.0)
-        assert c["ci95"] == pytest.approx(list(ruler.wilson(c["score"], 2)))
+        assert c["ci95"] == pytest.approx(list(wilson(c["score"], 2)))
     by = {(c["patch"], c["task"], c["length"]): [s["references"] for s in c["samples"]] for c in res["cells"]}
     assert by[("none", "vt", 3000)] == by[("yarn:2", "vt", 3000)]  # the same prompts for every spec
     assert "| niah_single_1 | 100 [34, 100] | 0 [0, 66] |" in out and "| **mean** | 100 [61, 100] | 0 [0, 39] |" in out

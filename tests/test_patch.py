@@ -1,6 +1,7 @@
 """patch / unpatch / describe as a whole: exact unpatch, idempotence, replacement without stacking, clear errors
 that leave the model exactly as it was, peft models."""
 
+import dataclasses
 import math
 
 import pytest
@@ -12,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import hfpatch
 from hfpatch.apply import PatchRefused
 import hfpatch.apply
-import hfpatch.position.rotary
+from hfpatch.position import schemes
 
 SCHEMES = [
     dict(position="linear", factor=2.0),
@@ -199,14 +200,14 @@ def test_failure_half_way_is_rolled_back(monkeypatch, already):
     if already:
         hfpatch.patch(model, position="linear", factor=3)
     fp = fingerprint(model)
-    real = hfpatch.position.rotary.make_dynamic_yarn
+    record = schemes.SCHEMES["dynamic-yarn"]
 
     def boom(*args, **kwargs):
-        real(*args, **kwargs)
+        record.per_forward(*args, **kwargs)
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(hfpatch.position.rotary, "make_dynamic_yarn", boom)
-    with pytest.raises(PatchRefused, match="gemma3_text model \\(RuntimeError: injected failure\\)"):
+    monkeypatch.setitem(schemes.SCHEMES, "dynamic-yarn", dataclasses.replace(record, per_forward=boom))
+    with pytest.raises(PatchRefused, match=r"gemma3_text model \(RuntimeError: injected failure\)"):
         hfpatch.patch(model, position="dynamic-yarn")
     assert_same_fingerprint(fingerprint(model), fp)
 

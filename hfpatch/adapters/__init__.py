@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from transformers import PreTrainedModel
+
 from .base import Adapter, NormClass, get_path
 from .infer import InferenceError, classify_norm, infer
 
@@ -39,8 +41,6 @@ _CACHE = "_hfpatch_adapter"
 def adapter_for(model) -> Adapter:
     """The Adapter of a transformers model (inferred once, then cached on the model). InferenceError (a ValueError)
     naming what was not found when the model's structure cannot be read."""
-    from transformers import PreTrainedModel
-
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"adapter_for needs a transformers PreTrainedModel, got {type(model).__name__}")
     cached = model.__dict__.get(_CACHE)

@@ -72,7 +72,7 @@ class Adapter:
     window: int | None = None  # the trained context the config names (None: it names none)
     heads: tuple[int, ...] = ()  # query heads of the attention module of each attention layer
     norm_classes: dict = field(default_factory=dict)  # "module.Class" -> NormClass, for the family's own norms
-    source: str = "hand-written"  # or "inferred"
+    source: str = "inferred"  # "inferred + overrides" where adapters/__init__.OVERRIDES adds fields
     notes: dict = field(default_factory=dict)  # what could not be read, and so does not apply: {topic: reason}
 
     @property
@@ -122,10 +122,3 @@ class Adapter:
         kw["norm_classes"] = {k: NormClass(**c) for k, c in kw.get("norm_classes", {}).items()}
         kw["residual_readers"] = {k: tuple(v) for k, v in kw.get("residual_readers", {}).items()}
         return cls(**kw)
-
-    def position_kind(self) -> str:
-        if self.rotaries:
-            return "rope"
-        if self.position_table is not None:
-            return "learned"
-        return "none"

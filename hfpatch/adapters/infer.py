@@ -20,11 +20,10 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..edits import Edits
-from ..position.absolute import ZeroPositions
-from ..position.rotary import make_identity
 from . import blocks
 from . import probe as probes
 from .base import Adapter, NormClass, class_key, get_path
+from .positions import ZeroPositions, make_identity, trained_window
 
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")
 _EPS_CONFIG = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
@@ -229,157 +228,38 @@ def _find_layers(info: _Info, attention_names: list[str]) -> str | None:
 
 
 def infer(model, model_type: str | None = None) -> Adapter:
-    """The Adapter of `model`, read off one probe forward. InferenceError if not even the blocks can be found."""
-    base = model.base_model
-    prefix = "" if base is model else model.base_model_prefix + "."
+    """The Adapter of `model`, read off one probe forward: each step below reads one row of the table of what is
+    read and how (README, "Adapters"). InferenceError if not even the blocks can be found."""
     config = model.config.get_text_config()
-    probe = probes.run(model)
-    if probe.error:  # the recording attention function broke the forward: read the structure without it
-        plain = probes.run(model, probe.ids, record_interface=False)
-        if plain.error:
-            raise InferenceError(f"{type(model).__name__}: a forward pass on {probes.PROBE_TOKENS} tokens failed "
-                                 f"({plain.error}), so hfpatch cannot read its structure")
-        probe = plain
-    info = _Info(model, probe, prefix)
-    notes: dict[str, str] = {}
-    attention_names = sorted(probe.attention, key=lambda n: probe.calls[n].order if n in probe.calls else 0)
-    if not probe.interface:
-        notes["attention"] = ("no module called transformers' attention interface (AttentionInterface); schemes "
-                              "that replace the attention function (alibi) do not apply")
+    model_type = model_type or config.model_type
+    info = _probe(model)
+    notes: dict[str, str] = {}  # what could not be read, by topic (the patches that need it are refused with it)
+    attention_names = _attention_modules(info, notes)
     rotaries = _rotaries(info)
-    layers_top = _find_layers(info, attention_names)
-    if layers_top is None or not layers_top.startswith(prefix):
-        if not rotaries:
-            raise InferenceError(f"{type(model).__name__}: cannot find the list of transformer blocks "
-                                 "(a ModuleList holding the attention modules)")
-        # the rotary modules alone are enough to rescale RoPE; everything that needs the blocks is refused
-        return Adapter(model_type=model_type or config.model_type, layers=None, attention=None, norms=(),
-                       placement=None, rotaries=rotaries, attention_interface=False, source="inferred",
-                       window=_window(config),
-                       notes={"blocks": "cannot find one list of transformer blocks holding all the attention "
-                                        "modules (several stacks?): only RoPE rescaling applies"})
-    layers = info.rel(layers_top)
-    stack = list(model.get_submodule(layers_top))
-
-    # attention: the block-relative path that every attention block uses
-    rel_attn = {}
-    for name in attention_names:
-        hit = _layer_index(name, layers_top)
-        if hit:
-            rel_attn.setdefault(hit[0], []).append(hit[1])
-    paths = {tuple(v) for v in rel_attn.values()}
-    attention = None
-    if len(paths) == 1 and len(next(iter(paths))) == 1:
-        attention = next(iter(paths))[0]
-    elif paths:
-        notes["attention"] = f"blocks hold several attention modules or use different paths: {sorted(paths)}"
-    attention_layers = tuple(sorted(rel_attn)) if attention else ()
-    if attention is None and not notes.get("attention"):
-        notes["attention"] = "no attention module found in the blocks"
-
-    # norms: every module the probe saw that computes RMSNorm / LayerNorm
-    norm_classes: dict[str, NormClass] = {}
-    recognised: dict[str, NormClass] = {}
-    for name, call in probe.calls.items():
-        module = model.get_submodule(name)
-        if call.input is None or not torch.is_floating_point(call.input) or list(module.children()) \
-                or len(call.args) + len(call.kwargs) != 1:  # a norm takes one tensor (not a gated norm's two)
-            continue
-        cls = classify_norm(module, config)
-        if cls is not None:
-            recognised[name] = cls
-            norm_classes.setdefault(class_key(module), cls)
-    unrecognised = sorted(n for n, m in model.named_modules()
-                          if "norm" in type(m).__name__.lower() and n not in recognised and n in probe.calls
-                          and not list(m.children()))
-    if unrecognised:
-        notes["unrecognised_norms"] = (f"{len(unrecognised)} norm-like module(s) compute neither RMSNorm nor "
-                                       f"LayerNorm and are left as they are by norm swaps, e.g. {unrecognised[0]} "
-                                       f"({type(model.get_submodule(unrecognised[0])).__name__})")
-
-    first_layer = next((i for i in (attention_layers or range(len(stack)))), 0)
-    ref = f"{layers_top}.{first_layer}"
-    in_block = lambda n, i: n.startswith(f"{layers_top}.{i}.")  # noqa: E731
-
-    def block_norms(i):
-        names = [n for n in recognised if in_block(n, i)]
-        inner = f"{layers_top}.{i}.{attention}." if attention else None
-        qk = [n for n in names if inner and n.startswith(inner)]
-        own = [n for n in names if n not in qk]
-        order = lambda n: probe.calls[n].order  # noqa: E731
-        strip = len(f"{layers_top}.{i}.")
-        return [n[strip:] for n in sorted(own, key=order)], [n[strip:] for n in sorted(qk, key=order)]
-
-    norms, qk_norms = block_norms(first_layer)
-    for i in range(len(stack)):
-        if (i in attention_layers or not attention_layers) and block_norms(i) != (norms, qk_norms):
-            notes["norms"] = f"block {i} has other norms than block {first_layer}"
-
-    # the MLP: the one called child of the block that is neither the attention nor a norm
-    block0 = stack[first_layer]
-    kids = [n for n, c in block0.named_children()
-            if f"{ref}.{n}" in probe.calls and any(True for _ in c.parameters())
-            and n != (attention or "").split(".")[0] and n not in norms]
-    mlp = kids[0] if len(kids) == 1 else None
-
-    # placement, by the recorded dataflow of every attention block
-    layouts = set()
-    for i in (attention_layers or range(len(stack))):
-        bcall = info.call(f"{layers_top}.{i}")
-        ncalls = [info.call(f"{layers_top}.{i}.{n}") for n in norms]
-        acall = info.call(f"{layers_top}.{i}.{attention}") if attention else None
-        mcall = info.call(f"{layers_top}.{i}.{mlp}") if mlp else None
-        layouts.add(_layout(bcall, ncalls, acall, mcall) if bcall and None not in ncalls else None)
-    layout = layouts.pop() if len(layouts) == 1 else None
-    placement = "pre" if layout in ("parallel", "parallel2") else layout
-    if attention_layers and len(attention_layers) != len(stack):
-        placement = None
-        notes["placement"] = (f"hybrid stack: {len(attention_layers)} of {len(stack)} blocks have attention, the "
-                              "others another token mixer")
-    elif placement is None:
-        notes["placement"] = ("the block's dataflow matches no known layout (pre, post, post_sublayer, sandwich, "
-                              "parallel): a residual scale, an extra sublayer or several MLP-like modules")
-
-    # final and embedding norms: recognised norms of the base model outside the stack
-    outside = [n for n in recognised if n.startswith(prefix) and not n.startswith(layers_top + ".")]
-    first_start = min(probe.calls[f"{layers_top}.{i}"].order for i in range(len(stack)) if f"{layers_top}.{i}" in probe.calls)
-    last_end = max(probe.calls[f"{layers_top}.{i}"].end for i in range(len(stack)) if f"{layers_top}.{i}" in probe.calls)
-    before = [n for n in outside if probe.calls[n].end < first_start]
-    after = [n for n in outside if probe.calls[n].order > last_end]
-    final_norm = info.rel(after[-1]) if len(after) == 1 else None
-    embedding_norm = info.rel(before[0]) if len(before) == 1 else None
-    head_norms = tuple(n for n in recognised if prefix and not n.startswith(prefix))
-    if len(after) > 1 or len(before) > 1:
-        notes["norms"] = f"several norms outside the blocks: {sorted(map(info.rel, before + after))}"
-
-    table, offset = _position_table(info, layers_top)
-    placement_layout, dropouts = None, (None, None)
-    if placement in ("pre", "post") and len(norms) == 2 and mlp and "placement" not in notes:
-        dropouts = _residual_dropouts(info, ref, attention, mlp)
-        spec = blocks.BlockSpec("parallel" if layout in ("parallel", "parallel2") else placement, attention, mlp,
-                                tuple(norms), dropouts)
-        why = _verify_form(info, ref, spec)
-        if why:
-            notes["placement"] = why
-        else:
-            placement_layout = "generic"
-    elif placement in ("pre", "post") and "placement" not in notes:
-        notes["placement"] = (f"blocks with {len(norms)} norm(s) and {'an' if mlp else 'no'} MLP module: no known "
-                              "pre/post form")
-    mixers = mixer_paths(layers_top, attention, attention_layers or range(len(stack)))
-    notes.update(_position_notes(model, rotaries, table, mixers, layers_top, bool(attention and probe.interface)))
+    stack = _blocks(info, attention_names, notes)
+    if stack is None:
+        return _without_blocks(model, rotaries, model_type, config)
+    recognised, norm_classes = _norms(info, config, notes)
+    norms, qk_norms = _block_norms(info, stack, recognised, notes)
+    mlp = _mlp(info, stack, norms)
+    layout, placement = _placement(info, stack, norms, mlp, notes)
+    final_norm, embedding_norm, head_norms = _outer_norms(info, stack, recognised, notes)
+    table, offset = _position_table(info, stack.top)
+    placement_layout, dropouts = _block_forms(info, stack, layout, placement, norms, mlp, notes)
+    notes.update(_position_notes(model, rotaries, table, mixer_paths(stack.top, stack.attention, stack.mixing),
+                                 stack.top, bool(stack.attention and info.probe.interface)))
     readers, writers, embedding_writers, final_readers, why = _residual(
-        info, layers_top, attention_layers or range(len(stack)), attention, mlp, norms, placement, final_norm)
+        info, stack.top, stack.mixing, stack.attention, mlp, norms, placement, final_norm)
     if why:
         notes["exact"] = why
     kinds = {c.kind for c in recognised.values()}
     offsets = {c.offset for c in recognised.values()}
-    attn_module = model.get_submodule(f"{ref}.{attention}") if attention else None
+    attn_module = model.get_submodule(f"{stack.ref}.{stack.attention}") if stack.attention else None
     return Adapter(
-        model_type=model_type or config.model_type,
-        layers=layers,
-        attention=attention,
-        attention_layers=attention_layers if attention_layers and len(attention_layers) != len(stack) else None,
+        model_type=model_type,
+        layers=info.rel(stack.top),
+        attention=stack.attention,
+        attention_layers=stack.attention_layers if stack.hybrid else None,
         norms=tuple(norms),
         mlp=mlp,
         final_norm=final_norm,
@@ -401,13 +281,208 @@ def infer(model, model_type: str | None = None) -> Adapter:
         position_table=table,
         position_offset=offset,
         causal=bool(getattr(attn_module, "is_causal", True)) if attn_module is not None else True,
-        attention_interface=probe.interface and attention is not None,
-        heads=tuple(probe.attention[f"{layers_top}.{i}.{attention}"].query[1] for i in attention_layers)
-        if attention else (),
-        source="inferred",
-        window=_window(config),
+        attention_interface=info.probe.interface and stack.attention is not None,
+        heads=tuple(info.probe.attention[f"{stack.top}.{i}.{stack.attention}"].query[1]
+                    for i in stack.attention_layers) if stack.attention else (),
+        window=trained_window(config),
         notes=notes,
     )
+
+
+@dataclass
+class _Stack:
+    """The transformer blocks as the probe saw them."""
+
+    top: str  # top-model path of the ModuleList
+    blocks: list
+    attention: str | None  # the attention module's path inside a block (None: not found)
+    attention_layers: tuple  # the blocks that hold it (empty where it was not found)
+
+    @property
+    def mixing(self):
+        """The blocks to read: those with the attention module, or all of them where none was found."""
+        return self.attention_layers or range(len(self.blocks))
+
+    @property
+    def first(self) -> int:
+        return next(iter(self.mixing), 0)
+
+    @property
+    def ref(self) -> str:
+        """Top-model path of the first block read."""
+        return f"{self.top}.{self.first}"
+
+    @property
+    def hybrid(self) -> bool:
+        """Only some blocks have attention (the others another token mixer)."""
+        return bool(self.attention_layers) and len(self.attention_layers) != len(self.blocks)
+
+
+def _probe(model) -> _Info:
+    """One probe forward; where the recording attention function breaks it, one without."""
+    prefix = "" if model.base_model is model else model.base_model_prefix + "."
+    probe = probes.run(model)
+    if probe.error:  # the recording attention function broke the forward: read the structure without it
+        plain = probes.run(model, probe.ids, record_interface=False)
+        if plain.error:
+            raise InferenceError(f"{type(model).__name__}: a forward pass on {probes.PROBE_TOKENS} tokens failed "
+                                 f"({plain.error}), so hfpatch cannot read its structure")
+        probe = plain
+    return _Info(model, probe, prefix)
+
+
+def _attention_modules(info: _Info, notes: dict) -> list[str]:
+    """The modules that called transformers' attention interface, in call order."""
+    probe = info.probe
+    if not probe.interface:
+        notes["attention"] = ("no module called transformers' attention interface (AttentionInterface); schemes "
+                              "that replace the attention function (alibi) do not apply")
+    return sorted(probe.attention, key=lambda n: probe.calls[n].order if n in probe.calls else 0)
+
+
+def _blocks(info: _Info, attention_names: list[str], notes: dict) -> _Stack | None:
+    """The blocks, and the attention module's path inside them where every attention block uses the same one; None
+    where no list of blocks is found in the base model."""
+    top = _find_layers(info, attention_names)
+    if top is None or not top.startswith(info.prefix):
+        return None
+    per_block = {}
+    for name in attention_names:
+        hit = _layer_index(name, top)
+        if hit:
+            per_block.setdefault(hit[0], []).append(hit[1])
+    paths = {tuple(v) for v in per_block.values()}
+    attention = None
+    if len(paths) == 1 and len(next(iter(paths))) == 1:
+        attention = next(iter(paths))[0]
+    elif paths:
+        notes["attention"] = f"blocks hold several attention modules or use different paths: {sorted(paths)}"
+    if attention is None and not notes.get("attention"):
+        notes["attention"] = "no attention module found in the blocks"
+    return _Stack(top, list(info.model.get_submodule(top)), attention,
+                  tuple(sorted(per_block)) if attention else ())
+
+
+def _without_blocks(model, rotaries, model_type: str, config) -> Adapter:
+    """Without a list of blocks, the rotary modules alone are enough to rescale RoPE; everything that needs the
+    blocks is refused. InferenceError where there are none either."""
+    if not rotaries:
+        raise InferenceError(f"{type(model).__name__}: cannot find the list of transformer blocks "
+                             "(a ModuleList holding the attention modules)")
+    return Adapter(model_type=model_type, layers=None, attention=None, norms=(), placement=None, rotaries=rotaries,
+                   attention_interface=False, window=trained_window(config),
+                   notes={"blocks": "cannot find one list of transformer blocks holding all the attention modules "
+                                    "(several stacks?): only RoPE rescaling applies"})
+
+
+def _norms(info: _Info, config, notes: dict) -> tuple[dict, dict]:
+    """({module path: NormClass} of every module the probe saw that computes RMSNorm / LayerNorm, {"module.Class":
+    NormClass} of their classes)."""
+    model, probe = info.model, info.probe
+    norm_classes: dict[str, NormClass] = {}
+    recognised: dict[str, NormClass] = {}
+    for name, call in probe.calls.items():
+        module = model.get_submodule(name)
+        if call.input is None or not torch.is_floating_point(call.input) or list(module.children()) \
+                or len(call.args) + len(call.kwargs) != 1:  # a norm takes one tensor (not a gated norm's two)
+            continue
+        cls = classify_norm(module, config)
+        if cls is not None:
+            recognised[name] = cls
+            norm_classes.setdefault(class_key(module), cls)
+    unrecognised = sorted(n for n, m in model.named_modules()
+                          if "norm" in type(m).__name__.lower() and n not in recognised and n in probe.calls
+                          and not list(m.children()))
+    if unrecognised:
+        notes["unrecognised_norms"] = (f"{len(unrecognised)} norm-like module(s) compute neither RMSNorm nor "
+                                       f"LayerNorm and are left as they are by norm swaps, e.g. {unrecognised[0]} "
+                                       f"({type(model.get_submodule(unrecognised[0])).__name__})")
+    return recognised, norm_classes
+
+
+def _block_norms(info: _Info, stack: _Stack, recognised: dict, notes: dict) -> tuple[list, list]:
+    """(the block's own norms, its QK norms: those inside the attention module), block-relative, in forward order;
+    the same in every block read, or a note says which differs."""
+    def of(i):
+        names = [n for n in recognised if n.startswith(f"{stack.top}.{i}.")]
+        inner = f"{stack.top}.{i}.{stack.attention}." if stack.attention else None
+        qk = [n for n in names if inner and n.startswith(inner)]
+        own = [n for n in names if n not in qk]
+        strip = len(f"{stack.top}.{i}.")
+        return ([n[strip:] for n in sorted(own, key=_order(info))], [n[strip:] for n in sorted(qk, key=_order(info))])
+
+    norms, qk_norms = of(stack.first)
+    for i in stack.mixing:
+        if of(i) != (norms, qk_norms):
+            notes["norms"] = f"block {i} has other norms than block {stack.first}"
+    return norms, qk_norms
+
+
+def _order(info: _Info):
+    return lambda name: info.probe.calls[name].order
+
+
+def _mlp(info: _Info, stack: _Stack, norms: list) -> str | None:
+    """The one called child of the block that is neither the attention nor a norm (None: not exactly one)."""
+    kids = [n for n, c in stack.blocks[stack.first].named_children()
+            if f"{stack.ref}.{n}" in info.probe.calls and any(True for _ in c.parameters())
+            and n != (stack.attention or "").split(".")[0] and n not in norms]
+    return kids[0] if len(kids) == 1 else None
+
+
+def _placement(info: _Info, stack: _Stack, norms: list, mlp: str | None, notes: dict) -> tuple:
+    """(the layout every block's recorded dataflow follows, the placement it amounts to), None where unknown."""
+    layouts = set()
+    for i in stack.mixing:
+        block = info.call(f"{stack.top}.{i}")
+        norm_calls = [info.call(f"{stack.top}.{i}.{n}") for n in norms]
+        attn = info.call(f"{stack.top}.{i}.{stack.attention}") if stack.attention else None
+        ffn = info.call(f"{stack.top}.{i}.{mlp}") if mlp else None
+        layouts.add(_layout(block, norm_calls, attn, ffn) if block and None not in norm_calls else None)
+    layout = layouts.pop() if len(layouts) == 1 else None
+    placement = "pre" if layout in ("parallel", "parallel2") else layout
+    if stack.hybrid:
+        placement = None
+        notes["placement"] = (f"hybrid stack: {len(stack.attention_layers)} of {len(stack.blocks)} blocks have "
+                              "attention, the others another token mixer")
+    elif placement is None:
+        notes["placement"] = ("the block's dataflow matches no known layout (pre, post, post_sublayer, sandwich, "
+                              "parallel): a residual scale, an extra sublayer or several MLP-like modules")
+    return layout, placement
+
+
+def _outer_norms(info: _Info, stack: _Stack, recognised: dict, notes: dict) -> tuple:
+    """(final norm, embedding norm, task-head norms): recognised norms of the base model called after the last /
+    before the first block, and those outside the base model."""
+    probe, prefix = info.probe, info.prefix
+    outside = [n for n in recognised if n.startswith(prefix) and not n.startswith(stack.top + ".")]
+    called = [probe.calls[f"{stack.top}.{i}"] for i in range(len(stack.blocks)) if f"{stack.top}.{i}" in probe.calls]
+    first_start, last_end = min(c.order for c in called), max(c.end for c in called)
+    before = [n for n in outside if probe.calls[n].end < first_start]
+    after = [n for n in outside if probe.calls[n].order > last_end]
+    if len(after) > 1 or len(before) > 1:
+        notes["norms"] = f"several norms outside the blocks: {sorted(map(info.rel, before + after))}"
+    return (info.rel(after[-1]) if len(after) == 1 else None, info.rel(before[0]) if len(before) == 1 else None,
+            tuple(n for n in recognised if prefix and not n.startswith(prefix)))
+
+
+def _block_forms(info: _Info, stack: _Stack, layout, placement, norms: list, mlp: str | None, notes: dict) -> tuple:
+    """("generic" where the pre/post block forms (adapters/blocks.py) reproduce the block, else None; the residual
+    dropouts they apply)."""
+    if placement not in ("pre", "post") or "placement" in notes:
+        return None, (None, None)
+    if len(norms) != 2 or not mlp:
+        notes["placement"] = (f"blocks with {len(norms)} norm(s) and {'an' if mlp else 'no'} MLP module: no known "
+                              "pre/post form")
+        return None, (None, None)
+    dropouts = _residual_dropouts(info, stack.ref, stack.attention, mlp)
+    spec = blocks.BlockSpec("parallel" if layout in ("parallel", "parallel2") else placement, stack.attention, mlp,
+                            tuple(norms), dropouts)
+    why = _verify_form(info, stack.ref, spec)
+    if why:
+        notes["placement"] = why
+        return None, dropouts
+    return "generic", dropouts
 
 
 def _residual_dropouts(info: _Info, ref: str, attention: str, mlp: str):
@@ -446,16 +521,6 @@ def _verify_form(info: _Info, ref: str, spec: blocks.BlockSpec) -> str | None:
     if not _same(out, call.output):
         return (f"the block computes something besides the {spec.placement}-norm form (checked on a probe input), "
                 "e.g. a residual scale or an extra sublayer")
-    return None
-
-
-def _window(config) -> int | None:
-    params = getattr(config, "rope_parameters", None) or {}
-    flat = [params] + [v for v in params.values() if isinstance(v, dict)]
-    for value in [p.get("original_max_position_embeddings") for p in flat] + [
-            getattr(config, "original_max_position_embeddings", None), getattr(config, "max_position_embeddings", None)]:
-        if isinstance(value, int) and value > 0:
-            return value
     return None
 
 

@@ -15,7 +15,6 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -228,14 +227,15 @@ def position_sources(model, modules: list[str], stack: str) -> tuple[bool, list[
             module = model.get_submodule(name)
             with torch.no_grad():
                 a, b = (_out_tensor(module(h, *args, **kwargs)) for h in (x, y))
-            if not _close(a[:, -1], b[:, -1]):
+            if not close(a[:, -1], b[:, -1]):
                 sources.append(name)
     finally:
         restore_modes(modes)
     return embedded, sources
 
 
-def _close(a, b) -> bool:
+def close(a, b) -> bool:
+    """Whether two outputs agree to float32 precision (2e-2 in half precision), relative to the first's scale."""
     rtol, atol = (1e-4, 1e-5) if a.dtype in (torch.float32, torch.float64) else (2e-2, 2e-2)
     return bool(torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol * max(1.0, float(a.abs().max()))))
 
@@ -248,6 +248,3 @@ def restore_modes(modes) -> None:
 def _detach(v):
     return v.detach() if isinstance(v, torch.Tensor) else v
 
-
-def leaf_params(module: nn.Module) -> dict:
-    return dict(module.named_parameters(recurse=False))

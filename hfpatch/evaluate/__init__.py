@@ -1,20 +1,26 @@
-"""Measuring what a patch did. Every evaluation is one file over one shared sweep (sweep.py):
+"""Measuring what a patch did. Every evaluation is one module of evaluations/, named by its command, over one shared
+sweep (sweep.py):
 
-    hfpatch eval ppl ...        perplexity at extended lengths           perplexity.py
-    hfpatch eval passkey ...    passkey retrieval                         passkey.py
-    hfpatch eval ruler ...      the synthetic RULER tasks                 ruler.py
-    hfpatch eval niah ...       needle-in-a-haystack depth x length map   niah.py
+    hfpatch eval ppl ...        perplexity at extended lengths           evaluations/ppl.py
+    hfpatch eval passkey ...    passkey retrieval                         evaluations/passkey.py
+    hfpatch eval ruler ...      the synthetic RULER tasks                 evaluations/ruler.py
+    hfpatch eval niah ...       needle-in-a-haystack depth x length map   evaluations/niah.py
     hfpatch lm-eval ...         lm-evaluation-harness with --model hfpatch   harness.py
 
-The logic lives in the package (not in eval/) so that an installed hfpatch runs it; eval/*.py only call it.
+A module there is an evaluation by being there: the list below is read from the folder (without importing the
+modules, so `hfpatch --help` stays fast); the module defines EVALUATION, which takes its name from the module.
 """
 
 import importlib
+import pkgutil
 
-# name on the command line -> the module that defines EVALUATION (imported only when that evaluation runs)
-EVALUATIONS = {"ppl": "perplexity", "passkey": "passkey", "ruler": "ruler", "niah": "niah"}
+from . import evaluations
+
+EVALUATIONS = tuple(sorted(m.name for m in pkgutil.iter_modules(evaluations.__path__) if not m.ispkg))
 
 
 def evaluation(name: str):
-    """The module of an evaluation: its EVALUATION and main(argv)."""
-    return importlib.import_module(f"{__name__}.{EVALUATIONS[name]}")
+    """The EVALUATION (a sweep.Evaluation) of `hfpatch eval NAME`; ValueError for a name that is none."""
+    if name not in EVALUATIONS:
+        raise ValueError(f"unknown evaluation {name!r}; the evaluations: {', '.join(EVALUATIONS)}")
+    return importlib.import_module(f"{evaluations.__name__}.{name}").EVALUATION

@@ -27,6 +27,11 @@ import struct
 import time
 from dataclasses import dataclass
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ..models import resolve
+
 GiB = 1024**3
 
 
@@ -53,9 +58,6 @@ class Shape:
 
 def shape_of_config(config) -> Shape:
     """From a transformers config: the parameter count from a model built on the meta device (no memory)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     text = config.get_text_config()
     with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
@@ -134,10 +136,6 @@ def shape_of_gguf(path: str) -> Shape:
 def shape_of(name: str) -> Shape | None:
     """The shape of a model by name (as hfpatch.models.load takes it), without loading weights; None if its config
     cannot be read (loading the model will then say why)."""
-    from transformers import AutoConfig
-
-    from ..models import resolve
-
     where, gguf_file = resolve(name)
     try:
         if gguf_file:
@@ -174,7 +172,6 @@ def memory_needed(shape: Shape, weight_bytes: int, tokens: int, new_tokens: int 
 
 def available_memory(device: str | None, device_map: str | None) -> tuple[int | None, str]:
     """(bytes free where the model will run, where), None when it cannot be told."""
-    import torch
 
     if device_map or (device or "").startswith("cuda") or (device is None and torch.cuda.is_available()):
         if torch.cuda.is_available():
@@ -230,7 +227,6 @@ class Speed:
 
 def measure_speed(parts, shape: Shape, tokens: int) -> Speed:
     """Time one forward of `tokens` random tokens (after a short warm-up) and one decoding step after it."""
-    import torch
 
     def sync():
         if parts.input_device.type == "cuda":

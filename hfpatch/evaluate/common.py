@@ -4,10 +4,19 @@ a spec for a while, what the results file records about the run."""
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import math
 import platform
 import re
+
+import torch
+import transformers
+
+from .. import __version__
+from .. import spec as specs
+from ..apply import patch, unpatch
+from ..models import load
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -51,8 +60,6 @@ def parse_fractions(text: str, flag: str, meaning: str) -> list[float]:
 
 def parse_patches(text: str) -> list[tuple[str, dict]]:
     """'none,yarn:2,ntk:2' -> [(name, patch kwargs)], every spec validated (no model needed) before any work."""
-    from .. import spec as specs
-
     out, seen = [], {}
     for raw in _split_specs(text):
         kwargs = specs.parse(raw)
@@ -85,16 +92,10 @@ def _split_specs(text: str) -> list[str]:
 
 
 def torch_dtype(name: str):
-    import torch
-
     return getattr(torch, DTYPES[name]) if name in DTYPES else ("auto" if name == "auto" else None)
 
 
 def load_model(args):
-    import torch
-
-    from ..models import load
-
     model, _ = load(args.model, dtype=torch_dtype(args.dtype), device_map=args.device_map, tokenizer=False)
     if not args.device_map:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -102,63 +103,26 @@ def load_model(args):
     return model.eval()
 
 
-def trained_window(model) -> int | None:
-    """The context the model was trained for, as the RoPE schemes read it (None if the config does not say)."""
-    from ..apply import unwrap
-    from ..position.patch import trained_window as window
-
-    config = unwrap(model).config
-    params = getattr(config, "rope_parameters", None)
-    try:
-        return window(config, params if isinstance(params, dict) else {})
-    except (AttributeError, TypeError):  # no max_position_embeddings at all
-        return None
-
-
-def table_limit(model) -> int | None:
-    """The hard limit of a learned absolute position table that the model still reads (gpt2, opt; interpolated or
-    not): past it the model fails with an index error deep inside. None otherwise: RoPE only degrades past its
-    window (that is what the evaluations measure), and ALiBi / NoPE / sinusoidal no longer read the table."""
-    import hfpatch
-
-    try:
-        scheme = hfpatch.describe(model)["position"]["scheme"]
-    except ValueError:  # a family hfpatch has no adapter for: scored unpatched, its limits are its own
-        return None
-    if scheme not in ("learned", "interpolate"):
-        return None
-    return hfpatch.apply.position_limit(model)
-
-
 @contextlib.contextmanager
 def applied(model, kwargs: dict, name: str):
-    import hfpatch
-
     if kwargs:
         try:
-            hfpatch.patch(model, **kwargs)
+            patch(model, **kwargs)
         except (ValueError, TypeError) as e:
             raise type(e)(f"patch spec {name!r}: {e}") from None
     try:
         yield model
     finally:
         if kwargs:
-            hfpatch.unpatch(model)
+            unpatch(model)
 
 
 def versions() -> dict:
-    import torch
-    import transformers
-
-    import hfpatch
-
-    out = {"hfpatch": hfpatch.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
+    out = {"hfpatch": __version__, "transformers": transformers.__version__, "torch": torch.__version__,
            "python": platform.python_version()}
-    try:
-        import datasets
-
-        out["datasets"] = datasets.__version__
-    except ImportError:
+    try:  # read from its metadata: importing datasets only for its version costs a second
+        out["datasets"] = importlib.metadata.version("datasets")
+    except importlib.metadata.PackageNotFoundError:
         pass
     return out
 

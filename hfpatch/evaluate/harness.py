@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 import hfpatch
 
 from .. import command, spec
@@ -64,8 +66,6 @@ if HFLM is not None:
 
         def __init__(self, pretrained: str = "smollm2", patch: str = "none", device: str | None = None,
                      **kwargs):
-            import torch
-
             self.patch_spec = str(patch)
             self._patch_kwargs = parse_patch(self.patch_spec)
             where, gguf_file = resolve(str(pretrained))
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
 def _main(argv: list[str]) -> int:
     if HFLM is None:
         raise ImportError(INSTALL)
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.__main__ import cli_evaluate  # the optional extra, there when HFLM is (checked above)
 
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]  # lm-eval's parser reads sys.argv

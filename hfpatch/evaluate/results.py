@@ -11,6 +11,7 @@ A lock on OUT keeps two runs from writing the same file.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import math
@@ -139,3 +140,18 @@ class Results:
 
     def close(self) -> None:
         self._lock.close()
+
+
+def comparable(data: dict) -> dict:
+    """A results file without what differs between two runs of the same work (times, the command's argv, the list
+    of runs with their estimates): two runs of the same cells, interrupted or not, give equal ones."""
+    data = copy.deepcopy(data)
+    for key in ("started", "updated", "finished", "seconds", "runs"):
+        data.pop(key, None)
+    data.get("settings", {}).pop("argv", None)
+    for cell in data.get("cells", []):
+        cell.pop("finished", None)
+        cell.pop("seconds", None)
+        for record in cell.get("documents", []) + cell.get("trials", []) + cell.get("samples", []):
+            record.pop("seconds", None)
+    return data

@@ -1,7 +1,7 @@
-"""The one loop every evaluation runs, so that adding an evaluation is writing one file.
+"""The one loop every evaluation runs, so that adding an evaluation is writing one file (evaluate/evaluations/).
 
-An evaluation (a subclass of `Evaluation`) says what its cells and units of work are and how to run one unit; the
-sweep does the rest, the same way for all of them:
+An evaluation (a subclass of `Evaluation`) says what its cells and units of work are, how to run one unit, and how
+its results read as tables and a plot; the sweep does the rest, the same way for all of them:
   1. parse the command line (the model, dtype, device and patch-spec flags are common), validate everything, plan
      the cells — all before the model is loaded, so bad input is one line and exit 2 at once;
   2. open OUT/results.json: the same identity continues it (finished units are not run again), another is refused;
@@ -25,14 +25,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from .. import command
-from ..apply import unwrap
-from ..files import model_fingerprint
+from ..adapters.positions import trained_window
+from ..apply import table_limit, unwrap
 from ..lm import causal_lm_parts
+from ..models import model_fingerprint
 from ..text import load_tokenizer
 from . import budget
-from .common import (applied, length_label, load_model, parse_lengths, parse_patches, table_limit, trained_window,
-                     versions)
+from .common import applied, length_label, load_model, parse_lengths, parse_patches, versions
 from .results import Results, now
 
 
@@ -82,17 +84,46 @@ class Run:
 
 
 class Evaluation:
-    name = ""  # hfpatch eval NAME
-    kind = ""  # the results file's kind
+    """One evaluation; its module (evaluate/evaluations/NAME.py) gives it its name, and the first paragraph of the
+    module's docstring its description."""
+
     records = "records"  # the cell field with one record per unit
     unit_key = "id"  # the record field that holds the unit's id
-    default_out = "runs/eval"
     default_patches = "none,yarn:2"
-    description = ""
+    # the cells' coordinates besides the patch spec: settings key -> the cell field it lists (numeric ones are shown
+    # sorted, the others in the order they were run)
+    axes: dict = {}
+
+    @property
+    def name(self) -> str:
+        """hfpatch eval NAME: the name of its module."""
+        return type(self).__module__.rpartition(".")[2]
+
+    @property
+    def kind(self) -> str:
+        """The results file's kind."""
+        return self.name
+
+    @property
+    def description(self) -> str:
+        return (sys.modules[type(self).__module__].__doc__ or "").split("\n\n")[0]
+
+    @property
+    def default_out(self) -> str:
+        return f"runs/{self.name}"
+
+    @property
+    def plot_name(self) -> str:
+        """The plot's file under --out."""
+        return f"{self.name}.png"
 
     @property
     def prog(self) -> str:
         return f"hfpatch eval {self.name}"
+
+    def main(self, argv=None) -> int:
+        """The command: hfpatch eval NAME ARGS."""
+        return main(self, argv)
 
     def add_arguments(self, parser) -> None:
         pass
@@ -108,8 +139,16 @@ class Evaluation:
         """A finished cell's numbers: a pure function of its records (the results file is checked with it)."""
         raise NotImplementedError
 
-    def report(self, data: dict, out: Path, plot: bool) -> str:
-        """The Markdown table of a results file (and the plot, written under out), from the file's data alone."""
+    def caption(self, data: dict) -> str:
+        """One line above the tables, and the plot's title: what was measured on what."""
+        raise NotImplementedError
+
+    def tables(self, data: dict) -> str:
+        """The Markdown tables of a results file's data."""
+        raise NotImplementedError
+
+    def plot(self, data: dict, path: Path, title: str) -> None:
+        """The plot of a results file's data, written to `path`."""
         raise NotImplementedError
 
 
@@ -180,7 +219,7 @@ def _main(ev: Evaluation, argv) -> int:
         elif args.dry_run:
             print(f"{ev.prog}: nothing left to run in {out / 'results.json'}", file=sys.stderr)
             return 0
-        text = ev.report(_covering(results.data), out, not args.no_plot)
+        text = report(ev, covering(ev, results.data), out, not args.no_plot)
         (out / "table.md").write_text(text + "\n")
         print(text)
         return 0
@@ -188,16 +227,21 @@ def _main(ev: Evaluation, argv) -> int:
         results.close()
 
 
-# settings key -> the cell field it lists; numeric ones are shown sorted, the others in the order they were run
-_AXES = {"patches": "patch", "tasks": "task", "windowing": "windowing", "lengths": "length", "depths": "depth"}
+def report(ev: Evaluation, data: dict, out: Path, plot: bool) -> str:
+    """The caption and tables of a results file's data (and its plot, written under `out`)."""
+    caption = ev.caption(data)
+    if plot:
+        ev.plot(data, out / ev.plot_name, caption)
+        print(f"\nplot: {out / ev.plot_name}; results: {out / 'results.json'}", file=sys.stderr)
+    return f"{caption}\n\n{ev.tables(data)}"
 
 
-def _covering(data: dict) -> dict:
+def covering(ev: Evaluation, data: dict) -> dict:
     """The results with settings widened to every cell the file holds, for the report: a command that resumed a
     results file to add one spec or one length (e.g. `dynamic` only at 16k) shows the whole table, the cells it
     did not run included, instead of its own slice. The file itself keeps the command's settings."""
     cells, settings = data.get("cells", []), dict(data.get("settings", {}))
-    for key, field in _AXES.items():
+    for key, field in {"patches": "patch", **ev.axes}.items():
         if isinstance(settings.get(key), list):
             values = list(dict.fromkeys([*(c[field] for c in cells if field in c), *settings[key]]))
             numeric = all(isinstance(v, (int, float)) for v in values)
@@ -271,7 +315,7 @@ def _prepare(model, patches, plan: Plan, results: Results, name: str):
                              f"{plan.read} tokens{extra} cannot run; use lengths <= {limit - plan.new_tokens}")
     target = unwrap(model)
     results.data["model"] = {"name": name, "class": type(target).__name__, "model_type": target.config.model_type,
-                             "trained_window": trained_window(model),
+                             "trained_window": trained_window(target.config),
                              "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
                              "parameters": sum(p.numel() for p in target.parameters())}
     return parts
@@ -293,8 +337,6 @@ def _estimate(ev: Evaluation, run: Run, plan: Plan, todo) -> float:
 
 
 def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=sum(u.tokens for *_, left in todo for u in left), unit="tok", unit_scale=True, desc=ev.name,
                file=sys.stderr, dynamic_ncols=True)
     try:

@@ -1,5 +1,6 @@
-"""norm="rmsnorm" | "layernorm" | "batchnorm": swap every norm of the model, exactly where the math allows it
-(BatchNorm: never; its statistics come from the batch, norm/batchnorm.py says how it learns what is padding).
+"""norm=...: swap every norm of the model for the kind a record of norm/kinds.NORMS describes, exactly where the
+math allows it (the exact LayerNorm -> RMSNorm conversion below; BatchNorm: never, its statistics come from the
+batch, norm/batchnorm.py says how it learns what is padding).
 
 Every change goes through `Edits`, so a failure half-way is undone and `unpatch` restores the original modules and
 parameters themselves.
@@ -16,9 +17,8 @@ from ..adapters.base import class_key
 from ..adapters.probe import restore_modes
 from ..edits import Edits
 from ..warn import warn_caller
-from . import batchnorm
 from . import exact as ex
-from .modules import _Norm, build, read
+from .modules import RMSNorm, NormModule, build, read
 
 
 def _parent(root, path: str):
@@ -43,7 +43,7 @@ def norm_sites(model, adapter: Adapter) -> list[tuple[str, nn.Module]]:
 
 
 def recognised(module, adapter: Adapter) -> bool:
-    return isinstance(module, (_Norm, nn.LayerNorm)) or class_key(module) in adapter.norm_classes
+    return isinstance(module, (NormModule, nn.LayerNorm)) or class_key(module) in adapter.norm_classes
 
 
 def current_kind(model, adapter: Adapter) -> str:
@@ -75,50 +75,43 @@ def _warn_once(message: str):
         warn_caller(message)
 
 
-def apply_norm(model, adapter: Adapter, req: dict, placement: str, edits: Edits) -> dict:
-    """Swap the norms; returns facts for describe(): {"exact": bool, "reason": str (when not exact)}."""
+def apply_norm(model, adapter: Adapter, req: dict, norm, placement: str, edits: Edits) -> dict:
+    """Swap the norms for the kind `req` asks for (`norm`: its record in norm/kinds.NORMS, whose requirements the
+    caller checked); returns facts for describe(): {"exact": bool, "reason": str (when not exact)}."""
     kind, want_exact = req["kind"], req.get("exact", True)
-    all_sites = norm_sites(model, adapter)
-    if not all_sites:
-        raise ValueError(f"norm={kind!r}: no norm of {adapter.model_type} was recognised (no module computes RMSNorm "
-                         f"or LayerNorm of its input){'; ' + adapter.notes['unrecognised_norms'] if 'unrecognised_norms' in adapter.notes else ''}")
-    sites = [(p, m) for p, m in all_sites if read(m, adapter.norm_classes).kind != kind]
+    sites = [(p, m) for p, m in norm_sites(model, adapter) if read(m, adapter.norm_classes).kind != kind]
     if not sites:
         return {"exact": True}
-    if kind == "rmsnorm" and want_exact:
-        reason = exact_blocker(model, adapter, placement)
-        if reason is None:
-            reason = _exact_verified(model, adapter, edits)
-            if reason is None:
-                return {"exact": True}
-    elif kind == "layernorm":
-        reason = "RMSNorm -> LayerNorm cannot preserve the function: LayerNorm removes the mean, RMSNorm keeps it"
-    elif kind == "batchnorm":
-        reason = ("BatchNorm is never function-preserving: it normalises each channel over the batch and the sequence, "
-                  "a per-token norm over the channels")
-    else:
+    if norm.exact is None:
+        reason = norm.inexact
+    elif not want_exact:
         reason = "exact=False was asked for"
+    else:
+        reason = norm.exact(model, adapter, placement, edits)
+        if reason is None:
+            return {"exact": True}
     if want_exact:
         _warn_once(f"hfpatch: norm={kind!r} on {adapter.model_type} is a plain swap, not function-preserving: {reason}")
-    padding = batchnorm.attach(model, edits) if kind == "batchnorm" else None
+    attributes = norm.prepare(model, edits) if norm.prepare is not None else {}
     for path, module in sites:
-        _plain_swap(model, path, module, kind, adapter, edits, padding)
+        _plain_swap(model, path, module, norm, adapter, edits, attributes)
     return {"exact": False, "reason": reason}
 
 
-def _plain_swap(model, path, module, kind, adapter, edits, padding=None):
-    """Same weight (and offset), same eps: LayerNorm -> RMSNorm keeps β as a bias; RMSNorm -> LayerNorm or
-    BatchNorm gets a zero bias, like any LayerNorm or BatchNorm. A norm without parameters stays without them. The
-    new module takes the old one's train/eval mode; a BatchNorm reads `padding` (batchnorm.attach)."""
+def _plain_swap(model, path, module, norm, adapter, edits, attributes):
+    """Same weight (and offset), same eps: LayerNorm -> RMSNorm keeps β as a bias; a kind whose form always has a
+    bias (`norm.bias`: LayerNorm, BatchNorm) gets a zero one where the replaced norm had none. A norm without
+    parameters stays without them. The new module takes the old one's train/eval mode and `attributes` (what
+    `norm.prepare` returned: a BatchNorm's padding)."""
     p = read(module, adapter.norm_classes)
     affine = p.weight is not None
-    bias = p.bias if kind == "rmsnorm" or not affine else (p.bias if p.bias is not None else torch.zeros_like(p.weight))
+    bias = p.bias if not norm.bias or not affine else (p.bias if p.bias is not None else torch.zeros_like(p.weight))
     like = p.weight if affine else (p.bias if p.bias is not None else next(model.parameters()))
     shape = p.weight.shape if affine else tuple(getattr(module, "normalized_shape", None) or
                                                 (getattr(module, "hidden_size", None) or getattr(module, "dim"),))
-    new = build(kind, shape, p.eps, p.offset, p.weight, bias, like).train(module.training)
-    if padding is not None:
-        new.padding = padding
+    new = build(norm.module, shape, p.eps, p.offset, p.weight, bias, like).train(module.training)
+    for name, value in attributes.items():
+        setattr(new, name, value)
     parent, name = _parent(model, path)
     edits.set(parent, name, new)
 
@@ -166,6 +159,12 @@ def _centre_writer(m, edits):
     edits.set(m, "weight", _param(w2, m.weight))
     if b is not None:
         edits.set(m, "bias", _param(b2, m.bias))
+
+
+def exact_rmsnorm(model, adapter: Adapter, placement: str, edits: Edits) -> str | None:
+    """The function-preserving LayerNorm -> RMSNorm conversion (norm/exact.py), made through `edits` where the model
+    allows it and its logits confirm it: None, or why not (and nothing is changed)."""
+    return exact_blocker(model, adapter, placement) or _exact_verified(model, adapter, edits)
 
 
 @torch.no_grad()
@@ -250,8 +249,8 @@ def _fold_norm(model, path, readers, adapter, edits):
             edits.set(r, "weight", _param(w2, r.weight))
             edits.set(r, "bias", _param(b2, r.bias))
         unit = None if p.weight is None else torch.ones(shape)
-        new = build("rmsnorm", shape, p.eps, 0.0, unit, None, like)
+        new = build(RMSNorm, shape, p.eps, 0.0, unit, None, like)
     else:  # nothing to fold into (a bare base model): the RMSNorm keeps γ and β, exact on the centred stream
-        new = build("rmsnorm", shape, p.eps, 0.0, gamma, beta, like)
+        new = build(RMSNorm, shape, p.eps, 0.0, gamma, beta, like)
     parent, name = _parent(model.base_model, path)
     edits.set(parent, name, new)

@@ -16,7 +16,9 @@ from torch import nn
 from ..adapters.base import class_key
 
 
-class _Norm(nn.Module):
+class NormModule(nn.Module):
+    kind = ""  # the key of its record in norm/kinds.NORMS
+
     def __init__(self, shape, eps, offset=0.0, bias=False, affine=True, dtype=None, device=None):
         super().__init__()
         shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
@@ -43,8 +45,10 @@ class _Norm(nn.Module):
         return f"{self.normalized_shape}, eps={self.eps}, offset={self.offset}, bias={self.bias is not None}"
 
 
-class RMSNorm(_Norm):
+class RMSNorm(NormModule):
     """x / sqrt(mean(x²) + eps) · (offset + weight) [+ bias]."""
+
+    kind = "rmsnorm"
 
     def forward(self, x):
         h = x.float()
@@ -52,8 +56,10 @@ class RMSNorm(_Norm):
         return self._affine(h).to(x.dtype)
 
 
-class LayerNorm(_Norm):
+class LayerNorm(NormModule):
     """(x − mean) / sqrt(var + eps) · (offset + weight) [+ bias]."""
+
+    kind = "layernorm"
 
     def forward(self, x):
         # torch's fused kernel (about 3x faster than the composite ops on CPU, forward + backward)
@@ -61,7 +67,7 @@ class LayerNorm(_Norm):
         return F.layer_norm(x.float(), self.normalized_shape, self._scale(), bias, self.eps).to(x.dtype)
 
 
-class BatchNorm(_Norm):
+class BatchNorm(NormModule):
     """Each channel normalised over the batch and the sequence, as torch.nn.BatchNorm1d does over the tokens that
     are not padding: (x − mean) / sqrt(var + eps) · (offset + weight) [+ bias].
 
@@ -71,6 +77,8 @@ class BatchNorm(_Norm):
     tokens are real comes from `padding` (norm/batchnorm.PaddingMask, filled by the model's forward from its
     attention mask); None: every token counts. The channel is the last dimension; the first two are batch and
     sequence (QK norms see [batch, seq, heads, head_dim]: heads count as more samples)."""
+
+    kind = "batchnorm"
 
     def __init__(self, shape, eps, offset=0.0, bias=False, affine=True, dtype=None, device=None, momentum=0.1):
         super().__init__(shape, eps, offset, bias, affine, dtype, device)
@@ -107,13 +115,9 @@ class BatchNorm(_Norm):
         return f"{super().extra_repr()}, momentum={self.momentum}"
 
 
-# The norm kinds `patch(norm=...)` accepts, and the module each swap builds.
-NORMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm, "batchnorm": BatchNorm}
-
-
 @dataclass
 class NormParams:
-    kind: str  # a key of NORMS
+    kind: str  # "rmsnorm" | "layernorm" | ... (a key of norm/kinds.NORMS)
     weight: torch.Tensor | None  # stored weight (the scale is offset + weight)
     bias: torch.Tensor | None
     eps: float
@@ -127,9 +131,8 @@ class NormParams:
 def read(module: nn.Module, classes: dict | None = None) -> NormParams:
     """What a norm module computes: ours, nn.LayerNorm, or a family's own norm class as inference read it
     numerically (`classes`: Adapter.norm_classes, "module.Class" -> NormClass)."""
-    if isinstance(module, _Norm):
-        kind = next(k for k, cls in NORMS.items() if isinstance(module, cls))
-        return NormParams(kind, module.weight, module.bias, module.eps, module.offset)
+    if isinstance(module, NormModule):
+        return NormParams(module.kind, module.weight, module.bias, module.eps, module.offset)
     if isinstance(module, nn.LayerNorm):
         return NormParams("layernorm", module.weight, module.bias, module.eps, 0.0)
     cls = (classes or {}).get(class_key(module))
@@ -141,10 +144,10 @@ def read(module: nn.Module, classes: dict | None = None) -> NormParams:
                       cls.offset)
 
 
-def build(kind: str, shape, eps: float, offset: float, weight, bias, like: torch.Tensor) -> _Norm:
-    """A new norm module of `kind` (a key of NORMS) on `like`'s dtype and device, holding copies of `weight` /
+def build(cls: type, shape, eps: float, offset: float, weight, bias, like: torch.Tensor) -> NormModule:
+    """A new norm module of class `cls` (one of the above) on `like`'s dtype and device, holding copies of `weight` /
     `bias` (None: no such parameter)."""
-    m = NORMS[kind](shape, eps, offset=offset, bias=bias is not None, affine=weight is not None, dtype=like.dtype,
+    m = cls(shape, eps, offset=offset, bias=bias is not None, affine=weight is not None, dtype=like.dtype,
             device=like.device)
     with torch.no_grad():
         if weight is not None:

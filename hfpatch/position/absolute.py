@@ -1,9 +1,10 @@
-"""Absolute position signals: the sinusoidal table, removing a model's own position signal (for alibi, nope,
-sinusoidal, t5, xl, learned), and interpolating a learned position table (position="interpolate").
+"""Absolute position signals: the sinusoidal table, keeping a removed rotation removed through a reload, and
+interpolating a learned position table (position="interpolate").
 
 Learned tables (GPT-2's wpe, OPT's embed_positions, BERT's position_embeddings) are nn.Embedding lookups by position
 (OPT adds an offset of 2 first). A mixin placed just above nn.Embedding in the table's class replaces the lookup:
-zeros (the model no longer adds positions) or the sinusoidal rows. The table's weight stays, unused, so the
+zeros (adapters/positions.ZeroPositions: the model no longer adds positions) or the sinusoidal rows
+(SinusoidalPositions, here). The table's weight stays, unused, so the
 checkpoint layout does not change. RoPE models get the sinusoidal table added to the input of their first block
 (the decoder passes it `position_ids`, which are right with a KV cache too).
 """
@@ -43,23 +44,16 @@ def interpolate_rows(table: torch.Tensor, factor: float, keep: int = 0) -> torch
 
 
 class NoRotation:
-    """Mixed into a rotary module made the identity (rotary.make_identity) by a patch whose weights are saved:
-    reloading such a model goes through transformers' loader, which recomputes a rotary module's (non-persistent)
-    inverse frequencies from its config; they are zeroed again, in place, before the first forward that finds them
-    changed (so cos = 1, sin = 0 whatever form the module returns them in)."""
+    """Mixed into a rotary module made the identity (adapters.positions.make_identity) by a patch whose weights are
+    saved: reloading such a model goes through transformers' loader, which recomputes a rotary module's
+    (non-persistent) inverse frequencies from its config; they are zeroed again, in place, before the first forward
+    that finds them changed (so cos = 1, sin = 0 whatever form the module returns them in)."""
 
     def forward(self, *args, **kwargs):
         for name, buffer in self.named_buffers(recurse=False):
             if name.endswith("inv_freq") and bool(buffer.any()):
                 buffer.zero_()
         return super().forward(*args, **kwargs)
-
-
-class ZeroPositions(nn.Embedding):
-    """The table lookup returns zeros: the model adds no position embedding (gradients do not reach the table)."""
-
-    def forward(self, input):  # noqa: A002 - nn.Embedding's name
-        return torch.zeros(*input.shape, self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device)
 
 
 SCALE_ATTR = "hfpatch_pe_scale"  # position="sinusoidal", pe_scale=: the table's amplitude (1: the paper's ±1)

@@ -32,7 +32,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from ..adapters import Adapter
+from ..edits import Edits
 from .attention import biased_attention, causal_of
+from .patch import attention_modules, remove_positions, use_attention
 
 SDPA_NAME = "hfpatch_alibi"
 EAGER_NAME = "hfpatch_alibi_eager"
@@ -138,3 +141,13 @@ AttentionInterface.register(SDPA_NAME, alibi_sdpa)
 AttentionInterface.register(EAGER_NAME, alibi_eager)
 AttentionMaskInterface.register(SDPA_NAME, sdpa_mask)
 AttentionMaskInterface.register(EAGER_NAME, eager_mask)
+
+
+def apply_alibi(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+    """The model's own position signal out; each attention module gets its heads' slopes and the attention functions
+    above."""
+    remove_positions(model, adapter, req["scheme"], edits)
+    for attn, heads in zip(attention_modules(model, adapter), adapter.heads):
+        slopes = torch.tensor(alibi_slopes(heads, req.get("alibi_max_bias", 8.0)))
+        edits.set(attn, SLOPES_ATTR, slopes)
+    use_attention(model, SDPA_NAME, EAGER_NAME, edits)

@@ -1,5 +1,6 @@
-"""position=...: RoPE scaling (rescale the live rotary module), alibi / nope / sinusoidal (take the model's own
-position signal out, put another in), interpolate (stretch a learned table). Every change goes through `Edits`."""
+"""position=...: RoPE scaling (rescale the live rotary module), taking the model's own position signal out (what
+nope, sinusoidal, alibi, t5, xl and learned start with), interpolate (stretch a learned table). Every change goes
+through `Edits`."""
 
 from __future__ import annotations
 
@@ -11,24 +12,14 @@ import torch
 
 from ..adapters import Adapter, get_path
 from ..adapters.infer import mixer_paths
+from ..adapters.positions import ZeroPositions, layer_types, make_identity, params_of, prefix, trained_window
 from ..adapters.probe import position_sources
 from ..edits import Edits
-from . import absolute, alibi
+from . import absolute
 from . import rotary as rot
 
 
-def trained_window(config, params: dict) -> int | None:
-    """The config's trained context: the scheme's original window if the model is already scaled natively,
-    phi3's `original_max_position_embeddings`, else `max_position_embeddings`; None if the config names none
-    (RecurrentGemma: local attention only)."""
-    for value in (params.get("original_max_position_embeddings"), getattr(config, "original_max_position_embeddings", None),
-                  getattr(config, "max_position_embeddings", None)):
-        if value:
-            return int(value)
-    return None
-
-
-def _rotaries(model, adapter: Adapter) -> list:
+def rotaries_of(model, adapter: Adapter) -> list:
     """[(rotary module, the config it reads)], the model's own (text) config first."""
     out = []
     for path in adapter.rotaries:
@@ -60,15 +51,14 @@ def default_layer_types(config) -> list:
     """Where a config nests RoPE per layer type, the types a scaling applies to by default: the global-attention
     layers, as transformers' own legacy `rope_scaling` does (gemma3), else every type that has RoPE (some families
     give their global layers none)."""
-    roped = [lt for lt in rot.layer_types(config) if rot.params_of(config, lt) is not None]
+    roped = [lt for lt in layer_types(config) if params_of(config, lt) is not None]
     return ["full_attention"] if "full_attention" in roped else roped
 
 
 def apply_rope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
-    name = req["scheme"]
     text_config = model.config.get_text_config()
     opts = {k: v for k, v in req.items() if k not in ("scheme", "layer_types", "original_max_position_embeddings")}
-    rotaries = _rotaries(model, adapter)
+    rotaries = rotaries_of(model, adapter)
     n_positions = None
     done = {}  # id(config) -> (new config the rotaries of that config read, per-type base params, window)
     for rotary, config in rotaries:
@@ -78,15 +68,15 @@ def apply_rope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None
         if rope_config is not config:
             edits.set(rotary, "config", rope_config)
         rot.rebuild(rotary, rope_config, edits)
-        if name == "dynamic-yarn":
-            rot.make_dynamic_yarn(rotary, base, window, opts, edits)
+        if scheme.per_forward is not None:  # rescaled again at every forward (dynamic-yarn)
+            scheme.per_forward(rotary, base, window, opts, edits)
 
 
 def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edits):
     """The config `config`'s rotaries should read for this scheme: `config` itself, edited, when transformers can
     express the scheme there (so save_pretrained writes it natively), else a private copy."""
     original = config.rope_parameters
-    all_types = rot.layer_types(config)
+    all_types = layer_types(config)
     if all_types == [None]:
         if "layer_types" in req:
             raise ValueError(f"layer_types= applies to models with per-layer-type RoPE (gemma3); {adapter.model_type} "
@@ -102,12 +92,12 @@ def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edi
     new_params = {}
     window = req.get("original_max_position_embeddings")
     for lt in targets:
-        base = rot.params_of(config, lt)
+        base = params_of(config, lt)
         window = window or trained_window(config, base)
         if window is None and scheme.max_positions == "extended":
             raise ValueError(f"position={req['scheme']!r} needs the trained window, and {adapter.model_type}'s config "
                              "names none (no max_position_embeddings): pass original_max_position_embeddings=")
-        n_freq = getattr(rotary, f"{rot._prefix(lt)}inv_freq").numel()  # rotated channels / 2
+        n_freq = getattr(rotary, f"{prefix(lt)}inv_freq").numel()  # rotated channels / 2
         for key in ("short_factor", "long_factor"):
             if key in opts and len(opts[key]) != n_freq:
                 raise ValueError(
@@ -119,7 +109,7 @@ def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edi
     n_positions = max_positions(scheme, window, opts)
     native = (scheme.native and config is text_config and native_form_kept(config, rope_parameters)
               and _fits_natively(rotary, config, rope_parameters, targets))
-    base = {lt: rot.params_of(config, lt) for lt in targets}
+    base = {lt: params_of(config, lt) for lt in targets}
     if native:
         # The config describes the patch in transformers' own terms, so plain from_pretrained reloads it.
         edits.set(config, "max_position_embeddings", n_positions) if n_positions else None
@@ -147,7 +137,7 @@ def _fits_natively(rotary, config, rope_parameters, targets) -> bool:
     trial.rope_parameters = rope_parameters
     for lt in targets:
         inv_freq, _ = rot.compute(rotary, trial, lt)
-        if inv_freq.shape != getattr(rotary, f"{rot._prefix(lt)}inv_freq").shape:
+        if inv_freq.shape != getattr(rotary, f"{prefix(lt)}inv_freq").shape:
             return False
     return True
 
@@ -172,45 +162,43 @@ def native_form_kept(config, rope_parameters: dict) -> bool:
     return isinstance(got, dict) and types(got) == types(rope_parameters)
 
 
-def replace_positions(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
-    """alibi / nope / sinusoidal: take the model's own position signal out, then put the new one in."""
-    scheme, config, base = req["scheme"], model.config, model.base_model
-    remove_positions(model, adapter, scheme, edits)
-    if scheme == "sinusoidal":
-        # the table lookup (remove_positions swapped it) or the first block's input carries the new signal
-        if adapter.position_table:
-            carrier = get_path(base, adapter.position_table)
-        else:
-            carrier = get_path(base, adapter.layers)[0]
-            edits.mix_in(carrier, absolute.SinusoidalInput)
-        if "pe_scale" in req:
-            edits.set(carrier, absolute.SCALE_ATTR, float(req["pe_scale"]))
-    if scheme == "alibi":
-        for attn, heads in zip(attention_modules(model, adapter), adapter.heads):
-            slopes = torch.tensor(alibi.alibi_slopes(heads, req.get("alibi_max_bias", 8.0)))
-            edits.set(attn, alibi.SLOPES_ATTR, slopes)
-        use_attention(model, alibi.SDPA_NAME, alibi.EAGER_NAME, edits)
+def apply_nope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+    """No position signal at all: the model's own is taken out and nothing is put in."""
+    remove_positions(model, adapter, req["scheme"], edits)
 
 
-def remove_positions(model, adapter: Adapter, scheme: str, edits: Edits, reloadable: bool = False) -> None:
-    """Take the model's own position signal out: RoPE becomes the identity, a learned table's lookup returns zeros
-    (or the sinusoidal rows, for position='sinusoidal'); then check, numerically, that none is left.
+def apply_sinusoidal(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+    """The fixed sinusoidal table, carried by the learned table's lookup (which returns its rows instead) or, in a
+    model without a table, added to the first block's input."""
+    base = model.base_model
+    remove_positions(model, adapter, req["scheme"], edits, lookup=absolute.SinusoidalPositions)
+    if adapter.position_table:
+        carrier = get_path(base, adapter.position_table)
+        edits.set(carrier, "hfpatch_offset", adapter.position_offset)
+    else:
+        carrier = get_path(base, adapter.layers)[0]
+        edits.mix_in(carrier, absolute.SinusoidalInput)
+    if "pe_scale" in req:
+        edits.set(carrier, absolute.SCALE_ATTR, float(req["pe_scale"]))
+
+
+def remove_positions(model, adapter: Adapter, scheme: str, edits: Edits, reloadable: bool = False,
+                     lookup: type = ZeroPositions) -> None:
+    """Take the model's own position signal out: RoPE becomes the identity, a learned table's lookup is replaced by
+    `lookup` (zeros, or absolute.SinusoidalPositions: rows that encode position); then check, numerically, that no
+    position signal is left but the one `lookup` adds.
 
     reloadable: the patch adds weights, so a saved model is rebuilt and loaded by transformers, whose loader
     recomputes the rotary modules' (non-persistent) frequencies from their config: they get a mixin that zeroes
     them again (absolute.NoRotation)."""
     base = model.base_model
-    for rotary, rcfg in _rotaries(model, adapter):  # RoPE becomes the identity: cos = 1, sin = 0 everywhere
-        rot.make_identity(rotary, rcfg, edits)
+    for rotary, rcfg in rotaries_of(model, adapter):  # RoPE becomes the identity: cos = 1, sin = 0 everywhere
+        make_identity(rotary, rcfg, edits)
         if reloadable:
             edits.mix_in(rotary, absolute.NoRotation)
     if adapter.position_table:
-        table = get_path(base, adapter.position_table)
-        lookup = absolute.SinusoidalPositions if scheme == "sinusoidal" else absolute.ZeroPositions
-        edits.mix_in(table, lookup, under=True)
-        if scheme == "sinusoidal":
-            edits.set(table, "hfpatch_offset", adapter.position_offset)
-    _check_removed(model, adapter, scheme)
+        edits.mix_in(get_path(base, adapter.position_table), lookup, under=True)
+    _check_removed(model, adapter, scheme, embedded_allowed=lookup is not ZeroPositions)
 
 
 def attention_modules(model, adapter: Adapter) -> list:
@@ -228,16 +216,17 @@ def use_attention(model, sdpa_name: str, eager_name: str, edits: Edits) -> None:
         edits.set(c, "_attn_implementation_internal", name)
 
 
-def _check_removed(model, adapter: Adapter, scheme: str) -> None:
-    """After the model's own position signal was taken out, no attention block may still tell positions apart
-    (checked on a repeated token: adapters.probe.position_sources). Skipped on a model without weights yet (a
-    reload builds it on the meta device; the check was made when the patch was saved)."""
+def _check_removed(model, adapter: Adapter, scheme: str, embedded_allowed: bool) -> None:
+    """After the model's own position signal was taken out, no attention block may still tell positions apart, nor
+    the embeddings unless `embedded_allowed` (a table lookup that now returns sinusoidal rows): checked on a
+    repeated token (adapters.probe.position_sources). Skipped on a model without weights yet (a reload builds it on
+    the meta device; the check was made when the patch was saved)."""
     if any(p.device.type == "meta" for p in model.parameters()):
         return
     top = "" if model.base_model is model else model.base_model_prefix + "."
     mixers = mixer_paths(f"{top}{adapter.layers}", adapter.attention, attention_layers(model, adapter))
     embedded, sources = position_sources(model, mixers, f"{top}{adapter.layers}")
-    if sources or (embedded and scheme != "sinusoidal"):
+    if sources or (embedded and not embedded_allowed):
         where = sources[0] if sources else "the embeddings"
         raise ValueError(f"position={scheme!r} takes out {adapter.model_type}'s position signal, but one remains "
                          f"after removing {_signal_of(adapter)} ({where} still tells positions apart on a repeated "

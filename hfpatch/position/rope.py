@@ -28,11 +28,6 @@ def _carry(base: dict) -> dict:
     return {k: v for k, v in base.items() if k not in _SCHEME_KEYS}
 
 
-def rotary_dim(head_dim: int, base: dict) -> int:
-    """Number of rotated channels per head (gpt_neox rotates only a fraction)."""
-    return int(head_dim * base.get("partial_rotary_factor", 1.0))
-
-
 def plain(base: dict, window: int, opts: dict, dim: int) -> dict:
     return {"rope_type": "default", **_carry(base)}
 

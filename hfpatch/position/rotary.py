@@ -13,17 +13,9 @@ import copy
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from ..adapters.positions import layer_types, params_of, prefix
 from ..edits import Edits
 from .rope import dynamic_yarn_scale, yarn_parameters_at
-
-
-def layer_types(config) -> list:
-    """[None] for a flat rope_parameters dict, else the layer types it is nested by."""
-    return config.nested_rope_parameter_keys(config.rope_parameters) or [None]
-
-
-def params_of(config, layer_type):
-    return config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
 
 
 def compute(rotary, config, layer_type):
@@ -49,13 +41,9 @@ def fitted(inv_freq, old):
     return None
 
 
-def _prefix(layer_type):
-    return "" if layer_type is None else f"{layer_type}_"
-
-
 def _put(rotary, layer_type, inv_freq, scaling, set_attr):
     """Write inv_freq/attention_scaling where the class reads them, on the device and dtype the old buffer had."""
-    p = _prefix(layer_type)
+    p = prefix(layer_type)
     old = getattr(rotary, f"{p}inv_freq")
     new = fitted(inv_freq.to(device=old.device, dtype=old.dtype), old)
     if new is None:
@@ -79,7 +67,7 @@ def rebuild(rotary, config, edits: Edits) -> None:
             continue
         inv_freq, scaling = compute(rotary, config, lt)
         _put(rotary, lt, inv_freq, scaling, edits.set)
-        p = _prefix(lt)
+        p = prefix(lt)
         edits.set(rotary, f"{p}original_inv_freq", getattr(rotary, f"{p}inv_freq").clone())
         # caches that transformers' dynamic/longrope updates leave behind
         edits.delete(rotary, f"{p}long_inv_freq")
@@ -87,20 +75,6 @@ def rebuild(rotary, config, edits: Edits) -> None:
             edits.delete(rotary, f"{lt}_max_seq_len_cached")
         rope_type[lt] = params["rope_type"]
     edits.set(rotary, "rope_type", rope_type[None] if types == [None] else rope_type)
-
-
-def make_identity(rotary, config, edits: Edits) -> None:
-    """RoPE that rotates nothing: inverse frequencies 0 (cos 1, sin 0 at every position), no attention scaling.
-    The rope type becomes "default", which keeps transformers' dynamic/longrope updates from recomputing them."""
-    edits.track_new_attributes(rotary)
-    types = [lt for lt in layer_types(config) if params_of(config, lt) is not None]
-    for lt in types:
-        p = _prefix(lt)
-        edits.set(rotary, f"{p}inv_freq", torch.zeros_like(getattr(rotary, f"{p}inv_freq")))
-        edits.set(rotary, f"{p}original_inv_freq", torch.zeros_like(getattr(rotary, f"{p}inv_freq")))
-        edits.set(rotary, f"{p}attention_scaling", 1.0)
-        edits.delete(rotary, f"{p}long_inv_freq")
-    edits.set(rotary, "rope_type", "default" if types == [None] else {lt: "default" for lt in types})
 
 
 class DynamicYarnRotary:

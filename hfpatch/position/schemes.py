@@ -1,6 +1,6 @@
 """The registry of position schemes: one record per scheme, read by validation (`spec`), application (`apply`),
-`supported()` / `describe()`, saving (`io`) and the evaluations' length limits. Adding a scheme is adding one record
-here (and its builder or applier next to the others).
+`supported()` / `describe()`, saving (`io`), the evaluations' length limits and the recipes' sequence splitting.
+Adding a scheme is adding one record here and its applier (docs/extending.md); nothing else branches on its name.
 
 A record says:
 - `apply(model, adapter, req, scheme, edits)`: how it is put into a model (every change through `edits`);
@@ -9,13 +9,17 @@ A record says:
 - `factor` ("required" | "optional" | "none") and `options` {name: validator}: the keyword arguments it takes;
 - `check`: validation across options (beta_fast > beta_slow, ...);
 - `rope`: for RoPE rescaling, the pure builder of transformers `rope_parameters` (position/rope.py);
+- `per_forward(rotary, base, window, opts, edits)`: for RoPE rescaled again at every forward (dynamic-yarn), what
+  makes the rotary module do so;
 - `max_positions`: what a RoPE rescaling writes to config.max_position_embeddings: "extended" (trained window x
   factor, when a factor is given) or "window" (the trained window: transformers' dynamic NTK reads it as such);
-- `bounded`: whether the patched model has a fixed length limit (max_position_embeddings, or a learned table's
-  rows); ALiBi, NoPE, sinusoidal and the dynamic schemes have none;
+- `limit`: the length limit of the patched model (max_position_embeddings, or a learned table's rows): "table" (a
+  hard one: a longer sequence fails, so evaluations refuse lengths past it), "window" (the model only degrades
+  past it, which is what the evaluations measure) or None (none at all: ALiBi, NoPE, sinusoidal, dynamic scaling);
 - `native`: whether plain transformers reloads the patched model as it is (native `rope_parameters`, or a plain
   checkpoint such as an interpolated table);
-- `changes_weights`: whether it changes which weights exist (reloads by loading into the patched structure).
+- `changes_weights`: whether it changes which weights exist (reloads by loading into the patched structure);
+- `split`: why it cannot train with each sequence split over processes (context parallelism, Ulysses), or None.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import rope
+from .alibi import apply_alibi
 from .learned import apply_learned
-from .patch import apply_interpolate, apply_rope, replace_positions
+from .patch import apply_interpolate, apply_nope, apply_rope, apply_sinusoidal
 from .relative import apply_t5, apply_xl, check_t5
+from .rotary import make_dynamic_yarn
 from .self_extend import apply_self_extend
 
 # ------------------------------------------------------------------------------------------------ option checks
@@ -87,8 +93,9 @@ def names(name, value):
 
 # Options every RoPE rescaling scheme takes.
 ROPE_COMMON = {"original_max_position_embeddings": positive_int, "layer_types": names}
-YARN_OPTIONS = {"attention_factor": positive, "beta_fast": positive, "beta_slow": positive, "mscale": real,
-                "mscale_all_dim": real, "truncate": flag}
+# YaRN's options are the ones its builder passes on (rope.YARN_OPTIONS): positive numbers, but for these
+YARN_OPTIONS = {name: {"mscale": real, "mscale_all_dim": real, "truncate": flag}.get(name, positive)
+                for name in rope.YARN_OPTIONS}
 
 
 def _betas(req):
@@ -177,16 +184,28 @@ class Scheme:
     options: dict = field(default_factory=dict)  # name -> validator(name, value) -> normalized value
     check: Callable | None = None  # validation across options, on the normalized request
     rope: Callable | None = None  # RoPE rescaling: builder -> rope_parameters
+    per_forward: Callable | None = None  # RoPE rescaled at every forward: (rotary, base, window, opts, edits)
     max_positions: str = "extended"  # "extended" | "window"
-    bounded: bool = True
+    limit: str | None = "window"  # "table" | "window" | None
     native: bool = True
     changes_weights: bool = False
+    split: str | None = None  # why sequences cannot be split over processes while it trains (None: they can)
 
 
-def _rope(builder, summary, factor="required", options=None, check=None, max_positions="extended", bounded=True,
-          native=True, requires=("rope", "window")):
+# Why a scheme cannot train with its sequences split over processes (train/parallel.py): each process then holds a
+# shard of every sequence, its positions passed in as position ids, and sees only its own shard's keys.
+_DYNAMIC = "each shard would scale RoPE by the largest position it holds, so the shards would disagree"
+
+
+def _own_attention(what: str) -> str:
+    return (f"its attention function {what} from the local shard's key slots, not from the positions of the whole "
+            "sequence")
+
+
+def _rope(builder, summary, factor="required", options=None, check=None, max_positions="extended", limit="window",
+          native=True, requires=("rope", "window"), per_forward=None, split=None):
     return Scheme(apply_rope, requires, summary, factor, {**ROPE_COMMON, **(options or {})}, check, builder,
-                  max_positions, bounded, native)
+                  per_forward, max_positions, limit, native, split=split)
 
 
 _REPLACE = ("known_positions",)
@@ -197,48 +216,54 @@ SCHEMES: dict[str, Scheme] = {
     "linear": _rope(rope.linear, "position interpolation (Chen et al. 2023): positions / factor"),
     "ntk": _rope(rope.ntk, "NTK-aware base change: theta * factor^(d/(d-2))"),
     "dynamic": _rope(rope.dynamic, "dynamic NTK: the base grows with the sequence past the window",
-                     factor="optional", max_positions="window", bounded=False),
+                     factor="optional", max_positions="window", limit=None, split=_DYNAMIC),
     "yarn": _rope(rope.yarn, "YaRN (Peng et al. 2023): NTK-by-parts + attention scaling", options=YARN_OPTIONS,
                   check=_betas),
     "dynamic-yarn": _rope(rope.dynamic_yarn, "YaRN with s = max(1, L / window), recomputed per forward",
-                          factor="optional", bounded=False, native=False, check=_betas,
+                          factor="optional", limit=None, native=False, check=_betas, per_forward=make_dynamic_yarn,
                           options={k: YARN_OPTIONS[k] for k in ("attention_factor", "beta_fast", "beta_slow",
-                                                                 "truncate")}),
+                                                                 "truncate")}, split=_DYNAMIC),
     "llama3": _rope(rope.llama3, "Llama 3.1's frequency-dependent interpolation",
                     options={"low_freq_factor": positive, "high_freq_factor": positive}, check=_llama3),
     "longrope": _rope(rope.longrope, "LongRoPE: per-frequency factors (short/long)",
                       options={"short_factor": numbers_list, "long_factor": numbers_list,
                                "attention_factor": positive}, check=_longrope),
-    "alibi": Scheme(replace_positions, (*_REPLACE, "attention_interface"),
+    "alibi": Scheme(apply_alibi, (*_REPLACE, "attention_interface"),
                     "ALiBi (Press et al. 2022): no position embedding, a per-head linear distance bias",
-                    options={"alibi_max_bias": positive}, bounded=False, native=False),
-    "nope": Scheme(replace_positions, _REPLACE, "no position signal at all (causal attention only)", bounded=False,
+                    options={"alibi_max_bias": positive}, limit=None, native=False,
+                    split=("its attention function takes key positions from the local shard's indices and one slope "
+                           "per head of the whole model")),
+    "nope": Scheme(apply_nope, _REPLACE, "no position signal at all (causal attention only)", limit=None,
                    native=False),
-    "sinusoidal": Scheme(replace_positions, _REPLACE, "the fixed sinusoidal table added to the input, times "
+    "sinusoidal": Scheme(apply_sinusoidal, _REPLACE, "the fixed sinusoidal table added to the input, times "
                          "pe_scale (default 1: the paper's ±1 amplitude)", options={"pe_scale": positive},
-                         bounded=False, native=False),
+                         limit=None, native=False),
     "interpolate": Scheme(apply_interpolate, ("table",), "a learned table stretched by linear interpolation",
-                          factor="required", changes_weights=True),
+                          factor="required", limit="table", changes_weights=True),
     # Position encodings with new parameters, for from-scratch comparisons (position/relative.py, learned.py): they
     # reload by loading the saved weights into the patched structure; plain transformers cannot express them.
     "t5": Scheme(apply_t5, (*_REPLACE, "attention_interface"),
                  "T5's relative bias (Raffel et al. 2020): a learned scalar per (distance bucket, head), shared by the "
                  "layers, zero at start", options={"num_buckets": positive_int, "max_distance": positive_int},
-                 check=check_t5, bounded=False, native=False, changes_weights=True),
+                 check=check_t5, limit=None, native=False, changes_weights=True,
+                 split=_own_attention("buckets query-key distances")),
     "xl": Scheme(apply_xl, (*_REPLACE, "attention_interface"),
                  "Transformer-XL's relative encoding (Dai et al. 2019): content and position terms, sinusoidal "
                  "relative embeddings projected per layer, global biases u and v; zero at start",
-                 bounded=False, native=False, changes_weights=True),
+                 limit=None, native=False, changes_weights=True,
+                 split=_own_attention("computes query-key distances")),
     "learned": Scheme(apply_learned, (*_REPLACE, "no_table"),
                       "a trainable absolute position table added to the input (RoPE removed), initialised small; "
                       "the length limit is its size", options={"table_size": positive_int, "init_std": positive},
-                      native=False, changes_weights=True),
+                      limit="table", native=False, changes_weights=True),
     # Self-Extend (self_extend.py): grouped positions for far keys, exact ones for neighbours; no training
     "self-extend": Scheme(
         apply_self_extend, ("rope", "attention_interface", "causal"),
         "Self-Extend (Jin et al. 2024): exact RoPE positions within W tokens, positions grouped by G beyond; no "
-        "training", options={"group_size": positive_int, "window": positive_int}, check=_self_extend, native=False),
+        "training", options={"group_size": positive_int, "window": positive_int}, check=_self_extend, native=False,
+        split=_own_attention("tells neighbour keys from grouped ones")),
 }
+
 
 def options_of(name: str) -> set[str]:
     s = SCHEMES[name]

@@ -46,12 +46,12 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from ..adapters import Adapter, get_path
-from ..adapters.probe import _close
+from ..adapters.positions import layer_types, trained_window
+from ..adapters.probe import close
 from ..adapters.probe import run as probe_run
 from ..edits import Edits
-from . import rotary as rot
 from .attention import explicit_attention
-from .patch import _rotaries, attention_layers, trained_window
+from .patch import attention_layers, rotaries_of
 
 SDPA_NAME = "hfpatch_self_extend"
 EAGER_NAME = "hfpatch_self_extend_eager"
@@ -255,12 +255,12 @@ AttentionMaskInterface.register(EAGER_NAME, eager_mask)
 
 def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
     G, W = req["group_size"], req["window"]
-    rotaries = _rotaries(model, adapter)
+    rotaries = rotaries_of(model, adapter)
     if len(rotaries) != 1:
         raise ValueError(f"position='self-extend' needs to know which rotary module each attention layer reads; "
                          f"{adapter.model_type} has {len(rotaries)} ({', '.join(adapter.rotaries)})")
     rotary, config = rotaries[0]
-    types = rot.layer_types(config)
+    types = layer_types(config)
     trained = trained_window(config, config.rope_parameters if types == [None] else {})
     if W > trained:
         raise ValueError(f"window={W} is beyond the {trained} tokens {adapter.model_type} was trained on; "
@@ -286,7 +286,7 @@ def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
         for attn, maps in targets:
             edits.set(attn, STATE_ATTR, dataclasses.replace(maps, window=_EVERYTHING_NEAR))
         after = _logits(model, "with position='self-extend'")
-        if not _close(before, after):
+        if not close(before, after):
             raise ValueError(
                 f"position='self-extend' does not reproduce {adapter.model_type}'s own RoPE attention (with every "
                 f"key inside the window its logits should not change, but they differ by "

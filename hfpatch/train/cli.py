@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+from accelerate.utils import set_seed
+
 from ..files import Lock, Locked, describe_os_error
 from .config import ConfigError, RunFailed, check_fresh, load  # noqa: F401 (ConfigError is re-exported to recipes)
 
@@ -34,8 +36,6 @@ def run(recipe: str, main, argv=None) -> int:
         with holding(Path(cfg.output_dir)) if main_process else contextlib.nullcontext():
             if main_process:
                 check_fresh(cfg)
-            from accelerate.utils import set_seed
-
             set_seed(cfg.seed)  # before any model is built: from-scratch weights (and LoRA) are reproducible
             main(cfg)
     except ConfigError as e:

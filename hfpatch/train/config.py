@@ -16,6 +16,12 @@ import re
 from pathlib import Path
 
 import yaml
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import LoggerType
+from huggingface_hub.errors import StrictDataclassError
+from transformers import CONFIG_MAPPING
+
+from .. import spec
 
 
 class ConfigError(ValueError):
@@ -26,7 +32,20 @@ class RunFailed(RuntimeError):
     """A run that cannot go on (its loss is no longer finite): one line, exit code 1, its checkpoints kept."""
 
 
-# name: (type or tuple of types, default). A dict default is a section with its own schema.
+class _Required:
+    """The default of a key that must be given."""
+
+    def __repr__(self):
+        return "REQUIRED"
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+REQUIRED = _Required()
+
+# name: (type or tuple of types, default[, type of a list's items: str unless named]). A dict in place of the tuple
+# is a section with its own schema. The default REQUIRED: the key must be given.
 COMMON = {
     "model": ((str, type(None)), None),  # hfpatch.models.load name: folder, .gguf, hub id, "smollm2"
     "tokenizer": ((str, type(None)), None),  # defaults to the model's
@@ -136,7 +155,9 @@ def _check(schema: dict, values: dict, where: str = "") -> Config:
                 raise ConfigError(f"{name} must be a section (key: value pairs), got {value!r}")
             out[key] = _check(spec, {**_defaults(spec), **value}, f"{name}.")
             continue
-        types, _ = spec
+        if value is REQUIRED:
+            raise ConfigError(f"{name} is required")
+        types, items = spec[0], (spec[2] if len(spec) > 2 else str)
         types = types if isinstance(types, tuple) else (types,)
         if float in types and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
@@ -148,8 +169,9 @@ def _check(schema: dict, values: dict, where: str = "") -> Config:
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
             raise ConfigError(f"{name} must be {names}, got {value!r} ({type(value).__name__})")
-        if isinstance(value, list) and not all(isinstance(v, str) for v in value):  # every list holds names
-            raise ConfigError(f"{name} must be a list of strings, got {value!r}")
+        if isinstance(value, list) and not all(isinstance(v, items) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{name} must be a list of {'strings' if items is str else items.__name__ + 's'}, "
+                              f"got {value!r}")
         out[key] = value
     return out
 
@@ -198,10 +220,9 @@ def _check_size(values, limit: int = MAX_VALUES) -> None:
             stack.extend(item)
 
 
-def load(recipe: str, path: str | None, overrides: list[str], check_previous: bool = True) -> Config:
-    """The checked config. check_previous=False leaves out the check that output_dir holds no earlier run (the
-    recipes' command line makes it after locking output_dir: check_fresh)."""
-    schema = SCHEMAS[recipe]
+def read(path: str | None, overrides: list[str]) -> dict:
+    """The values of a YAML file (none: {}) with `key=value` overrides (dotted keys reach into sections, values are
+    YAML), not yet checked."""
     values: dict = {}
     if path:
         p = Path(path)
@@ -216,13 +237,24 @@ def load(recipe: str, path: str | None, overrides: list[str], check_previous: bo
             raise ConfigError(f"override {item!r}: expected key=value")
         _set(values, key.strip(), _yaml(raw, f"override {item!r}") if raw.strip() else None)
     _check_size(values)
+    return values
+
+
+def check(schema: dict, values: dict) -> Config:
+    """`values` over the schema's defaults (a section key by key, any other key as a whole), every key checked."""
     merged = _defaults(schema)
     for key, value in values.items():
-        if isinstance(merged.get(key), dict) and isinstance(value, dict) and key != "patch" and key != "model_config":
+        if isinstance(schema.get(key), dict) and isinstance(value, dict):
             merged[key] = {**merged[key], **value}
         else:
             merged[key] = value
-    cfg = _check(schema, merged)
+    return _check(schema, merged)
+
+
+def load(recipe: str, path: str | None, overrides: list[str], check_previous: bool = True) -> Config:
+    """The checked config. check_previous=False leaves out the check that output_dir holds no earlier run (the
+    recipes' command line makes it after locking output_dir: check_fresh)."""
+    cfg = check(SCHEMAS[recipe], read(path, overrides))
     _expand_home(cfg)
     _validate(cfg, recipe)
     if check_previous:
@@ -287,9 +319,7 @@ def _validate(cfg: Config, recipe: str) -> None:
     if "distill" in cfg and cfg.distill.enabled and not 0.0 <= cfg.distill.alpha <= 1.0:
         raise ConfigError(f"distill.alpha must be in [0, 1], got {cfg.distill.alpha}")
     try:
-        import hfpatch
-
-        hfpatch.spec.request(**cfg.patch)
+        spec.request(**cfg.patch)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"patch: {e}") from None
 
@@ -329,9 +359,6 @@ def check_model_config(options: dict) -> None:
     """model_config against the config class of its model_type: every key must be a setting of the class (a typo,
     stored by transformers as a plain attribute and ignored, would be written into config.json), sizes > 0, and
     the class must accept the values together."""
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import CONFIG_MAPPING
-
     options = dict(options)
     model_type = options.pop("model_type")
     if model_type not in CONFIG_MAPPING:
@@ -362,9 +389,6 @@ def _check_trackers(log_with) -> None:
     """accelerate raises on an unknown tracker name and quietly drops one whose package is missing."""
     if not log_with:
         return
-    from accelerate.tracking import get_available_trackers
-    from accelerate.utils import LoggerType
-
     for name in [log_with] if isinstance(log_with, str) else log_with:
         if name not in LoggerType.list():
             raise ConfigError(f"log_with: unknown tracker {name!r}; accelerate knows {', '.join(LoggerType.list())}")

@@ -34,7 +34,8 @@ from transformers import get_cosine_schedule_with_warmup
 
 import hfpatch
 
-from ..files import model_fingerprint
+from ..lm import softcap, softcap_of
+from ..models import model_fingerprint
 from . import checkpoint, memory, parallel
 from .config import ConfigError, RunFailed
 from .data import batch_indices
@@ -44,11 +45,8 @@ from .pose import batch_position_ids
 
 def output_head(lm):
     """hidden states -> logits, as the model's own forward does after its base model (gemma2/3 softcap them)."""
-    head = lm.get_output_embeddings()
-    cap = getattr(lm.config, "final_logit_softcapping", None)
-    if not cap:
-        return head
-    return lambda h: torch.tanh(head(h) / cap) * cap
+    head, cap = lm.get_output_embeddings(), softcap_of(lm.config)
+    return head if not cap else lambda h: softcap(head(h), cap)
 
 
 FUSED_CHUNK = 512  # positions per chunk of the fused loss when loss_chunk is not set
@@ -92,7 +90,7 @@ class CausalLMLoss(nn.Module):
         labels = shift(ids) if labels is None else labels
         if self.fused and self.teacher is None:  # gradients made in the forward pass, chunk by chunk (losses.py)
             out = fused_lm_loss(hidden, labels, lm.get_output_embeddings(), self.chunk or FUSED_CHUNK,
-                                getattr(lm.config, "final_logit_softcapping", None))
+                                softcap_of(lm.config))
         else:
             teacher_hidden = teacher_head = None
             if self.teacher is not None:
@@ -162,7 +160,7 @@ def prepare(cfg, model, teacher=None) -> Run:
         memory.release_freed_memory()
     memory_edits = memory.apply(model, gradient_checkpointing=cfg.gradient_checkpointing, mlp_tile=cfg.mlp_tile)
     if cfg.lora.enabled:
-        import peft
+        import peft  # the optional extra (pip install peft): only LoRA runs need it
 
         targets = cfg.lora.target_modules
         try:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 import torch
@@ -141,8 +142,6 @@ def training_bytes(cfg, model, teacher=None, processes: int = 1) -> dict:
 
 def check_fits(cfg, model, teacher=None) -> None:
     """Refuse (ValueError) a run whose training_bytes exceed the memory free where it runs."""
-    import os
-
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpu = torch.cuda.is_available()
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if gpu else "cpu"

@@ -15,11 +15,10 @@ process the whole sequence for 1/n of the heads, through the attention function 
 model's own.
 
 What cannot work is refused before training (`check`), with the reason:
-- ALiBi: its attention function reads key positions from the local shard's indices (context parallelism) and
-  holds one slope per head of the whole model (Ulysses hands it 1/n of the heads; DeepSpeed also requires the
-  model's attention to be the one it wraps).
-- dynamic and dynamic-yarn RoPE: the scale is taken from the largest position id each process sees, which differs
-  between shards, so the shards would rotate with different frequencies.
+- position schemes whose registry record says why (position/schemes.py, `split`): those that run their own attention
+  function (ALiBi, T5, Transformer-XL, Self-Extend) read key positions from the local shard's slots (ALiBi also
+  holds one slope per head of the whole model, where Ulysses hands it 1/n of the heads); dynamic and dynamic-yarn
+  RoPE take the scale from the largest position id each process sees, which differs between shards;
 - PoSE under Ulysses: DeepSpeed reads every jump in the position ids as a document boundary (sdpa refuses packed
   documents, flash attention masks across them); under context parallelism the masks are dropped and the jumps
   only reach RoPE, as PoSE needs.
@@ -80,16 +79,9 @@ def check(cfg, scheme: str) -> None:
 
 
 def refusal(scheme: str) -> str | None:
-    """Why a position scheme cannot train with split sequences (None: it can), read off its registry record."""
+    """Why a position scheme cannot train with split sequences (None: it can): its registry record's `split`."""
     record = SCHEMES.get(scheme)
-    if record is None:
-        return None
-    if "attention_interface" in record.requires:  # ALiBi: its own attention function
-        return ("its attention function takes key positions from the local shard's indices and one slope per "
-                "head of the whole model")
-    if record.rope is not None and not record.bounded:  # dynamic, dynamic-yarn
-        return "each shard would scale RoPE by the largest position it holds, so the shards would disagree"
-    return None
+    return None if record is None else record.split
 
 
 def layout(accelerator) -> Layout:

@@ -6,10 +6,12 @@ import os
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hfpatch
 
 from ..models import load as load_model
+from ..text import load_tokenizer
 from ..position.schemes import SCHEMES
 from . import memory, parallel
 from .config import ConfigError
@@ -21,10 +23,6 @@ def dtype_of(cfg):
 
 def tokenizer(name: str):
     """A tokenizer folder (tokenizer files only), a model folder, a .gguf file, a hub id or "smollm2"."""
-    from transformers import AutoTokenizer
-
-    from ..text import load_tokenizer
-
     try:
         if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
             return AutoTokenizer.from_pretrained(name)
@@ -55,8 +53,6 @@ def load(cfg):
 def from_config(cfg, tok):
     """A model built from cfg.model_config (a transformers config: model_type and sizes), its vocabulary and special
     tokens taken from the tokenizer unless given, in cfg.dtype (weights drawn from the RNG as seeded)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     options = dict(cfg.model_config)
     options.setdefault("vocab_size", len(tok))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):

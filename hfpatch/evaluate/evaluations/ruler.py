@@ -33,18 +33,16 @@ Writes OUT/results.json after every sample (resumable), OUT/table.md (also print
 
 from __future__ import annotations
 
-import math
 import random
-import statistics
 import string
 import sys
-from pathlib import Path
 
-from .. import text as texts
-from ..lm import greedy
-from . import haystack as hs
-from . import sweep
-from .common import parse_lengths
+from ... import text as texts
+from ...lm import greedy
+from .. import haystack as hs
+from .. import report, sweep
+from ..common import length_label, parse_lengths
+from ..stats import pooled, wilson
 
 NIAH_TEMPLATE = ("Some special magic {vs} are hidden within the following text. Make sure to memorize it. I will "
                  "quiz you about the {vs} afterwards.\n{context}\nWhat are all the special magic {vs} for {query} "
@@ -219,18 +217,6 @@ def generate(task: str, rng_seed: str, n: int, src: hs.Source, length: int) -> h
     return fn(random.Random(rng_seed), n, src, **kwargs)
 
 
-Z95 = statistics.NormalDist().inv_cdf(0.975)
-
-
-def wilson(p: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """95 % Wilson score interval of a binomial proportion p observed over n trials."""
-    if n == 0:
-        return 0.0, 1.0
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
 def build(prompter: hs.Prompter, src: hs.Source, task: str, length: int, seed: str, sizes: dict):
     """(sample, token ids): the task's largest prompt that leaves room for its generated tokens in `length`
     (RULER: prompt + generation <= length). `sizes` remembers the haystack size found per (task, length), where
@@ -261,12 +247,9 @@ def parse_tasks(text: str) -> list[str]:
 
 
 class Ruler(sweep.Evaluation):
-    name = "ruler"
-    kind = "ruler"
     records = "samples"
     unit_key = "sample"
-    default_out = "runs/ruler"
-    description = __doc__.split("\n\n")[0]
+    axes = {"tasks": "task", "lengths": "length"}
 
     def add_arguments(self, p) -> None:
         p.add_argument("--tasks", default="all", help=f"comma-separated tasks or all (default): {', '.join(TASKS)}")
@@ -323,30 +306,82 @@ class Ruler(sweep.Evaluation):
         low, high = wilson(score, n)
         return {"score": score, "n": n, "ci95": [low, high]}
 
-    def report(self, data, out: Path, plot: bool) -> str:
-        from . import report
-
-        s = data["settings"]
+    def caption(self, data) -> str:
         name = data.get("model", {}).get("name", data["identity"]["model"])
-        caption = (f"{name}: RULER, {s['samples']} sample(s) per task and length, greedy decoding; "
-                   "score % [95 % Wilson interval]")
-        text = f"{caption}\n\n" + report.ruler_tables(data["cells"], s["patches"], s["tasks"], s["lengths"])
-        if plot:
-            report.ruler_plot(data["cells"], s["patches"], s["tasks"], s["lengths"], out / "ruler.png",
-                              title=caption, trained_window=data.get("model", {}).get("trained_window"))
-            print(f"\nplot: {out / 'ruler.png'}; results: {out / 'results.json'}", file=sys.stderr)
-        return text
+        return (f"{name}: RULER, {data['settings']['samples']} sample(s) per task and length, greedy decoding; "
+                "score % [95 % Wilson interval]")
+
+    def tables(self, data) -> str:
+        """One table per patch spec: rows = task (+ the mean over tasks), columns = length, entries = score % [CI]."""
+        s = data["settings"]
+        tasks, lengths = s["tasks"], s["lengths"]
+        done = {(c["patch"], c["task"], c["length"]): c for c in report.complete(data["cells"])}
+        out = []
+        for p in s["patches"]:
+            rows = [[t] + [_percent(c["score"], c["ci95"]) if (c := done.get((p, t, n))) else "—" for n in lengths]
+                    for t in tasks]
+            mean = []
+            for n in lengths:
+                cs = [done.get((p, t, n)) for t in tasks]
+                mean.append("—" if None in cs else _percent(*_score_and_interval(pooled(cs))))
+            if len(tasks) > 1:
+                rows.append(["**mean**"] + mean)
+            out.append(f"**{p}**\n\n" + report.markdown_table(["task"] + [length_label(n) for n in lengths], rows))
+        return "\n\n".join(out)
+
+    def plot(self, data, path, title) -> None:
+        """Score vs length, one line per patch spec with its 95 % interval as error bars: one panel for the mean over
+        the tasks (samples pooled) and one per task."""
+        s, window = data["settings"], data.get("model", {}).get("trained_window")
+        patches, tasks, lengths = s["patches"], s["tasks"], s["lengths"]
+        done = {(c["patch"], c["task"], c["length"]): c for c in report.complete(data["cells"])}
+        panels = (["mean"] if len(tasks) > 1 else []) + list(tasks)
+        cols = min(4, len(panels))
+        rows = -(-len(panels) // cols)
+        fig = report.figure(figsize=(3.2 * cols, 2.6 * rows + 0.6))
+        axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
+        colors = report.colors()
+        for k, panel in enumerate(panels):
+            ax = axes[k // cols][k % cols]
+            for i, p in enumerate(patches):
+                pts = []
+                for n in lengths:
+                    cs = [done.get((p, t, n)) for t in (tasks if panel == "mean" else [panel])]
+                    if None not in cs:
+                        score, _, (lo, hi) = pooled(cs)
+                        pts.append((n, score, lo, hi))
+                if pts:
+                    xs, ys, los, his = zip(*pts)
+                    dodge = 1.06 ** (i - (len(patches) - 1) / 2)  # side by side, so that equal scores stay visible
+                    ys = [100 * y for y in ys]
+                    err = [[y - 100 * lo for y, lo in zip(ys, los)], [100 * hi - y for y, hi in zip(ys, his)]]
+                    ax.errorbar([x * dodge for x in xs], ys, yerr=err, marker="o", markersize=4, capsize=2,
+                                color=colors[i % len(colors)], label=p)
+            if report.shows_window(window, lengths):
+                ax.axvline(window, color="gray", linestyle=":", linewidth=1)
+            report.length_axis(ax, lengths)
+            ax.set_ylim(-5, 105)
+            ax.set_title(panel if panel != "mean" else "mean over tasks", fontsize=9)
+            ax.grid(True, alpha=0.3)
+            if k % cols == 0:
+                ax.set_ylabel("score (%)")
+        for k in range(len(panels), rows * cols):
+            axes[k // cols][k % cols].axis("off")
+        axes[0][0].legend(fontsize=7)
+        if title:
+            fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
 
 
-def pooled(cells: list[dict]) -> tuple[float, int, tuple[float, float]]:
-    """Score over several cells' samples together, with its interval."""
-    scores = [r["score"] for c in cells for r in c["samples"]]
-    p = sum(scores) / len(scores)
-    return p, len(scores), wilson(p, len(scores))
+def _percent(p: float, ci) -> str:
+    return f"{100 * p:.0f} [{100 * ci[0]:.0f}, {100 * ci[1]:.0f}]"
+
+
+def _score_and_interval(pooled_result):
+    p, _, ci = pooled_result
+    return p, ci
 
 
 EVALUATION = Ruler()
-
-
-def main(argv=None) -> int:
-    return sweep.main(EVALUATION, argv)
+main = EVALUATION.main

@@ -23,26 +23,24 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
+from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
-from .. import text as texts
-from ..lm import document_nll, windows
-from . import sweep
-from .common import finite, parse_length, parse_lengths
+from ... import text as texts
+from ...lm import document_nll, windows
+from .. import report, sweep
+from ..common import finite, length_label, parse_length, parse_lengths
 
 DEFAULT_LENGTHS = "2k,8k,16k"  # the main command: under 10 minutes on 2 CPU cores (see README)
 WINDOWINGS = ("chunks", "sliding", "rolling")
 
 
 class Perplexity(sweep.Evaluation):
-    name = "ppl"
-    kind = "perplexity"
+    kind = "perplexity"  # what its results files are marked with (files written so far resume under it)
     records = "documents"
     unit_key = "name"
-    default_out = "runs/ppl"
-    description = __doc__.split("\n\n")[0]
+    axes = {"windowing": "windowing", "lengths": "length"}
 
     def add_arguments(self, p) -> None:
         p.add_argument("--lengths", default=DEFAULT_LENGTHS,
@@ -151,10 +149,7 @@ class Perplexity(sweep.Evaluation):
                 "bpb": nll / math.log(2) / nbytes if nbytes else None,
                 "seconds": round(sum(r["seconds"] for r in records), 3)}
 
-    def report(self, data, out: Path, plot: bool) -> str:
-        from . import report
-
-        cells, settings = data["cells"], data["settings"]
+    def caption(self, data) -> str:
         model = data.get("model", {})
         src = data["corpus"]
         src_name = {"stdlib": "Python stdlib sources", "files": "text files",
@@ -162,14 +157,60 @@ class Perplexity(sweep.Evaluation):
         per_doc = data["identity"]["tokens_per_doc"]
         total = sum(d["tokens"] for d in src["documents"])
         each = f"{per_doc} tokens each" if per_doc != "all" else f"whole documents ({total:,} tokens)"
-        caption = f"{model.get('name', data['identity']['model'])}: {len(src['documents'])} document(s) of {src_name}, {each}"
-        patches = settings["patches"]
-        text = f"{caption}\n\n" + report.ppl_tables(cells, patches, settings["lengths"], settings["windowing"])
-        if plot:
-            report.ppl_plot(cells, patches, settings["lengths"], settings["windowing"], out / "ppl.png",
-                            title=caption, trained_window=model.get("trained_window"))
-            print(f"\nplot: {out / 'ppl.png'}; results: {out / 'results.json'}", file=sys.stderr)
-        return text
+        name = model.get("name", data["identity"]["model"])
+        return f"{name}: {len(src['documents'])} document(s) of {src_name}, {each}"
+
+    def tables(self, data) -> str:
+        """One table per windowing and measure: rows = patch spec, columns = length."""
+        cells, settings = data["cells"], data["settings"]
+        done = {(c["patch"], c["windowing"], c["length"]): c for c in report.complete(cells)}
+        out = []
+        for w in settings["windowing"]:
+            for measure, title, digits in (("ppl", "perplexity", 2), ("bpb", "bits per byte", 3)):
+                header = ["patch"] + [length_label(n) for n in settings["lengths"]]
+                rows = []
+                for p in settings["patches"]:
+                    cs = [done.get((p, w, n)) for n in settings["lengths"]]
+                    rows.append([p] + ["—" if c is None else report.number(c[measure], digits) for c in cs])
+                stride = next((c.get("stride") for c in cells if c["windowing"] == w and c.get("stride")), None)
+                label = f"{w}, stride {stride}" if w == "sliding" else w
+                out.append(f"**{title}** ({label})\n\n" + report.markdown_table(header, rows))
+        return "\n\n".join(out)
+
+    def plot(self, data, path, title) -> None:
+        """Perplexity vs length, one line per patch spec (solid: chunks, dashed: sliding), log-log axes."""
+        settings, window = data["settings"], data.get("model", {}).get("trained_window")
+        lengths, windowings = settings["lengths"], settings["windowing"]
+        done = {(c["patch"], c["windowing"], c["length"]): c for c in report.complete(data["cells"])}
+        fig = report.figure(figsize=(7, 4.5))
+        ax = fig.subplots()
+        colors = report.colors()
+        for i, p in enumerate(settings["patches"]):
+            for w in windowings:
+                pts = [(n, done[(p, w, n)]["ppl"]) for n in lengths if (p, w, n) in done and done[(p, w, n)]["ppl"]]
+                if not pts:
+                    continue
+                label = p if len(windowings) == 1 else f"{p} ({w})"
+                ax.plot(*zip(*pts), marker="o", color=colors[i % len(colors)],
+                        linestyle="-" if w == "chunks" else "--", label=label)
+        if report.shows_window(window, lengths):
+            ax.axvline(window, color="gray", linestyle=":", linewidth=1)
+            ax.text(window, 0.98, " trained window", transform=ax.get_xaxis_transform(), color="gray",
+                    fontsize=8, va="top")
+        report.length_axis(ax, lengths)
+        ax.set_yscale("log")
+        # perplexities of one run span a decade or two: label 1-2-5 steps, not only the powers of ten
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.minorticks_off()
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("perplexity (log scale)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
 
 
 def _count(text, flag: str, default, parse: bool = False):
@@ -217,7 +258,4 @@ def select_documents(docs, tok, span: int, max_docs: int | None, use_cache: bool
 
 
 EVALUATION = Perplexity()
-
-
-def main(argv=None) -> int:
-    return sweep.main(EVALUATION, argv)
+main = EVALUATION.main

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
-from .. import text as texts
-from ..lm import greedy
-from . import haystack as hs
-from . import sweep
-from .common import length_label, parse_fractions, parse_lengths
+from ... import text as texts
+from ...lm import greedy
+from .. import haystack as hs
+from .. import report, sweep
+from ..common import length_label, parse_fractions, parse_lengths
 
 NEEDLE_SETS = {
     "sandwich": {
@@ -105,12 +104,9 @@ def trial_offset(seed: int, trial: int, n_words: int) -> int:
 
 
 class Niah(sweep.Evaluation):
-    name = "niah"
-    kind = "niah"
     records = "trials"
     unit_key = "trial"
-    default_out = "runs/niah"
-    description = __doc__.split("\n\n")[0]
+    axes = {"lengths": "length", "depths": "depth"}
 
     def add_arguments(self, p) -> None:
         p.add_argument("--lengths", default="1k,2k,4k,8k",
@@ -174,25 +170,22 @@ class Niah(sweep.Evaluation):
     def summarize(self, records) -> dict:
         return {"score": sum(r["score"] for r in records) / len(records)}
 
-    def report(self, data, out: Path, plot: bool) -> str:
-        from . import report
-
+    def caption(self, data) -> str:
         s = data["settings"]
         name = data.get("model", {}).get("name", data["identity"]["model"])
-        caption = (f"{name}: needle in a haystack ({s['needles']}), {s['trials']} haystack(s) per cell, share of "
-                   "the answers found")
-        args = (data["cells"], s["patches"], s["lengths"], s["depths"])
-        text = f"{caption}\n\n" + report.accuracy_tables(*args, title="needle retrieval", row="depth",
-                                                         value="score")
-        if plot:
-            report.accuracy_heatmap(*args, out / "niah.png", title=caption, row="depth of the needle",
-                                    value="score")
-            print(f"\nheatmap: {out / 'niah.png'}; results: {out / 'results.json'}", file=sys.stderr)
-        return text
+        return (f"{name}: needle in a haystack ({s['needles']}), {s['trials']} haystack(s) per cell, share of the "
+                "answers found")
+
+    def tables(self, data) -> str:
+        s = data["settings"]
+        return report.grid_tables(data["cells"], s["patches"], s["lengths"], s["depths"], title="needle retrieval",
+                                  row="depth", value="score")
+
+    def plot(self, data, path, title) -> None:
+        s = data["settings"]
+        report.grid_heatmap(data["cells"], s["patches"], s["lengths"], s["depths"], path, title=title,
+                            row="depth of the needle", value="score")
 
 
 EVALUATION = Niah()
-
-
-def main(argv=None) -> int:
-    return sweep.main(EVALUATION, argv)
+main = EVALUATION.main

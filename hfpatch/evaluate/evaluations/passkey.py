@@ -19,11 +19,10 @@ from __future__ import annotations
 import random
 import re
 import sys
-from pathlib import Path
 
-from ..lm import greedy
-from . import sweep
-from .common import parse_fractions, parse_lengths
+from ...lm import greedy
+from .. import report, sweep
+from ..common import parse_fractions, parse_lengths
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
         "I will quiz you about the important information there.")
@@ -72,12 +71,9 @@ def make_key(seed: int, length: int, depth: float, trial: int, digits: int) -> s
 
 
 class Passkey(sweep.Evaluation):
-    name = "passkey"
-    kind = "passkey"
     records = "trials"
     unit_key = "trial"
-    default_out = "runs/passkey"
-    description = __doc__.split("\n\n")[0]
+    axes = {"lengths": "length", "depths": "depth"}
 
     def add_arguments(self, p) -> None:
         p.add_argument("--lengths", default="1k,2k,4k,8k",
@@ -126,22 +122,20 @@ class Passkey(sweep.Evaluation):
     def summarize(self, records) -> dict:
         return {"accuracy": sum(r["correct"] for r in records) / len(records)}
 
-    def report(self, data, out: Path, plot: bool) -> str:
-        from . import report
-
-        cells, settings = data["cells"], data["settings"]
+    def caption(self, data) -> str:
         name = data.get("model", {}).get("name", data["identity"]["model"])
-        caption = f"{name}: passkey retrieval, {settings['trials']} random key(s) per cell, greedy decoding"
-        args = (cells, settings["patches"], settings["lengths"], settings["depths"])
-        text = f"{caption}\n\n" + report.accuracy_tables(*args, title="passkey accuracy", row="depth")
-        if plot:
-            report.accuracy_heatmap(*args, out / "passkey.png", title=caption, row="depth of the key")
-            print(f"\nheatmap: {out / 'passkey.png'}; results: {out / 'results.json'}", file=sys.stderr)
-        return text
+        return f"{name}: passkey retrieval, {data['settings']['trials']} random key(s) per cell, greedy decoding"
+
+    def tables(self, data) -> str:
+        s = data["settings"]
+        return report.grid_tables(data["cells"], s["patches"], s["lengths"], s["depths"], title="passkey accuracy",
+                                  row="depth")
+
+    def plot(self, data, path, title) -> None:
+        s = data["settings"]
+        report.grid_heatmap(data["cells"], s["patches"], s["lengths"], s["depths"], path, title=title,
+                            row="depth of the key")
 
 
 EVALUATION = Passkey()
-
-
-def main(argv=None) -> int:
-    return sweep.main(EVALUATION, argv)
+main = EVALUATION.main

@@ -1,0 +1,129 @@
+"""A compare study (recipes/compare.py): N small models that differ in one axis only. Every arm is the same
+`pretrain` config (model, data, tokenizer, steps, seed) with a few overrides (the axis: a patch, a depth, the warm-up);
+each run is exactly `recipes/pretrain.py` with those overrides (the JSON records the equivalent command).
+
+The study's own config is checked by the recipes' config validator (train/config.py) against STUDY; every arm's
+pretrain config is checked like any pretrain config, before anything trains.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from . import config
+from .config import REQUIRED, ConfigError
+
+STUDY = {
+    "study": (str, REQUIRED),  # the study's name: output_dir/compare_<study>.{json,md,png}
+    "pretrain": (dict, REQUIRED),  # a recipes/pretrain.py config shared by every arm
+    "arms": (dict, REQUIRED),  # arm name -> overrides of `pretrain` (dotted keys allowed): the one axis that differs
+    "seeds": (list, [0], int),  # every arm runs once per seed (init and data order)
+    "tokenizer_vocab": (int, 2048),  # vocabulary of the BPE trained on the training text if the tokenizer is absent
+    "output_dir": (str, "runs/compare"),
+    "evaluate": {
+        "text_files": ((list, type(None)), None),  # held-out text (not trained on); None: no text evaluations
+        "tokens_per_doc": (int, 16384),  # tokens of it scored at every length
+        "lengths": ((list, type(None)), None, int),  # perplexity at these lengths (chunks); None: seq_len only
+        "passkey": ((dict, type(None)), None),  # {arms: [...], lengths: [...], depths: [...], trials: n}
+        "recall": ((dict, type(None)), None),  # {distances: [...], span: 32, trials: 16}: the repeated-span probe
+        "batch_statistics": (bool, False),  # batch norms: running statistics at batch 1 vs the batch's own
+        "grad_norms": (bool, False),  # record per-layer gradient norms every step
+        "step_time_rounds": (int, 0),  # > 0: time a training step of every arm side by side, this many rounds
+    },
+}
+
+
+def load_study(path: str | None, overrides: list[str]) -> dict:
+    """The study config (YAML + key=value overrides with dotted keys, e.g. pretrain.max_steps=20), checked."""
+    study = config.check(STUDY, config.read(path, overrides))
+    if not study["arms"]:
+        raise ConfigError("arms must name at least one arm")
+    if not study["seeds"]:
+        raise ConfigError(f"seeds must be a non-empty list of integers, got {study['seeds']!r}")
+    for name, arm in study["arms"].items():
+        if not isinstance(arm, dict):
+            raise ConfigError(f"arms.{name} must be a mapping of pretrain overrides, got {arm!r}")
+    ev = study["evaluate"]
+    for f in ev["text_files"] or []:
+        if not Path(f).exists():
+            raise ConfigError(f"evaluate.text_files: not found: {f}")
+    for key in ("passkey", "recall"):
+        if ev[key] is not None:
+            unknown = sorted(set(ev[key].get("arms", [])) - set(study["arms"]))
+            if unknown:
+                raise ConfigError(f"evaluate.{key}.arms names unknown arms {unknown}; arms: {', '.join(study['arms'])}")
+    return study
+
+
+def _flatten(overrides: dict, prefix: str = "") -> list[str]:
+    """{a: {b: 1}} -> ["a.b=1"] (sections the pretrain schema merges key by key); patch and model_config values that
+    are whole dicts stay whole (the pretrain config replaces them as a whole)."""
+    out = []
+    for key, value in overrides.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name not in ("patch", "model_config") and value:
+            out += _flatten(value, name + ".")
+        else:
+            out.append(f"{name}={yaml.safe_dump(value, default_flow_style=True, width=1 << 20).strip()}")
+            out[-1] = out[-1].removesuffix("\n...").removesuffix(" ...")
+    return out
+
+
+@dataclass
+class Run:
+    arm: str
+    seed: int
+    out: Path
+    overrides: list  # the pretrain overrides that make this run
+    cfg: dict  # the checked pretrain config
+
+    @property
+    def name(self) -> str:
+        return self.arm if self.out.name == self.arm else f"{self.arm}/{self.out.name}"
+
+    @property
+    def command(self) -> str:
+        return "accelerate launch recipes/pretrain.py " + " ".join(f"'{o}'" for o in self.overrides)
+
+
+def claim(run: Run) -> None:
+    """A run folder remembers the settings it was trained with: reusing it for other ones is refused (a study whose
+    config changed would otherwise keep old runs as if they were the new ones)."""
+    marker = run.out / "compare_run.json"
+    if marker.exists():
+        had = json.loads(marker.read_text())["overrides"]
+        if had != run.overrides:
+            changed = sorted(set(had) ^ set(run.overrides))
+            raise ConfigError(f"{run.out} holds a run made with other settings ({', '.join(changed)}); use another "
+                              "output_dir, or delete that folder to train it again")
+        return
+    run.out.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"arm": run.arm, "seed": run.seed, "overrides": run.overrides}, indent=1) + "\n")
+
+
+def plan(study: dict) -> list[Run]:
+    """Every (arm, seed) as a checked pretrain config: a bad arm fails now, before anything trains."""
+    runs = []
+    base = _flatten(study["pretrain"])
+    several = len(study["seeds"]) > 1
+    for arm, extra in study["arms"].items():
+        for seed in study["seeds"]:
+            out = Path(study["output_dir"]) / arm
+            out = out / f"seed{seed}" if several else out
+            overrides = base + _flatten(extra) + [f"seed={seed}", f"output_dir={out}"]
+            try:
+                # a study started again continues its runs: their folders may hold one (train() resumes it)
+                cfg = config.load("pretrain", None, overrides + ["resume=true"])
+            except ConfigError as e:
+                raise ConfigError(f"arm {arm!r}: {e}") from None
+            runs.append(Run(arm, seed, out, overrides, cfg))
+    return runs
+
+
+def newest_checkpoint_step(out: Path) -> int:
+    steps = [int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*")]
+    return max(steps, default=0)

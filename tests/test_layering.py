@@ -1,0 +1,193 @@
+"""The package's layers only point down. Its imports are read with `ast` (nothing is imported) and checked against
+LAYERS, the declared table of which parts may import which: a part imports only what its row names, the table has
+no cycle, no module imports itself back through others, names imported across modules are public, and imports
+inside functions are only those of optional extras (docs/extending.md, "Layers")."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hfpatch"
+
+# part -> the parts it may import. A part is a top-level module of the package or a sub-package; "hfpatch" is the
+# package's own __init__ (the public API). Lower parts first.
+LAYERS: dict[str, set[str]] = {
+    "edits": set(),  # the one layer that changes live objects
+    "command": set(),  # one-line errors and exit codes of every command
+    "timing": set(),  # side-by-side timing
+    "warn": set(),  # warnings that point at the user's line
+    "files": set(),  # locks, content hashes, folders written whole
+    "tiny": set(),  # tiny models of every family, from their own configs
+    "adapters": {"edits"},  # architecture knowledge, read off the model
+    "position": {"adapters", "edits"},  # the SCHEMES registry and its appliers
+    "norm": {"adapters", "edits", "warn"},  # the NORMS registry, norm modules, swaps, placement
+    "spec": {"position", "norm"},  # the patch spec, validated against the registries
+    "apply": {"spec", "adapters", "norm", "position", "edits", "warn"},  # patch / unpatch / describe
+    "io": {"apply", "spec", "adapters"},  # save / reload
+    "lm": {"apply", "adapters"},  # a causal LM as body + head
+    "models": {"io", "files"},  # load by name
+    "text": {"lm", "models", "files"},  # documents and tokenizers
+    "families": {"apply", "adapters", "position", "tiny"},  # supported(): every family measured
+    "hfpatch": {"spec", "apply", "families", "io"},  # the public API
+    "evaluate": {"hfpatch", "apply", "spec", "adapters", "lm", "models", "text", "command", "timing", "files"},
+    "train": {"hfpatch", "evaluate", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models",
+              "text", "timing", "command", "files"},
+    "cli": {"hfpatch", "command", "evaluate", "norm", "spec", "models", "families", "apply", "files"},
+    "__main__": {"cli"},
+}
+
+# Modules that may be imported inside a function, and why: the optional extras, and what only an optional path needs
+# while costing seconds to import for everyone else.
+OPTIONAL = {
+    "peft": "the peft extra: LoRA in the recipes",
+    "lm_eval": "the lm-eval extra: the lm-evaluation-harness bridge",
+    "datasets": "only --dataset / data.dataset read it, and importing it costs about a second",
+}
+# Files whose imports are deferred on purpose: the command's entry point imports each subcommand's modules when it
+# runs, so that `hfpatch --help` does not load torch.
+ENTRY_POINTS = {"cli.py"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def part_of(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def _targets(node, module: str) -> list[str]:
+    """The package's modules an import statement in `module` imports (a name that is a submodule counts as it)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+            parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join(parts + ([base] if base else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+    out = []
+    for name in names:
+        if name.split(".")[0] != PACKAGE.name:
+            continue
+        while name not in MODULES:
+            name = name.rpartition(".")[0]
+        out.append(name)
+    return out
+
+
+def _imports(module: str):
+    """(node, in a function?) for every import statement of `module`."""
+    tree = ast.parse(MODULES[module].read_text())
+    inner = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node, id(node) in inner
+
+
+def _where(module: str, node) -> str:
+    return f"{MODULES[module].relative_to(PACKAGE.parent)}:{node.lineno}"
+
+
+def upward_imports() -> list[str]:
+    """Imports of a part its row in LAYERS does not name."""
+    bad = []
+    for module in MODULES:
+        for node, _ in _imports(module):
+            for target in _targets(node, module):
+                here, there = part_of(module), part_of(target)
+                if here != there and there not in LAYERS.get(here, set()):
+                    bad.append(f"{_where(module, node)}: {here} imports {target} ({there} is not below {here})")
+    return bad
+
+
+def cycles() -> list[list[str]]:
+    """Cycles among the package's modules through their module-level imports. Importing a module imports its parent
+    packages first, except those of the importing module itself (they are being imported already)."""
+    graph = defaultdict(set)
+    for module in MODULES:
+        own = {".".join(module.split(".")[:k]) for k in range(1, module.count(".") + 2)}
+        for node, inside in _imports(module):
+            if inside:
+                continue
+            for target in _targets(node, module):
+                parts = target.split(".")
+                parents = {".".join(parts[:k]) for k in range(1, len(parts))}
+                graph[module] |= ({target} | parents - own) - {module}
+    found, state, stack = [], {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                found.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(MODULES):
+        if m not in state:
+            visit(m)
+    return found
+
+
+def test_every_part_is_in_the_table():
+    assert {part_of(m) for m in MODULES} == set(LAYERS)
+
+
+def test_the_table_points_one_way():
+    order, left = [], dict(LAYERS)
+    while left:
+        ready = [p for p, deps in left.items() if deps <= set(order)]
+        assert ready, f"LAYERS has a cycle among {sorted(left)}"
+        order += ready
+        for p in ready:
+            del left[p]
+
+
+def test_no_upward_import():
+    bad = upward_imports()
+    assert not bad, "imports that point up:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle():
+    found = cycles()
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_imports_inside_functions_are_optional_extras():
+    bad = []
+    for module, path in MODULES.items():
+        if path.name in ENTRY_POINTS:
+            continue
+        for node, inside in _imports(module):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [
+                "." * node.level + (node.module or "")]
+            if inside and any(n.split(".")[0] not in OPTIONAL for n in names):
+                bad.append(f"{_where(module, node)}: import of {', '.join(names)} inside a function")
+    assert not bad, "imports that belong at the top of their file:\n" + "\n".join(bad)
+
+
+def test_names_imported_across_modules_are_public():
+    bad = []
+    for module in MODULES:
+        for node, _ in _imports(module):
+            if isinstance(node, ast.ImportFrom) and _targets(node, module):
+                bad += [f"{_where(module, node)}: {a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, "private names imported from another module:\n" + "\n".join(bad)
