@@ -28,9 +28,10 @@ RESULTS = HERE / "results"
 OUT = ROOT / "docs" / "generated"
 sys.path.insert(0, str(HERE))  # the bench scripts' tables() (eval/ is not a package)
 
-from hfpatch.command import markdown_table  # noqa: E402
-from hfpatch.evaluate import evaluation, report  # noqa: E402
+from hfpatch.evaluate import evaluation  # noqa: E402
 from hfpatch.evaluate.common import length_label  # noqa: E402
+from hfpatch.evaluate.report import markdown_table  # noqa: E402
+from hfpatch.evaluate.sweep import covering, report  # noqa: E402
 
 # plots the runs drew: docs/generated/img/<name> <- eval/results/<path>
 IMAGES = {
@@ -81,21 +82,16 @@ def spaced(text: str) -> str:
 
 # ------------------------------------------------------------------------------------------------- evaluations
 
-def every_cell(data: dict) -> dict:
-    """The results with settings widened to every cell the file holds, as `hfpatch eval` does before it reports:
-    a command that resumed a file to add one spec or length shows the whole table."""
-    settings = dict(data.get("settings", {}))
-    for key, field in {"patches": "patch", "tasks": "task", "windowing": "windowing", "lengths": "length",
-                       "depths": "depth"}.items():
-        if isinstance(settings.get(key), list):
-            values = list(dict.fromkeys([*(c[field] for c in data["cells"] if field in c), *settings[key]]))
-            settings[key] = sorted(values) if all(isinstance(v, (int, float)) for v in values) else values
-    return {**data, "settings": settings}
-
-
 def command_report(kind: str, path: str) -> str:
     """The table the `hfpatch eval KIND` command printed for this results file."""
-    return evaluation(kind).EVALUATION.report(every_cell(load(path)), OUT, plot=False)
+    ev = evaluation(kind)
+    return report(ev, covering(ev, load(path)), OUT, plot=False)
+
+
+def ppl_tables(cells: list[dict], patches: list[str], lengths: list[int], windowings: list[str]) -> str:
+    """The perplexity tables `hfpatch eval ppl` prints, for cells gathered from several results files."""
+    settings = {"patches": patches, "lengths": lengths, "windowing": windowings}
+    return evaluation("ppl").tables({"cells": cells, "settings": settings})
 
 
 def relabelled(path: str, patch: str, label: str) -> list[dict]:
@@ -139,7 +135,7 @@ def self_extend_ppl():
     cells = load("self_extend/ppl.json")["cells"] + load("self_extend/ppl_32k.json")["cells"]
     return ("SmolLM2-135M on *Moby-Dick*; 32k scores twice the text of 4k-16k (compare specs within that column "
             "only); — : not run.\n\n"
-            + report.ppl_tables(cells, SE_SPECS, [4096, 8192, 16384, 32768], ["chunks"]))
+            + ppl_tables(cells, SE_SPECS, [4096, 8192, 16384, 32768], ["chunks"]))
 
 
 @table("eval/results/self_extend/passkey.json", "eval/results/self_extend/passkey_8k_16k.json",
@@ -175,7 +171,7 @@ def heal():
             ("heal_control.json", "none", "control: not swapped, same training as the row above")]
     cells = [c for path, patch, label in rows for c in relabelled(path, patch, label)]
     return ("Perplexity at 2k on the first 8,192 tokens of *Moby-Dick* (4 windows of 2,048).\n\n"
-            + report.ppl_tables(cells, [label for *_, label in rows], [2048], ["chunks"]))
+            + ppl_tables(cells, [label for *_, label in rows], [2048], ["chunks"]))
 
 
 @table("eval/results/context_extension_before.json", "eval/results/context_extension_after.json")
@@ -185,7 +181,7 @@ def context_extension():
             ("context_extension_after.json", "none", "+ YaRN ×4, fine-tuned 60 steps at 1,024")]
     cells = [c for path, patch, label in rows for c in relabelled(path, patch, label)]
     return ("Perplexity on *Moby-Dick* (chunks; the same 16,384 tokens at every length).\n\n"
-            + report.ppl_tables(cells, [label for *_, label in rows], [256, 512, 1024, 2048], ["chunks"]))
+            + ppl_tables(cells, [label for *_, label in rows], [256, 512, 1024, 2048], ["chunks"]))
 
 
 @table("eval/results/pose/ppl_pretrained.json", "eval/results/pose/ppl_full1024.json",
@@ -197,7 +193,7 @@ def pose_ppl():
             ("pose/ppl_pose256.json", "none", "+ YaRN ×4, PoSE 60 steps at 256, target 1,024")]
     cells = [c for path, patch, label in rows for c in relabelled(path, patch, label)]
     return ("Perplexity on *Moby-Dick* (chunks; the same 16,384 tokens at every length).\n\n"
-            + report.ppl_tables(cells, [label for *_, label in rows], [256, 512, 1024, 2048], ["chunks"]))
+            + ppl_tables(cells, [label for *_, label in rows], [256, 512, 1024, 2048], ["chunks"]))
 
 
 @table("eval/results/pose/train_log_full1024.jsonl", "eval/results/pose/train_log_pose256.jsonl",
@@ -222,9 +218,9 @@ def pose_training():
 # ---------------------------------------------------------------------------------------------------- studies
 
 def study(name: str) -> str:
-    from hfpatch.train import compare
+    from hfpatch.train import study_report
 
-    return compare.table(load(f"compare/compare_{name}.json"))
+    return study_report.table(load(f"compare/compare_{name}.json"))
 
 
 @table("eval/results/compare/compare_positions.json")
