@@ -343,6 +343,14 @@ def soak_recipe():
             f"{d['file_events_per_run']} file operations under `output_dir`.\n\n{summary}\n\n{landed}")
 
 
+@table("eval/results/benchmarks/cli_help.json")
+def cli_help():
+    d = load("benchmarks/cli_help.json")
+    rows = [[f"`{name}`", r["wall_s"], r["cpu_s"], r["wall_vs_python"]] for name, r in d["commands"].items()]
+    return markdown_table(["command (fresh process; in brackets: the checkout before lazy imports)",
+                           f"wall s (median of {d['rounds']})", "CPU s", "wall / `python -c pass`"], rows)
+
+
 @table("eval/results/reliability/patch_interrupts.json")
 def patch_interrupts():
     d = load("reliability/patch_interrupts.json")

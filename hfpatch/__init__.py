@@ -1,9 +1,36 @@
-"""hfpatch: change how a pretrained transformers model normalizes and encodes position, in one call."""
+"""hfpatch: change how a pretrained transformers model normalizes and encodes position, in one call.
 
-from . import spec
-from .apply import describe, patch, unpatch
-from .families import supported
-from .io import from_pretrained, save_pretrained
+The public API is loaded on first use (PEP 562), so that `import hfpatch` — and the `hfpatch` command's `--help` —
+does not pay for importing torch and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.3.0"
+
+# public name -> the module that defines it
+_API = {"patch": "apply", "unpatch": "apply", "describe": "apply", "supported": "families",
+        "save_pretrained": "io", "from_pretrained": "io"}
 __all__ = ["spec", "patch", "unpatch", "describe", "supported", "save_pretrained", "from_pretrained", "__version__"]
+
+if TYPE_CHECKING:
+    from . import spec
+    from .apply import describe, patch, unpatch
+    from .families import supported
+    from .io import from_pretrained, save_pretrained
+
+
+def __getattr__(name: str):
+    if name == "spec" or name in _API:
+        module = importlib.import_module(f".{_API.get(name, name)}", __name__)
+        value = module if name == "spec" else getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hfpatch' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

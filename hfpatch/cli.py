@@ -24,7 +24,6 @@ from pathlib import Path
 from .command import Parser, UsageError, run_main
 from .evaluate import EVALUATIONS
 from .files import write_folder
-from .norm.kinds import NORMS
 
 
 def _key_value(text: str):
@@ -41,7 +40,9 @@ def _key_value(text: str):
 _FLOAT_OPTIONS = ("beta_fast", "beta_slow", "attention_factor", "low_freq_factor", "high_freq_factor")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `command`, only that subcommand's arguments are defined (the others' need the registries,
+    which import torch: `hfpatch --help` would take seconds)."""
     p = Parser(prog="hfpatch", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
@@ -50,6 +51,28 @@ def build_parser() -> argparse.ArgumentParser:
     _loading_flags(d)
 
     s = sub.add_parser("patch", help="patch a model and save it")
+    if command in (None, "patch"):
+        _patch_arguments(s)
+
+    u = sub.add_parser("supported", help="every causal-LM model type of the installed transformers and the patches "
+                                         "each accepts, measured on a tiny model of each (JSON, or --markdown)")
+    u.add_argument("model_types", nargs="*", metavar="MODEL_TYPE", help="only these model types (default: all)")
+    u.add_argument("--markdown", action="store_true", help="a Markdown table and the counts instead of JSON")
+    u.add_argument("--no-cache", action="store_true", help="measure again instead of reading the cached result")
+
+    e = sub.add_parser("eval", help="evaluate patch specs: " + ", ".join(EVALUATIONS))
+    e.add_argument("what", choices=list(EVALUATIONS))
+    e.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="the arguments of that evaluation (see hfpatch eval ppl --help)")
+
+    sub.add_parser("lm-eval", help="lm-evaluation-harness's lm_eval command with --model hfpatch registered "
+                                   "(every lm_eval argument follows: hfpatch lm-eval --help)")
+    return p
+
+
+def _patch_arguments(s) -> None:
+    from .norm.kinds import NORMS  # the registry imports torch: only when `hfpatch patch` is parsed
+
     s.add_argument("model")
     s.add_argument("--out", required=True, help="folder to save the patched model (and tokenizer) to")
     s.add_argument("--position", help="position scheme, e.g. yarn, ntk, linear, dynamic, dynamic-yarn, llama3, longrope, rope")
@@ -66,21 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="any other scheme option, value as JSON (e.g. --opt 'short_factor=[1,1,1,1]')")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="load the model in this dtype")
     _loading_flags(s)
-
-    u = sub.add_parser("supported", help="every causal-LM model type of the installed transformers and the patches "
-                                         "each accepts, measured on a tiny model of each (JSON, or --markdown)")
-    u.add_argument("model_types", nargs="*", metavar="MODEL_TYPE", help="only these model types (default: all)")
-    u.add_argument("--markdown", action="store_true", help="a Markdown table and the counts instead of JSON")
-    u.add_argument("--no-cache", action="store_true", help="measure again instead of reading the cached result")
-
-    e = sub.add_parser("eval", help="evaluate patch specs: " + ", ".join(EVALUATIONS))
-    e.add_argument("what", choices=list(EVALUATIONS))
-    e.add_argument("rest", nargs=argparse.REMAINDER,
-                   help="the arguments of that evaluation (see hfpatch eval ppl --help)")
-
-    sub.add_parser("lm-eval", help="lm-evaluation-harness's lm_eval command with --model hfpatch registered "
-                                   "(every lm_eval argument follows: hfpatch lm-eval --help)")
-    return p
 
 
 def _loading_flags(p) -> None:
@@ -118,7 +126,7 @@ def main(argv=None) -> int:
         from hfpatch.evaluate import harness
 
         return harness.main(argv[1:])
-    return run_main(lambda a: _run(build_parser().parse_args(a)), argv, "hfpatch")
+    return run_main(lambda a: _run(build_parser(a[0] if a else None).parse_args(a)), argv, "hfpatch")
 
 
 def _run(args) -> int:
