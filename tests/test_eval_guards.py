@@ -144,7 +144,8 @@ def test_a_length_whose_memory_cannot_fit_is_refused_before_any_prompt_is_built(
                                                                                  monkeypatch):
     """A billion tokens: refused from the config's sizes, before the tokenizer is asked for a prompt that long
     (at 100000k the tokenizer aborted the process after about 20 s)."""
-    from hfpatch.evaluate import haystack, passkey
+    from hfpatch.evaluate import haystack
+    from hfpatch.evaluate.evaluations import passkey
 
     def never(*a, **k):
         raise AssertionError("a prompt was built")
