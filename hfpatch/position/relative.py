@@ -32,6 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from ..adapters import Adapter
 from ..edits import Edits
+from . import flex, paths, split
 from .attention import biased_attention, causal_of
 from .absolute import sinusoidal_table
 from .patch import attention_modules, remove_positions, use_attention
@@ -105,13 +106,32 @@ class XLPositions(nn.Module):
 
 # ------------------------------------------------------------------------------------------ attention functions
 
-def _attention(terms_of, block: bool):
+def _attention(scheme):
+    """The function for the sdpa name: the scheme's path table picks the path."""
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return paths.run(scheme, module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                         causal=causal_of(module, is_causal), kwargs=kwargs)
+    return forward
+
+
+def _eager(terms_of):
+    """The function for the eager name: all queries at once, returning the weights."""
     def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         causal = causal_of(module, is_causal)
+        paths.record(module, "eager")
         return biased_attention(module, query, key, value, attention_mask, terms_of(module, scaling, causal),
-                                dropout, causal, block, kwargs.get("softcap"))
+                                dropout, causal, False, kwargs.get("softcap"))
     return forward
+
+
+def _written_out(terms_of):
+    def run(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+        out, _ = biased_attention(module, query, key, value, attention_mask, terms_of(module, scaling, causal),
+                                  dropout, causal, True, softcap)
+        return out
+    return run
 
 
 def _t5_terms(module, scaling, causal):
@@ -125,11 +145,74 @@ def _xl_terms(module, scaling, causal):
     return lambda q, k, q_pos, k_pos: (xl.scores(q, k, q_pos, k_pos, scaling, causal), None)
 
 
-for _name, _eager, _terms in ((T5_NAME, T5_EAGER, _t5_terms), (XL_NAME, XL_EAGER, _xl_terms)):
-    AttentionInterface.register(_name, _attention(_terms, block=True))
-    AttentionInterface.register(_eager, _attention(_terms, block=False))
+# ------------------------------------------------------------------------------------------ T5's other kernels
+
+def t5_band(bias: T5Bias) -> int:
+    """D: the distance from which every (causal) distance falls in the last bucket (<= max_distance)."""
+    d = torch.arange(bias.max_distance + 1)
+    buckets = t5_buckets(-d, False, bias.num_buckets, bias.max_distance)
+    below = (buckets != bias.num_buckets - 1).nonzero()
+    return int(below.max()) + 1 if len(below) else 1
+
+
+def _t5_pieces(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+    bias = getattr(module, T5_ATTR)
+    D = t5_band(bias)
+    distances = torch.arange(D, device=query.device)
+    near = bias.table(t5_buckets(-distances, False, bias.num_buckets, bias.max_distance)).T  # [H, D]
+    far = bias.table.weight[bias.num_buckets - 1]
+    out = split.near_far_bias(query, key, value, attention_mask, scaling, near, far)
+    return out.transpose(1, 2).contiguous()
+
+
+def t5_score_mod(bias: T5Bias, q_len: int, kv_len: int, bidirectional: bool, device):
+    """T5's bias as a flex_attention score_mod: a lookup in the bias of every distance the call can see
+    ([heads, q_len + kv_len - 1], gradients reach the table through it)."""
+    offset = kv_len - q_len
+    lowest = offset - (kv_len - 1)  # the smallest distance: first query, last key
+    dist = torch.arange(lowest, offset + q_len, device=device)
+    by_distance = bias.table(t5_buckets(-dist, bidirectional, bias.num_buckets, bias.max_distance)).T  # [H, n]
+    shift = torch.tensor(offset - lowest, device=device)
+    top = torch.tensor(by_distance.shape[1] - 1, device=device)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        i = torch.clamp(q_idx - kv_idx + shift, 0, top)  # clamped: positions past the ends, which are masked
+        return score + by_distance[h, i]
+    return mod
+
+
+def _t5_flex(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+    q_len, kv_len = query.shape[2], key.shape[2]
+    mods = flex.softcapped(t5_score_mod(getattr(module, T5_ATTR), q_len, kv_len, not causal, query.device),
+                           softcap)
+    mask = flex.block_mask(flex.CAUSAL if causal else flex.EVERYTHING, q_len, kv_len, query.device, attention_mask)
+    return flex.attention(query, key, value, scaling, mods, mask).transpose(1, 2).contiguous()
+
+
+_FLEX = dict(summary="compiled flex_attention with a score_mod reading the bias of each distance, and a block mask",
+             softcap=True, bidirectional=True, masks=frozenset({"none", "bool"}), worth=flex.worth_it)
+T5_PATHS = (
+    paths.Path("flex", _t5_flex, devices=frozenset({"cuda"}), **_FLEX),
+    paths.Path("pieces", _t5_pieces, "kernel calls merged by log-sum-exp: the bias band (distances < D) as an "
+               "additive mask, the farther keys plain causal with T5's last-bucket bias", grad_devices=frozenset()),
+    paths.Path("flex", _t5_flex, devices=frozenset({"cpu"}), grad_devices=frozenset(), **_FLEX),
+    paths.Path("written-out", _written_out(_t5_terms), "scores and bias written out, a block of queries at a time",
+               dropout=True, softcap=True, bidirectional=True),
+)
+# Transformer-XL's position term (q_i + v)·W_R R_{i-j} depends on the query vector and the distance together, so
+# it is no score_mod of (head, i, j); its exact factorisation by the sinusoids' addition theorem widens queries and
+# keys to head_dim + d_model channels (measured: ~10x the kernel's time), so it stays written out.
+XL_PATHS = (
+    paths.Path("written-out", _written_out(_xl_terms), "content and position scores written out, a block of "
+               "queries at a time", dropout=True, softcap=True, bidirectional=True),
+)
+paths.register("t5", T5_PATHS)
+paths.register("xl", XL_PATHS)
+for _scheme, _name, _eager_name, _terms in (("t5", T5_NAME, T5_EAGER, _t5_terms), ("xl", XL_NAME, XL_EAGER, _xl_terms)):
+    AttentionInterface.register(_name, _attention(_scheme))
+    AttentionInterface.register(_eager_name, _eager(_terms))
     AttentionMaskInterface.register(_name, sdpa_mask)
-    AttentionMaskInterface.register(_eager, eager_mask)
+    AttentionMaskInterface.register(_eager_name, eager_mask)
 
 
 # ---------------------------------------------------------------------------------------------------- appliers
