@@ -150,6 +150,9 @@ def softcapped(score_mod, cap: float | None):
     """score_mod applied after Gemma-2-style softcapping of the scaled logits: cap * tanh(score / cap)."""
     if cap is None:
         return score_mod
+    # a tensor, not a float: compiled with dynamic shapes, a captured Python float becomes a symbolic scalar that
+    # the CPU kernel cannot lower
+    cap = torch.tensor(float(cap))
     if score_mod is None:
         return lambda score, b, h, q_idx, kv_idx: torch.tanh(score / cap) * cap
     return lambda score, b, h, q_idx, kv_idx: score_mod(torch.tanh(score / cap) * cap, b, h, q_idx, kv_idx)

@@ -14,6 +14,7 @@ Every call is counted per attention module and path: hfpatch.describe(model)["po
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -62,8 +63,9 @@ class Path:
     worth: Callable[[int, int], str | None] | None = None  # why this call is too small for it (compiled paths)
 
 
-def refusal(path: Path, call: Call) -> str | None:
-    """Why `path` does not take `call`, or None."""
+def refusal(path: Path, call: Call, *, size: bool = True) -> str | None:
+    """Why `path` does not take `call`, or None. size=False: whether the call is big enough for a compiled path
+    is not asked (a forced path)."""
     if call.device not in path.devices:
         return f"runs on {'/'.join(sorted(path.devices))}, not {call.device}"
     if path.base is not None and call.base not in path.base:
@@ -84,7 +86,7 @@ def refusal(path: Path, call: Call) -> str | None:
         return f"no {call.mask} attention mask"
     if path.missing is not None and (why := path.missing()):
         return why
-    if path.worth is not None and (why := path.worth(call.q_len, call.kv_len)):
+    if size and path.worth is not None and (why := path.worth(call.q_len, call.kv_len)):
         return why
     return None
 
@@ -108,11 +110,47 @@ def schemes() -> list[str]:
     return list(_TABLES)
 
 
+_FORCED: dict[str, str] = {}
+
+
 def choose(scheme: str, call: Call) -> Path:
+    if scheme in _FORCED:
+        return _forced(scheme, call)
     for path in _TABLES[scheme]:
         if refusal(path, call) is None:
             return path
     return _TABLES[scheme][-1]
+
+
+def _forced(scheme: str, call: Call) -> Path:
+    name = _FORCED[scheme]
+    reasons = []
+    for path in _TABLES[scheme]:
+        if path.name == name:
+            why = refusal(path, call, size=False)
+            if why is None:
+                return path
+            reasons.append(why)
+    raise ValueError(f"attention path {name!r} of position={scheme!r} cannot take this call: "
+                     f"{'; '.join(reasons) or 'no such path (' + ', '.join(p.name for p in _TABLES[scheme]) + ')'}")
+
+
+@contextlib.contextmanager
+def forcing(scheme: str, name: str):
+    """Within the block, every call of `scheme` runs `name` (whatever its size), or fails saying why it cannot (for
+    benchmarks and tests)."""
+    if name not in {p.name for p in _TABLES[scheme]}:
+        raise ValueError(f"position={scheme!r} has no attention path {name!r}; it has "
+                         f"{', '.join(dict.fromkeys(p.name for p in _TABLES[scheme]))}")
+    before = _FORCED.get(scheme)
+    _FORCED[scheme] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            _FORCED.pop(scheme, None)
+        else:
+            _FORCED[scheme] = before
 
 
 def call_of(module, query, key, attention_mask, dropout, causal: bool, softcap) -> Call:
