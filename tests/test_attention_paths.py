@@ -8,6 +8,7 @@ only one that returns the log-sum-exp); the few tests that compile are marked sl
 checked for their selection here and numerically only where a GPU is present."""
 
 import contextlib
+import json
 import warnings
 
 import pytest
@@ -16,6 +17,7 @@ from conftest import max_diff, tiny_model, tokens
 from torch.nn.attention.flex_attention import flex_attention
 
 import hfpatch
+from hfpatch.cli import main as cli_main
 from hfpatch.position import flex, kernels, paths
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the path runs on CUDA only)")
@@ -367,3 +369,21 @@ def test_flash_attn_paths_equal_the_written_out_path(scheme):
         got = run_path(scheme, "flash-attn", attn, q, k, v, None)
         want = run_path(scheme, "written-out", attn, q, k, v, None)
         assert rel(got, want, real) <= TOL[torch.bfloat16]
+
+
+def test_evaluation_results_say_which_path_ran(tmp_path, monkeypatch):
+    from test_eval_perplexity import save_tiny, text_of  # the perplexity tests' tiny model and text
+
+    monkeypatch.setenv("HFPATCH_CACHE", str(tmp_path / "cache"))
+    model_dir = save_tiny(tmp_path / "model")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(text_of(130, 1), encoding="utf-8")
+    out = tmp_path / "out"
+    assert cli_main(["eval", "ppl", "--model", str(model_dir), "--text-files", str(docs), "--lengths", "32",
+                     "--tokens-per-doc", "96", "--patches", "none,alibi,t5", "--no-plot", "--out", str(out)]) == 0
+    cells = {c["patch"]: c for c in json.loads((out / "results.json").read_text())["cells"]}
+    assert "attention_path" not in cells["none"]  # the model's own attention
+    assert set(cells["alibi"]["attention_path"]) == {"factorised"}
+    assert set(cells["t5"]["attention_path"]) == {"pieces"}
+    assert cells["alibi"]["attention_path"]["factorised"] % 2 == 0  # two layers per forward

@@ -26,6 +26,7 @@ from pathlib import Path
 from .. import command
 from ..apply import unwrap
 from ..lm import causal_lm_parts
+from ..position import paths
 from ..text import load_tokenizer
 from . import budget
 from .common import applied, length_label, load_model, parse_patches, table_limit, trained_window, versions
@@ -290,6 +291,7 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
                     cell = results.cell({"patch": spec, **c.key},
                                         lambda: {"patch": spec, **c.key, **c.fields, "patch_kwargs": kwargs,
                                                  ev.records: [], "complete": False})
+                    paths_before = paths.ran(run.model)
                     for unit in left:
                         done = [0]
 
@@ -304,6 +306,7 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
                         cell[ev.records].append(record)
                         results.save()
                         bar.update(unit.tokens - done[0])
+                    paths.add_since(cell, paths_before, run.model)
                     results.finish(cell)
                     results.save()
     finally:

@@ -193,6 +193,17 @@ def ran(model) -> dict[str, int]:
     return dict(total)
 
 
+def add_since(record: dict, before: dict, model) -> None:
+    """Add to record["attention_path"] the calls per path the model ran since `before` (a `ran` result): what an
+    evaluation's results say about the attention that produced them. Nothing for models without path tables."""
+    now = ran(model)
+    new = {k: n - before.get(k, 0) for k, n in now.items() if n > before.get(k, 0)}
+    if new:
+        total = Counter(record.get("attention_path", {}))
+        total.update(new)
+        record["attention_path"] = dict(total)
+
+
 def reset(model) -> None:
     for m in model.modules():
         _RAN.pop(m, None)
