@@ -326,19 +326,20 @@ def test_every_scheme_runs_finite_in_low_precision_and_close_to_fp32(scheme, dty
 # -------------------------------------------------------------------------------------------------- compiled
 
 @pytest.mark.slow
-def test_compiled_flex_equals_the_written_out_path_and_reuses_its_compilation():
+@pytest.mark.parametrize("scheme", ["alibi", "t5"])
+def test_compiled_flex_equals_the_written_out_path_and_reuses_its_compilation(scheme):
     """The compiled kernel gives the written-out result, and a new length does not compile again: compiled with
     dynamic shapes, one compilation serves every length of one kind of call (here: no mask and square; a padding
     mask and a KV cache). Each compilation takes tens of seconds here."""
-    model = patched("alibi")
+    model = patched(scheme, num_buckets=32, max_distance=128) if scheme == "t5" else patched(scheme)
     attn = model.model.layers[0].self_attn
     compiled = []
     for q_len, kv_len, pad in ((300, 300, 0), (421, 421, 0), (64, 500, 30), (90, 700, 41)):
         q, k, v, mask, real = inputs(q_len, kv_len, torch.float32, pad=pad)
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        got = run_path("alibi", "flex", attn, q, k, v, mask, causal=True, softcap=30.0)
+        got = run_path(scheme, "flex", attn, q, k, v, mask, causal=True, softcap=30.0)
         compiled.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
-        want = run_path("alibi", "written-out", attn, q, k, v, mask, causal=True, softcap=30.0)
+        want = run_path(scheme, "written-out", attn, q, k, v, mask, causal=True, softcap=30.0)
         assert rel(got, want, real) <= 1e-5
     assert compiled[1] == 0 and compiled[3] == 0, compiled
     assert "first call" in flex.timings()
@@ -387,3 +388,26 @@ def test_evaluation_results_say_which_path_ran(tmp_path, monkeypatch):
     assert set(cells["alibi"]["attention_path"]) == {"factorised"}
     assert set(cells["t5"]["attention_path"]) == {"pieces"}
     assert cells["alibi"]["attention_path"]["factorised"] % 2 == 0  # two layers per forward
+
+
+def test_a_flex_compilation_failure_falls_back_to_the_next_path(monkeypatch):
+    from torch._dynamo.exc import TorchDynamoException
+
+    def broken(*args, **kwargs):
+        raise TorchDynamoException("a lowering bug")
+
+    monkeypatch.setattr(flex, "compiled_fn", lambda: broken)
+    monkeypatch.setattr(flex, "_timings", {})
+    monkeypatch.setattr(flex, "_failed", {})
+    monkeypatch.setattr(flex, "COMPILE_MIN_SCORES", 1)
+    model = patched("alibi")
+    attn = model.model.layers[0].self_attn
+    q, k, v, _, real = inputs(50, 50, torch.float32)
+    paths.reset(model)
+    with pytest.warns(RuntimeWarning, match="flex_attention failed to compile"), torch.no_grad():
+        got, _ = paths.run("alibi", attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True,
+                           kwargs={"softcap": 20.0})
+    assert paths.ran(model) == {"written-out": 1}
+    assert rel(got, run_path("alibi", "written-out", attn, q, k, v, None, softcap=20.0), real) == 0
+    assert "failed to compile in this process (TorchDynamoException: a lowering bug)" in \
+        paths.refusal(paths.table("alibi")[2], call(softcap=True))

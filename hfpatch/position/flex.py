@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
+from torch._dynamo.exc import TorchDynamoException
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+
+from . import paths
 
 BLOCK = 128  # flex's default block size, on the CPU also the kernel's split sizes
 COMPILE_MIN_SCORES = 2048 * 2048  # the smallest call worth a compilation (tens of seconds)
@@ -32,17 +36,22 @@ FLEX_MIN_SCORES = 256 * 1024  # once compiled: below this the written-out path c
 
 _compiled = None
 _timings: dict[str, float] = {}  # "first call": seconds of the first compiled call (compilation included)
+_failed: dict[str, str] = {}  # "compile": why compiling failed in this process (flex paths then step aside)
 
 
 def compiled_fn():
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(flex_attention, dynamic=True)
+        # fullgraph: a graph break would run flex_attention's reference implementation, which writes every score out
+        _compiled = torch.compile(flex_attention, dynamic=True, fullgraph=True)
     return _compiled
 
 
 def worth_it(q_len: int, kv_len: int) -> str | None:
-    """Why a flex path should not take this call (too small to pay for compiling, or for the kernel), or None."""
+    """Why a flex path should not take this call (too small to pay for compiling, or for the kernel; or flex failed
+    to compile in this process), or None."""
+    if _failed:
+        return f"flex_attention failed to compile in this process ({_failed['compile']})"
     scores = q_len * kv_len
     need = FLEX_MIN_SCORES if "first call" in _timings else COMPILE_MIN_SCORES
     if scores < need:
@@ -163,15 +172,23 @@ def attention(query, key, value, scale: float, score_mod=None, mask: BlockMask |
     """flex_attention on [b, H, n, d] tensors (grouped keys as they are). Returns the output [b, H, q, d] in the
     query's dtype, and with `lse` the log-sum-exp [b, H, q] (float32; -inf where a row sees no key)."""
     fn = compiled_fn() if compiled else flex_attention
+    if compiled and _failed:
+        raise paths.PathUnavailable(_failed["compile"])
     gqa = query.shape[1] != key.shape[1]
     first = compiled and "first call" not in _timings
     t0 = time.perf_counter()
+    extra = {"return_aux": AuxRequest(lse=True)} if lse else {}
+    try:
+        result = fn(query, key, value, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=gqa, **extra)
+    except TorchDynamoException as e:  # compiling failed (fullgraph: never a silent run of the [L, L] reference)
+        if not compiled:
+            raise
+        _failed["compile"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+        warnings.warn(f"hfpatch: flex_attention failed to compile ({_failed['compile']}); this process uses the "
+                      "next attention path instead", RuntimeWarning, stacklevel=2)
+        raise paths.PathUnavailable(_failed["compile"]) from e
     if lse:
-        out, aux = fn(query, key, value, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=gqa,
-                      return_aux=AuxRequest(lse=True))
-        result = out, aux.lse
-    else:
-        result = fn(query, key, value, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=gqa)
+        result = result[0], result[1].lse
     if first:
         _timings["first call"] = round(time.perf_counter() - t0, 2)
     return result

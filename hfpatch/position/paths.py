@@ -110,14 +110,19 @@ def schemes() -> list[str]:
     return list(_TABLES)
 
 
+class PathUnavailable(RuntimeError):
+    """Raised by a path that turns out not to work here after all (flex failing to compile): the call goes to the
+    next path of the table, and so do later calls (the path's `missing` says so from then on)."""
+
+
 _FORCED: dict[str, str] = {}
 
 
-def choose(scheme: str, call: Call) -> Path:
+def choose(scheme: str, call: Call, skip: frozenset = frozenset()) -> Path:
     if scheme in _FORCED:
         return _forced(scheme, call)
     for path in _TABLES[scheme]:
-        if refusal(path, call) is None:
+        if path not in skip and refusal(path, call) is None:
             return path
     return _TABLES[scheme][-1]
 
@@ -167,11 +172,19 @@ def run(scheme: str, module, query, key, value, attention_mask, *, scaling: floa
     softcap = kwargs.get("softcap")
     if dropout and not module.training:
         dropout = 0.0
-    path = choose(scheme, call_of(module, query, key, attention_mask, dropout, causal, softcap))
-    record(module, path.name)
-    out = path.run(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, causal=causal,
-                   softcap=softcap, kwargs=kwargs)
-    return out, None
+    call, skip = call_of(module, query, key, attention_mask, dropout, causal, softcap), frozenset()
+    while True:
+        path = choose(scheme, call, skip)
+        try:
+            out = path.run(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                           causal=causal, softcap=softcap, kwargs=kwargs)
+        except PathUnavailable:
+            if scheme in _FORCED or path is _TABLES[scheme][-1]:
+                raise
+            skip = skip | {path}
+            continue
+        record(module, path.name)
+        return out, None
 
 
 # ---------------------------------------------------------------------------------------------------- reporting

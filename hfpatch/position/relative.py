@@ -147,12 +147,17 @@ def _xl_terms(module, scaling, causal):
 
 # ------------------------------------------------------------------------------------------ T5's other kernels
 
-def t5_band(bias: T5Bias) -> int:
-    """D: the distance from which every (causal) distance falls in the last bucket (<= max_distance)."""
+def t5_band(bias: T5Bias, bidirectional: bool = False) -> int:
+    """D: the distance from which every farther distance (in either direction when bidirectional) falls in the same
+    bucket as D itself (D <= max_distance: T5 gives all distances past max_distance the last bucket)."""
     d = torch.arange(bias.max_distance + 1)
-    buckets = t5_buckets(-d, False, bias.num_buckets, bias.max_distance)
-    below = (buckets != bias.num_buckets - 1).nonzero()
-    return int(below.max()) + 1 if len(below) else 1
+    D = 1
+    for sign in (1, -1) if bidirectional else (1,):  # keys before the query, then after it
+        buckets = t5_buckets(-sign * d, bidirectional, bias.num_buckets, bias.max_distance)
+        changing = (buckets != buckets[-1]).nonzero()
+        if len(changing):
+            D = max(D, int(changing.max()) + 1)
+    return D
 
 
 def _t5_pieces(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
@@ -166,18 +171,19 @@ def _t5_pieces(module, query, key, value, attention_mask, *, scaling, dropout, c
 
 
 def t5_score_mod(bias: T5Bias, q_len: int, kv_len: int, bidirectional: bool, device):
-    """T5's bias as a flex_attention score_mod: a lookup in the bias of every distance the call can see
-    ([heads, q_len + kv_len - 1], gradients reach the table through it)."""
-    offset = kv_len - q_len
-    lowest = offset - (kv_len - 1)  # the smallest distance: first query, last key
-    dist = torch.arange(lowest, offset + q_len, device=device)
-    by_distance = bias.table(t5_buckets(-dist, bidirectional, bias.num_buckets, bias.max_distance)).T  # [H, n]
-    shift = torch.tensor(offset - lowest, device=device)
-    top = torch.tensor(by_distance.shape[1] - 1, device=device)
+    """T5's bias as a flex_attention score_mod: a lookup by distance d = query slot - key slot in the bias of the
+    distances -D .. D ([heads, 2D + 1]; every farther distance shares the bucket of ±D). The table does not depend
+    on the sequence length (a buffer sized by the length did not compile with dynamic shapes on the CPU). Gradients
+    reach the T5 table through it."""
+    D = t5_band(bias, bidirectional)
+    dist = torch.arange(-D, D + 1, device=device)
+    by_distance = bias.table(t5_buckets(-dist, bidirectional, bias.num_buckets, bias.max_distance)).T.contiguous()
+    shift = torch.tensor(kv_len - q_len, device=device)  # queries are the last q_len key slots
+    # captured as tensors: with dynamic shapes a captured Python int becomes a symbol the CPU kernel cannot lower
+    top, bottom = torch.tensor(D, device=device), torch.tensor(-D, device=device)
 
     def mod(score, b, h, q_idx, kv_idx):
-        i = torch.clamp(q_idx - kv_idx + shift, 0, top)  # clamped: positions past the ends, which are masked
-        return score + by_distance[h, i]
+        return score + by_distance[h, torch.minimum(torch.maximum(q_idx + shift - kv_idx, bottom), top) + top]
     return mod
 
 
