@@ -91,6 +91,8 @@ def worker(args) -> dict:
 
     from hfpatch.position import flex, paths
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     train = args.worker.startswith("train:")
     variant = args.worker.removeprefix("train:")
     scheme, _, path = variant.partition("/")
@@ -159,6 +161,8 @@ def main(argv=None):
     p.add_argument("--cells", help="only these cells, e.g. alibi/flex,t5/pieces,train:t5 (unpatched always runs)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, help="torch threads per cell (default: torch's own choice); 1 gives steadier "
+                   "ratios on a machine shared with other work")
     p.add_argument("--cold-compile", action="store_true", help="compile without torch's on-disk cache (the flex "
                    "cells' first call then shows what a fresh machine pays)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "attention"))
@@ -171,7 +175,8 @@ def main(argv=None):
 
     chosen = None if args.cells is None else set(args.cells.split(","))
     me = os.path.abspath(__file__)
-    shape = ["--layers", str(args.layers), "--repeats", str(args.repeats)]
+    shape = ["--layers", str(args.layers), "--repeats", str(args.repeats)] + \
+        (["--threads", str(args.threads)] if args.threads else [])
     if args.cold_compile:
         os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
     results = {}

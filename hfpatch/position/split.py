@@ -8,9 +8,9 @@ Distances are in slots: d = (query slot) - (key slot), the queries being the las
   another (Self-Extend's neighbour and grouped positions): two flex_attention calls with region block masks, or two
   flash-attn calls (a sliding window for the band, a bottom-right causal call on the keys up to W back).
 - `near_far_bias`: a bias that depends on the distance up to D and is one constant per head beyond it (T5's
-  buckets: every distance from some D <= max_distance on shares the last bucket): per block of queries, the band
-  as one kernel call with the bias as its additive mask, and the far keys as plain causal kernel calls whose
-  log-sum-exp is shifted by the constant.
+  buckets: every distance from some D <= max_distance on shares the last bucket): the band in blocks of queries,
+  one kernel call each with the bias as its additive mask, and the far keys as plain causal kernel calls (the
+  whole sequence at once when there is no padding mask) whose log-sum-exp is shifted by the constant.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 
 from . import flex, kernels
 
-PIECE_ROWS = 1024  # queries per block on the piece path: the band mask is [heads, rows, rows + D]
+PIECE_ROWS = 1024  # queries per block where a padding mask is made additive: [batch, rows, keys] floats
+BAND_ROWS = 128  # queries per band call of near_far_bias: the call covers rows + D - 1 keys, D of them in the band
 
 
 # -------------------------------------------------------------------------------------------- two position maps
@@ -73,48 +74,64 @@ def near_far_bias(query, key, value, attention_mask, scaling: float, near: torch
     """Causal softmax(q·kᵀ·scaling + bias + mask) v where bias[h, d] = near[h, d] for d < D = near.shape[1] and
     far[h] for d >= D. query [b, H, q, d], key/value [b, KV, kv, d] (grouped as they are); attention_mask None or
     [b, 1, q, kv] (bool or additive). Returns [b, H, q, d] in value's dtype."""
-    q_len, kv_len = query.shape[2], key.shape[2]
     D = near.shape[1]
+    band_out, band_lse = _band(query, key, value, attention_mask, scaling, near)
+    far_out, far_lse = _far(query, key, value, attention_mask, scaling, D)
+    out, _ = kernels.merge(band_out, band_lse, far_out, far_lse + far.float()[None, :, None])
+    return out.to(value.dtype)
+
+
+def _band(query, key, value, attention_mask, scaling, near):
+    """The keys at distances 0 .. D - 1, with their bias: blocks of BAND_ROWS queries, each one kernel call whose
+    additive mask is the bias (and -inf off the band). The bias only depends on the distance, so one [H, rows,
+    rows + D - 1] mask serves every block. Returns float32 (out, lse)."""
+    q_len, kv_len, D = query.shape[2], key.shape[2], near.shape[1]
     first = kv_len - q_len
-    rows = min(PIECE_ROWS, q_len)
+    rows = min(BAND_ROWS, q_len)
     lowest = torch.finfo(query.dtype).min
-    # the band's bias for a block of `rows` queries against keys s - D + 1 .. s + rows - 1: it only depends on
-    # the distance, so one [H, rows, rows + D - 1] mask serves every block
     r = torch.arange(rows, device=query.device)[:, None]
-    c = torch.arange(rows + D - 1, device=query.device)[None]
-    dist = r + D - 1 - c
+    dist = r + D - 1 - torch.arange(rows + D - 1, device=query.device)[None]  # block keys from s - D + 1
     inside = (dist >= 0) & (dist < D)
     band = near.to(query.dtype)[:, dist.clamp(0, D - 1)].masked_fill(~inside, lowest)[None]
-    far_shift = far.float()[None, :, None]
-    outs = []
+    outs, lses = [], []
     for s in range(first, kv_len, rows):
         e = min(kv_len, s + rows)
-        qr = slice(s - first, e - first)
-
-        def model_mask(rsel, lo, hi):
-            if attention_mask is None:
-                return None
-            return additive(attention_mask[:, :, qr][:, :, rsel, lo:hi], query.dtype)
-
         lo = max(0, s - D + 1)
         m = band[:, :, :e - s, lo - (s - D + 1):e - (s - D + 1)]
         if attention_mask is not None:
-            given = attention_mask[:, :, qr, lo:e]
+            given = attention_mask[:, :, s - first:e - first, lo:e]
             m = torch.where(given, m, lowest) if given.dtype == torch.bool else (m + given).clamp(min=lowest)
-        parts = [kernels.attend(query[:, :, qr], key[:, :, lo:e], value[:, :, lo:e], scaling, mask=m)]
-        g = max(s, D)  # the first query slot with far keys (d >= D)
-        if e > g:
-            fr = slice(g - s, None)
-            out = torch.zeros_like(parts[0][0], dtype=torch.float32)
-            lse = torch.full(parts[0][1].shape, float("-inf"), device=query.device)
-            o, l_ = kernels.attend(query[:, :, qr][:, :, fr], key[:, :, g - D:e - D], value[:, :, g - D:e - D],
-                                   scaling, mask=model_mask(fr, g - D, e - D), causal=True)
-            out[:, :, fr], lse[:, :, fr] = o.float(), l_.float() + far_shift
-            if g > D:  # keys every far row sees
-                o, l_ = kernels.attend(query[:, :, qr][:, :, fr], key[:, :, :g - D], value[:, :, :g - D], scaling,
-                                       mask=model_mask(fr, 0, g - D))
-                out[:, :, fr], lse[:, :, fr] = kernels.merge(out[:, :, fr], lse[:, :, fr], o, l_.float() + far_shift)
-            parts.append((out, lse))
-        merged, _ = kernels.merge_parts(parts)
-        outs.append(merged.to(value.dtype))
-    return torch.cat(outs, dim=2)
+        o, l_ = kernels.attend(query[:, :, s - first:e - first], key[:, :, lo:e], value[:, :, lo:e], scaling, mask=m)
+        outs.append(o.float())
+        lses.append(l_.float())
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _far(query, key, value, attention_mask, scaling, D):
+    """Plain attention over the keys at distances >= D (query slot p sees keys <= p - D). Without a mask: at most
+    two kernel calls over the whole sequence; with one: blocks of PIECE_ROWS queries, so that the additive mask
+    made from the model's bool mask stays a block. Rows without such keys get lse = -inf. Returns float32."""
+    b, H, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    first = kv_len - q_len
+    out = torch.zeros(b, H, q_len, value.shape[-1], dtype=torch.float32, device=query.device)
+    lse = torch.full((b, H, q_len), float("-inf"), device=query.device)
+    step = q_len if attention_mask is None else PIECE_ROWS
+    for s in range(first, kv_len, step):
+        e = min(kv_len, s + step)
+        g = max(s, D)  # the first query slot with far keys
+        if e <= g:
+            continue
+        rows = slice(g - first, e - first)
+
+        def mask(lo, hi):
+            return None if attention_mask is None else additive(attention_mask[:, :, rows, lo:hi], query.dtype)
+
+        # top-left causal over keys g - D .. e - D - 1: query slot p sees keys <= p - D
+        parts = [kernels.attend(query[:, :, rows], key[:, :, g - D:e - D], value[:, :, g - D:e - D], scaling,
+                                mask=mask(g - D, e - D), causal=True)]
+        if g > D:  # keys every one of these queries sees
+            parts.append(kernels.attend(query[:, :, rows], key[:, :, :g - D], value[:, :, :g - D], scaling,
+                                        mask=mask(0, g - D)))
+        out[:, :, rows], lse[:, :, rows] = kernels.merge_parts(parts)
+    return out, lse
