@@ -121,7 +121,7 @@ def test_self_extend_two_flex_calls_merged_by_lse_equal_the_written_out_path(q_l
     model = patched("self-extend")
     attn = model.model.layers[0].self_attn
     q, k, v, mask, real = inputs(q_len, kv_len, torch.float32, pad=pad)
-    call = paths.call_of(attn, q, k, mask, 0.0, True, None)
+    call = paths.call_of(attn, q, k, v, mask, 0.0, True, None)
     flex_path = next(p for p in paths.table("self-extend") if p.name == "flex")
     assert paths.refusal(flex_path, call) == "runs on cuda, not cpu"
     with torch.no_grad():
@@ -411,3 +411,23 @@ def test_a_flex_compilation_failure_falls_back_to_the_next_path(monkeypatch):
     assert rel(got, run_path("alibi", "written-out", attn, q, k, v, None, softcap=20.0), real) == 0
     assert "failed to compile in this process (TorchDynamoException: a lowering bug)" in \
         paths.refusal(paths.table("alibi")[2], call(softcap=True))
+
+
+def test_the_implementation_the_model_was_loaded_with_is_remembered():
+    """Switching a model to a scheme's attention function replaces config._attn_implementation; the flash-attn paths
+    still know it was loaded with flash_attention_2, also when the patched model is patched again."""
+    from hfpatch.edits import Edits
+    from hfpatch.position.patch import use_attention
+
+    model = tiny_model("llama")
+    attn = model.model.layers[0].self_attn
+    model.config._attn_implementation_internal = "flash_attention_2"  # as loaded with it (no flash-attn here)
+    edits = Edits()
+    use_attention(model, "hfpatch_alibi", "hfpatch_alibi_eager", edits)
+    assert model.config._attn_implementation == "hfpatch_alibi"
+    assert paths.base_of(attn) == "flash_attention_2"
+    use_attention(model, "hfpatch_t5", "hfpatch_t5_eager", edits)
+    assert paths.base_of(attn) == "flash_attention_2"
+    edits.undo()
+    assert model.config._attn_implementation == "flash_attention_2"
+    assert paths.base_of(patched("alibi").model.layers[0].self_attn) == "sdpa"

@@ -4,17 +4,22 @@
 Two attention functions are registered with transformers (`AttentionInterface`), each with its mask function
 (`AttentionMaskInterface`: without it transformers would hand the function no mask at all):
 
-- "hfpatch_alibi" (models on sdpa or any other implementation): causal attention without softcapping runs as ONE
-  ordinary sdpa call, by factorisation. −m(i − j) = m·j − m·i, and softmax ignores the per-row constant −m·i, so
-  the bias is a dot product: two extra channels carry m/scale on the query side and the key's position on the key
-  side (split as 256·hi + lo, so both are exact even in bf16). Memory stays O(L), like plain sdpa. Key positions
-  are centred on the queries (j − c), which keeps the added term small for the keys that matter. Bidirectional
-  attention (|i − j| does not factorise) and softcapping (gemma2) take the explicit path below, one block of queries
-  at a time, so at most [batch, heads, block, keys] scores exist at once.
-- On the CPU both run with denormal floats flushed to zero (`no_denormals`): ALiBi puts every head's keys at some
-  distance 87-104 below the row's largest score, where exp() lands on denormals, which x86 CPUs compute 10-100x
-  slower (measured: the 2k forward 1.41x -> 1.13x the unpatched one). Those weights are < 1e-38 of the largest, so
-  nothing that survives the softmax changes. The previous mode is restored after each call.
+- "hfpatch_alibi" (models on sdpa or any other implementation): the path table `PATHS` (paths.py) picks, per call,
+  the first of:
+  - "flash-attn": flash-attn 2's own ALiBi (`alibi_slopes`), for models loaded with
+    attn_implementation="flash_attention_2" on CUDA, without a padding mask;
+  - "factorised" (CPU, causal, no softcapping; gradients too): ONE ordinary sdpa call. −m(i − j) = m·j − m·i, and
+    softmax ignores the per-row constant −m·i, so the bias is a dot product: two extra channels carry m/scale on
+    the query side and the key's position on the key side (split as 256·hi + lo, so both are exact even in bf16).
+    Key positions are centred on the queries (j − c), which keeps the added term small for the keys that matter;
+  - "flex": compiled flex_attention with an ALiBi score_mod and a block mask (softcapping and bidirectional
+    attention too; CUDA with gradients, the CPU for inference);
+  - "written-out": the explicit path, one block of queries at a time, so at most [batch, heads, block, keys]
+    scores exist at once (everything else: e.g. CPU training with softcapping).
+- On the CPU the ALiBi paths run with denormal floats flushed to zero (`no_denormals`): ALiBi puts every head's
+  keys at some distance 87-104 below the row's largest score, where exp() lands on denormals, which x86 CPUs compute
+  10-100x slower (measured: the 2k forward 1.41x -> 1.13x the unpatched one). Those weights are < 1e-38 of the
+  largest, so nothing that survives the softmax changes. The previous mode is restored after each call.
 - "hfpatch_alibi_eager" (models loaded with attn_implementation="eager"): the explicit path on all queries at once,
   returning the attention weights like eager attention does.
 

@@ -112,7 +112,7 @@ def schemes() -> list[str]:
 
 class PathUnavailable(RuntimeError):
     """Raised by a path that turns out not to work here after all (flex failing to compile): the call goes to the
-    next path of the table, and so do later calls (the path's `missing` says so from then on)."""
+    next path of the table (later calls too: the path's refusal says so from then on)."""
 
 
 _FORCED: dict[str, str] = {}
@@ -136,8 +136,7 @@ def _forced(scheme: str, call: Call) -> Path:
             if why is None:
                 return path
             reasons.append(why)
-    raise ValueError(f"attention path {name!r} of position={scheme!r} cannot take this call: "
-                     f"{'; '.join(reasons) or 'no such path (' + ', '.join(p.name for p in _TABLES[scheme]) + ')'}")
+    raise ValueError(f"attention path {name!r} of position={scheme!r} cannot take this call: {'; '.join(reasons)}")
 
 
 @contextlib.contextmanager
@@ -158,8 +157,8 @@ def forcing(scheme: str, name: str):
             _FORCED[scheme] = before
 
 
-def call_of(module, query, key, attention_mask, dropout, causal: bool, softcap) -> Call:
-    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
+def call_of(module, query, key, value, attention_mask, dropout, causal: bool, softcap) -> Call:
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     mask = "none" if attention_mask is None else "bool" if attention_mask.dtype == torch.bool else "float"
     return Call(device=query.device.type, dtype=query.dtype, grad=grad,
                 dropout=bool(dropout) and module.training, softcap=softcap is not None, causal=causal, mask=mask,
@@ -172,7 +171,7 @@ def run(scheme: str, module, query, key, value, attention_mask, *, scaling: floa
     softcap = kwargs.get("softcap")
     if dropout and not module.training:
         dropout = 0.0
-    call, skip = call_of(module, query, key, attention_mask, dropout, causal, softcap), frozenset()
+    call, skip = call_of(module, query, key, value, attention_mask, dropout, causal, softcap), frozenset()
     while True:
         path = choose(scheme, call, skip)
         try:
@@ -245,15 +244,3 @@ def base_of(module) -> str:
     config = getattr(module, "config", None)
     ref, base = _BASE.get(id(config), (None, "sdpa"))
     return base if ref is not None and ref() is config else "sdpa"
-
-
-def describe_table(scheme: str) -> list[dict]:
-    """The table as plain data (for docs and tests)."""
-    out = []
-    for p in _TABLES[scheme]:
-        out.append({"name": p.name, "devices": sorted(p.devices), "gradients": sorted(p.grad_devices),
-                    "dtypes": None if p.dtypes is None else sorted(str(d).replace("torch.", "") for d in p.dtypes),
-                    "dropout": p.dropout, "softcap": p.softcap, "bidirectional": p.bidirectional,
-                    "masks": sorted(p.masks), "base": None if p.base is None else sorted(p.base),
-                    "compiled": p.worth is not None, "summary": p.summary})
-    return out

@@ -3,8 +3,13 @@ relative encoding (position="xl").
 
 Both take the model's own position signal out first (RoPE becomes the identity, a learned table returns zeros:
 patch.remove_positions), add their parameters, and switch the model to an attention function registered with
-transformers' AttentionInterface (with its mask function in AttentionMaskInterface) that writes the scores out
-(attention.biased_attention: a block of queries at a time, so memory stays bounded; the eager variant returns the weights).
+transformers' AttentionInterface (with its mask function in AttentionMaskInterface). Its path table (paths.py)
+picks per call: for T5, compiled flex_attention with a score_mod reading the bias by distance (CUDA; the CPU for
+bidirectional or softcapped inference), the piece path (split.near_far_bias: every distance from some D <=
+max_distance on falls in the last bucket, so beyond D the bias is one constant per head and plain kernels do the
+far keys; inference), else the written-out path (attention.biased_attention: a block of queries at a time, so
+memory stays bounded). Transformer-XL has only the written-out path (see XL_PATHS). The eager variants write all
+scores out at once and return the weights.
 
 T5 (Raffel et al. 2020, §2.1): each head adds a learned scalar to score(i, j), looked up by a bucket of the relative
 position j − i. Half of the buckets hold the exact distances 0 .. n/2 − 1, the other half logarithmically wider

@@ -23,13 +23,19 @@ Whether this reproduces the family's attention is checked numerically when patch
 window, the patched model must give the unpatched model's logits on a probe input; if not, the patch is refused.
 
 Attention functions registered with transformers (each with its mask function):
-- "hfpatch_self_extend" (models on sdpa or any other implementation). On the CPU, without gradients, dropout or
-  softcapping: queries in blocks; per block three pieces, each one call of torch's CPU flash-attention kernel, which
-  also returns the log-sum-exp of its scores: the grouped keys every row of the block sees in full (no mask), the
-  grouped keys at the block's lower edge and the neighbour band (small [block, keys] masks). The pieces are merged
-  by their log-sum-exp into one softmax. Memory is O(L) (no [L, L] tensor), and the work about that of causal
-  attention. Otherwise (gradients, dropout, softcapping, other devices): the explicit path a block of queries at a
-  time (at most 2^24 scores per block).
+- "hfpatch_self_extend" (models on sdpa or any other implementation): the path table `PATHS` (paths.py) picks per
+  call the first of
+  - "flash-attn" (CUDA, attn_implementation="flash_attention_2", no padding mask, inference): two flash-attn calls,
+    the neighbour band as a sliding window and the grouped keys as a causal call, merged by log-sum-exp;
+  - "flex" (CUDA, gradients too): two compiled flex_attention calls with region block masks, merged by their
+    log-sum-exp (which compiled flex returns on CUDA, not on the CPU);
+  - "pieces" (inference without dropout or softcapping): queries in blocks; per block a few flash-attention kernel
+    calls (torch's CPU kernel, or CUDA's flash / memory-efficient kernels), each returning the log-sum-exp of its
+    scores: the grouped keys every row of the block sees in full, the grouped keys at the block's lower edge and
+    the neighbour band (small [block, keys] masks), merged into one softmax. Memory is O(L) (no [L, L] tensor),
+    and the work about that of causal attention;
+  - "written-out" (everything else: gradients on the CPU, dropout, softcapping): the explicit path a block of
+    queries at a time (at most 2^24 scores per block).
 - "hfpatch_self_extend_eager" (models loaded with attn_implementation="eager"): the explicit path on all queries at
   once, returning the attention weights like eager attention does.
 """
