@@ -22,7 +22,7 @@ from .norm import convert as norms
 from .norm import kinds as norm_kinds
 from .norm.kinds import NORMS
 from .norm.placement import apply_placement, placement_forms
-from .position import schemes
+from .position import paths, schemes
 from .position.schemes import SCHEMES
 from .spec import AXES
 from .warn import warn_caller
@@ -307,7 +307,7 @@ def _position(model, adapter: Adapter, state: PatchState | None) -> dict:
     if "position" in applied:
         req = applied["position"]
         if SCHEMES[req["scheme"]].rope is None:  # a bigger table is still a plain checkpoint; the others are not
-            return {**req, "native": SCHEMES[req["scheme"]].native}
+            return {**req, "native": SCHEMES[req["scheme"]].native, **paths.describe(model, req["scheme"])}
         rotary = get_path(model.base_model, adapter.rotary)
         return {**req, "rope_parameters": copy.deepcopy(rotary.config.rope_parameters),
                 "native": rotary.config is config}

@@ -185,7 +185,10 @@ def test_describe_unpatch_and_limits():
     before = fingerprint(model)
     hfpatch.patch(model, position="self-extend", group_size=4, window=16)
     info = hfpatch.describe(model)
+    path = info["position"].pop("attention_path")
     assert info["position"] == {"scheme": "self-extend", "group_size": 4, "window": 16, "native": False}
+    assert path["order"] == ["flash-attn", "flex", "pieces", "written-out"]
+    assert set(path["ran"]) == {"pieces"}  # the patch's own check ran a forward; on this CPU, without gradients
     assert info["position_limit"] == info["max_position_embeddings"] == (WINDOW - 16) * 4 + 16
     assert "self-extend" in info["patches"]["position"]
     hfpatch.patch(model, position="yarn", factor=2.0)  # replaces it

@@ -32,6 +32,7 @@ from ..adapters.positions import trained_window
 from ..apply import table_limit, unwrap
 from ..lm import causal_lm_parts
 from ..models import model_fingerprint
+from ..position import paths
 from ..text import load_tokenizer
 from . import budget
 from .common import applied, length_label, load_model, parse_lengths, parse_patches, versions
@@ -348,6 +349,7 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
                     cell = results.cell({"patch": spec, **c.key},
                                         lambda: {"patch": spec, **c.key, **c.fields, "patch_kwargs": kwargs,
                                                  ev.records: [], "complete": False})
+                    paths_before = paths.ran(run.model)
                     for unit in left:
                         done = [0]
 
@@ -362,6 +364,7 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
                         cell[ev.records].append(record)
                         results.save()
                         bar.update(unit.tokens - done[0])
+                    paths.add_since(cell, paths_before, run.model)
                     results.finish(cell)
                     results.save()
     finally:

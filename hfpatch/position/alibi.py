@@ -4,17 +4,22 @@
 Two attention functions are registered with transformers (`AttentionInterface`), each with its mask function
 (`AttentionMaskInterface`: without it transformers would hand the function no mask at all):
 
-- "hfpatch_alibi" (models on sdpa or any other implementation): causal attention without softcapping runs as ONE
-  ordinary sdpa call, by factorisation. −m(i − j) = m·j − m·i, and softmax ignores the per-row constant −m·i, so
-  the bias is a dot product: two extra channels carry m/scale on the query side and the key's position on the key
-  side (split as 256·hi + lo, so both are exact even in bf16). Memory stays O(L), like plain sdpa. Key positions
-  are centred on the queries (j − c), which keeps the added term small for the keys that matter. Bidirectional
-  attention (|i − j| does not factorise) and softcapping (gemma2) take the explicit path below, one block of queries
-  at a time, so at most [batch, heads, block, keys] scores exist at once.
-- On the CPU both run with denormal floats flushed to zero (`no_denormals`): ALiBi puts every head's keys at some
-  distance 87-104 below the row's largest score, where exp() lands on denormals, which x86 CPUs compute 10-100x
-  slower (measured: the 2k forward 1.41x -> 1.13x the unpatched one). Those weights are < 1e-38 of the largest, so
-  nothing that survives the softmax changes. The previous mode is restored after each call.
+- "hfpatch_alibi" (models on sdpa or any other implementation): the path table `PATHS` (paths.py) picks, per call,
+  the first of:
+  - "flash-attn": flash-attn 2's own ALiBi (`alibi_slopes`), for models loaded with
+    attn_implementation="flash_attention_2" on CUDA, without a padding mask;
+  - "factorised" (CPU, causal, no softcapping; gradients too): ONE ordinary sdpa call. −m(i − j) = m·j − m·i, and
+    softmax ignores the per-row constant −m·i, so the bias is a dot product: two extra channels carry m/scale on
+    the query side and the key's position on the key side (split as 256·hi + lo, so both are exact even in bf16).
+    Key positions are centred on the queries (j − c), which keeps the added term small for the keys that matter;
+  - "flex": compiled flex_attention with an ALiBi score_mod and a block mask (softcapping and bidirectional
+    attention too; CUDA with gradients, the CPU for inference);
+  - "written-out": the explicit path, one block of queries at a time, so at most [batch, heads, block, keys]
+    scores exist at once (everything else: e.g. CPU training with softcapping).
+- On the CPU the ALiBi paths run with denormal floats flushed to zero (`no_denormals`): ALiBi puts every head's
+  keys at some distance 87-104 below the row's largest score, where exp() lands on denormals, which x86 CPUs compute
+  10-100x slower (measured: the 2k forward 1.41x -> 1.13x the unpatched one). Those weights are < 1e-38 of the
+  largest, so nothing that survives the softmax changes. The previous mode is restored after each call.
 - "hfpatch_alibi_eager" (models loaded with attn_implementation="eager"): the explicit path on all queries at once,
   returning the attention weights like eager attention does.
 
@@ -34,6 +39,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from ..adapters import Adapter
 from ..edits import Edits
+from . import flex, kernels, paths
 from .attention import biased_attention, causal_of
 from .patch import attention_modules, remove_positions, use_attention
 
@@ -88,16 +94,17 @@ def factorise(slopes: torch.Tensor, query, key, value, scaling: float, centre: i
 
 def alibi_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    causal = causal_of(module, is_causal)
-    if kwargs.get("softcap") is not None or not causal:
-        with no_denormals(query.device):
-            return explicit(module, query, key, value, attention_mask, scaling, dropout, causal, block=True, **kwargs)
+    return paths.run("alibi", module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                     causal=causal_of(module, is_causal), kwargs=kwargs)
+
+
+def _factorised(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
     q_len, kv_len, d = query.shape[2], key.shape[2], query.shape[-1]
     q, k, v = factorise(_slopes(module, query), query, key, value, scaling, centre=kv_len - (q_len + 1) // 2)
     with no_denormals(query.device):
         out, _ = sdpa_attention_forward(module, q, k, v, attention_mask, dropout=dropout, scaling=scaling,
-                                        is_causal=is_causal, **kwargs)
-    return out[..., :d].contiguous(), None
+                                        is_causal=causal, **kwargs)
+    return out[..., :d].contiguous()
 
 
 def _flushing() -> bool:
@@ -118,7 +125,8 @@ def no_denormals(device):
 
 # --------------------------------------------------------------------------------------------------- explicit path
 
-def explicit(module, query, key, value, attention_mask, scaling, dropout=0.0, causal=True, block=False, **kwargs):
+def explicit(module, query, key, value, attention_mask, scaling, dropout=0.0, causal=True, block=False, softcap=None,
+             **kwargs):
     """Scores with the bias written out, like eager attention; with `block`, a block of queries at a time."""
     slopes = _slopes(module, query)
 
@@ -126,17 +134,62 @@ def explicit(module, query, key, value, attention_mask, scaling, dropout=0.0, ca
         bias = alibi_bias(slopes, q_pos, k_pos, bidirectional=not causal)[None]
         return torch.matmul(q, k.transpose(2, 3)) * scaling, bias
 
-    return biased_attention(module, query, key, value, attention_mask, terms, dropout, causal, block,
-                            kwargs.get("softcap"))
+    return biased_attention(module, query, key, value, attention_mask, terms, dropout, causal, block, softcap)
 
 
 def alibi_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     causal = getattr(module, "is_causal", True)
+    paths.record(module, "eager")
     with no_denormals(query.device):
         return explicit(module, query, key, value, attention_mask, scaling, dropout, causal, block=False, **kwargs)
 
 
+def _written_out(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+    with no_denormals(query.device):
+        out, _ = explicit(module, query, key, value, attention_mask, scaling, dropout, causal, block=True,
+                          softcap=softcap)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ other kernels
+
+def score_mod(slopes: torch.Tensor, offset: torch.Tensor, bidirectional: bool):
+    """ALiBi as a flex_attention score_mod: −m_h·(i − j) (or −m_h·|i − j|), i = q_idx + offset the query's slot."""
+    if bidirectional:
+        return lambda score, b, h, q_idx, kv_idx: score - slopes[h] * (q_idx + offset - kv_idx).abs()
+    return lambda score, b, h, q_idx, kv_idx: score - slopes[h] * (q_idx + offset - kv_idx)
+
+
+def _flex(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+    q_len, kv_len = query.shape[2], key.shape[2]
+    offset = torch.tensor(kv_len - q_len, device=query.device)
+    mods = flex.softcapped(score_mod(_slopes(module, query), offset, bidirectional=not causal), softcap)
+    mask = flex.block_mask(flex.CAUSAL if causal else flex.EVERYTHING, q_len, kv_len, query.device, attention_mask)
+    with no_denormals(query.device):
+        out = flex.attention(query, key, value, scaling, mods, mask)
+    return out.transpose(1, 2).contiguous()
+
+
+def _flash(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+    """flash-attn adds −m·|i + kv − q − j| to the scores: ALiBi with the queries as the last q keys."""
+    return kernels.flash_attn(query, key, value, scaling, causal=causal, alibi_slopes=_slopes(module, query),
+                              softcap=softcap or 0.0, dropout=dropout)
+
+
+PATHS = (
+    paths.Path("flash-attn", _flash, "flash-attn 2 with its alibi_slopes (attn_implementation='flash_attention_2')",
+               devices=frozenset({"cuda"}), dtypes=paths.LOW, dropout=True, softcap=True, bidirectional=True,
+               masks=frozenset({"none"}), base=frozenset({"flash_attention_2"}), missing=kernels.flash_attn_missing),
+    paths.Path("factorised", _factorised, "one sdpa call, ALiBi carried by two extra query/key channels",
+               devices=frozenset({"cpu"}), dropout=True),
+    paths.Path("flex", _flex, "compiled flex_attention with an ALiBi score_mod and a block mask",
+               grad_devices=frozenset({"cuda"}), softcap=True, bidirectional=True,
+               masks=frozenset({"none", "bool"}), worth=flex.worth_it),
+    paths.Path("written-out", _written_out, "scores and bias written out, a block of queries at a time",
+               dropout=True, softcap=True, bidirectional=True),
+)
+paths.register("alibi", PATHS)
 AttentionInterface.register(SDPA_NAME, alibi_sdpa)
 AttentionInterface.register(EAGER_NAME, alibi_eager)
 AttentionMaskInterface.register(SDPA_NAME, sdpa_mask)

@@ -15,7 +15,7 @@ from ..adapters.infer import mixer_paths
 from ..adapters.positions import ZeroPositions, layer_types, make_identity, params_of, prefix, trained_window
 from ..adapters.probe import position_sources
 from ..edits import Edits
-from . import absolute
+from . import absolute, paths
 from . import rotary as rot
 
 
@@ -211,6 +211,7 @@ def use_attention(model, sdpa_name: str, eager_name: str, edits: Edits) -> None:
     """Switch the model to a registered attention function: `eager_name` if it runs eager attention (which returns
     attention weights), else `sdpa_name`."""
     config = model.config
+    paths.remember_base(model)
     name = eager_name if config._attn_implementation == "eager" else sdpa_name
     for c in {id(c): c for c in (config, config.get_text_config())}.values():
         edits.set(c, "_attn_implementation_internal", name)

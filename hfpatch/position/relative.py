@@ -3,8 +3,13 @@ relative encoding (position="xl").
 
 Both take the model's own position signal out first (RoPE becomes the identity, a learned table returns zeros:
 patch.remove_positions), add their parameters, and switch the model to an attention function registered with
-transformers' AttentionInterface (with its mask function in AttentionMaskInterface) that writes the scores out
-(attention.biased_attention: a block of queries at a time, so memory stays bounded; the eager variant returns the weights).
+transformers' AttentionInterface (with its mask function in AttentionMaskInterface). Its path table (paths.py)
+picks per call: for T5, compiled flex_attention with a score_mod reading the bias by distance (CUDA; the CPU for
+bidirectional or softcapped inference), the piece path (split.near_far_bias: every distance from some D <=
+max_distance on falls in the last bucket, so beyond D the bias is one constant per head and plain kernels do the
+far keys; inference), else the written-out path (attention.biased_attention: a block of queries at a time, so
+memory stays bounded). Transformer-XL has only the written-out path (see XL_PATHS). The eager variants write all
+scores out at once and return the weights.
 
 T5 (Raffel et al. 2020, §2.1): each head adds a learned scalar to score(i, j), looked up by a bucket of the relative
 position j − i. Half of the buckets hold the exact distances 0 .. n/2 − 1, the other half logarithmically wider
@@ -32,6 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from ..adapters import Adapter
 from ..edits import Edits
+from . import flex, paths, split
 from .attention import biased_attention, causal_of
 from .absolute import sinusoidal_table
 from .patch import attention_modules, remove_positions, use_attention
@@ -105,13 +111,32 @@ class XLPositions(nn.Module):
 
 # ------------------------------------------------------------------------------------------ attention functions
 
-def _attention(terms_of, block: bool):
+def _attention(scheme):
+    """The function for the sdpa name: the scheme's path table picks the path."""
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return paths.run(scheme, module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                         causal=causal_of(module, is_causal), kwargs=kwargs)
+    return forward
+
+
+def _eager(terms_of):
+    """The function for the eager name: all queries at once, returning the weights."""
     def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         causal = causal_of(module, is_causal)
+        paths.record(module, "eager")
         return biased_attention(module, query, key, value, attention_mask, terms_of(module, scaling, causal),
-                                dropout, causal, block, kwargs.get("softcap"))
+                                dropout, causal, False, kwargs.get("softcap"))
     return forward
+
+
+def _written_out(terms_of):
+    def run(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+        out, _ = biased_attention(module, query, key, value, attention_mask, terms_of(module, scaling, causal),
+                                  dropout, causal, True, softcap)
+        return out
+    return run
 
 
 def _t5_terms(module, scaling, causal):
@@ -125,11 +150,80 @@ def _xl_terms(module, scaling, causal):
     return lambda q, k, q_pos, k_pos: (xl.scores(q, k, q_pos, k_pos, scaling, causal), None)
 
 
-for _name, _eager, _terms in ((T5_NAME, T5_EAGER, _t5_terms), (XL_NAME, XL_EAGER, _xl_terms)):
-    AttentionInterface.register(_name, _attention(_terms, block=True))
-    AttentionInterface.register(_eager, _attention(_terms, block=False))
+# ------------------------------------------------------------------------------------------ T5's other kernels
+
+def t5_band(bias: T5Bias, bidirectional: bool = False) -> int:
+    """D: the distance from which every farther distance (in either direction when bidirectional) falls in the same
+    bucket as D itself (D <= max_distance: T5 gives all distances past max_distance the last bucket)."""
+    d = torch.arange(bias.max_distance + 1)
+    D = 1
+    for sign in (1, -1) if bidirectional else (1,):  # keys before the query, then after it
+        buckets = t5_buckets(-sign * d, bidirectional, bias.num_buckets, bias.max_distance)
+        changing = (buckets != buckets[-1]).nonzero()
+        if len(changing):
+            D = max(D, int(changing.max()) + 1)
+    return D
+
+
+def _t5_pieces(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+    bias = getattr(module, T5_ATTR)
+    D = t5_band(bias)
+    distances = torch.arange(D, device=query.device)
+    near = bias.table(t5_buckets(-distances, False, bias.num_buckets, bias.max_distance)).T  # [H, D]
+    far = bias.table.weight[bias.num_buckets - 1]
+    out = split.near_far_bias(query, key, value, attention_mask, scaling, near, far)
+    return out.transpose(1, 2).contiguous()
+
+
+def t5_score_mod(bias: T5Bias, q_len: int, kv_len: int, bidirectional: bool, device):
+    """T5's bias as a flex_attention score_mod: a lookup by distance d = query slot - key slot in the bias of the
+    distances -D .. D ([heads, 2D + 1]; every farther distance shares the bucket of ±D). The table does not depend
+    on the sequence length (a buffer sized by the length did not compile with dynamic shapes on the CPU). Gradients
+    reach the T5 table through it."""
+    D = t5_band(bias, bidirectional)
+    dist = torch.arange(-D, D + 1, device=device)
+    by_distance = bias.table(t5_buckets(-dist, bidirectional, bias.num_buckets, bias.max_distance)).T.contiguous()
+    shift = torch.tensor(kv_len - q_len, device=device)  # queries are the last q_len key slots
+    # captured as tensors: with dynamic shapes a captured Python int becomes a symbol the CPU kernel cannot lower
+    top, bottom = torch.tensor(D, device=device), torch.tensor(-D, device=device)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + by_distance[h, torch.minimum(torch.maximum(q_idx + shift - kv_idx, bottom), top) + top]
+    return mod
+
+
+def _t5_flex(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+    q_len, kv_len = query.shape[2], key.shape[2]
+    mods = flex.softcapped(t5_score_mod(getattr(module, T5_ATTR), q_len, kv_len, not causal, query.device),
+                           softcap)
+    mask = flex.block_mask(flex.CAUSAL if causal else flex.EVERYTHING, q_len, kv_len, query.device, attention_mask)
+    return flex.attention(query, key, value, scaling, mods, mask).transpose(1, 2).contiguous()
+
+
+_FLEX = dict(summary="compiled flex_attention with a score_mod reading the bias of each distance, and a block mask",
+             softcap=True, bidirectional=True, masks=frozenset({"none", "bool"}), worth=flex.worth_it)
+T5_PATHS = (
+    paths.Path("flex", _t5_flex, devices=frozenset({"cuda"}), **_FLEX),
+    paths.Path("pieces", _t5_pieces, "kernel calls merged by log-sum-exp: the bias band (distances < D) as an "
+               "additive mask, the farther keys plain causal with T5's last-bucket bias", grad_devices=frozenset()),
+    paths.Path("flex", _t5_flex, devices=frozenset({"cpu"}), grad_devices=frozenset(), **_FLEX),
+    paths.Path("written-out", _written_out(_t5_terms), "scores and bias written out, a block of queries at a time",
+               dropout=True, softcap=True, bidirectional=True),
+)
+# Transformer-XL's position term (q_i + v)·W_R R_{i-j} depends on the query vector and the distance together, so
+# it is no score_mod of (head, i, j); its exact factorisation by the sinusoids' addition theorem widens queries and
+# keys to head_dim + d_model channels (measured: ~10x the kernel's time), so it stays written out.
+XL_PATHS = (
+    paths.Path("written-out", _written_out(_xl_terms), "content and position scores written out, a block of "
+               "queries at a time", dropout=True, softcap=True, bidirectional=True),
+)
+paths.register("t5", T5_PATHS)
+paths.register("xl", XL_PATHS)
+for _scheme, _name, _eager_name, _terms in (("t5", T5_NAME, T5_EAGER, _t5_terms), ("xl", XL_NAME, XL_EAGER, _xl_terms)):
+    AttentionInterface.register(_name, _attention(_scheme))
+    AttentionInterface.register(_eager_name, _eager(_terms))
     AttentionMaskInterface.register(_name, sdpa_mask)
-    AttentionMaskInterface.register(_eager, eager_mask)
+    AttentionMaskInterface.register(_eager_name, eager_mask)
 
 
 # ---------------------------------------------------------------------------------------------------- appliers

@@ -23,13 +23,19 @@ Whether this reproduces the family's attention is checked numerically when patch
 window, the patched model must give the unpatched model's logits on a probe input; if not, the patch is refused.
 
 Attention functions registered with transformers (each with its mask function):
-- "hfpatch_self_extend" (models on sdpa or any other implementation). On the CPU, without gradients, dropout or
-  softcapping: queries in blocks; per block three pieces, each one call of torch's CPU flash-attention kernel, which
-  also returns the log-sum-exp of its scores: the grouped keys every row of the block sees in full (no mask), the
-  grouped keys at the block's lower edge and the neighbour band (small [block, keys] masks). The pieces are merged
-  by their log-sum-exp into one softmax. Memory is O(L) (no [L, L] tensor), and the work about that of causal
-  attention. Otherwise (gradients, dropout, softcapping, other devices): the explicit path a block of queries at a
-  time (at most 2^24 scores per block).
+- "hfpatch_self_extend" (models on sdpa or any other implementation): the path table `PATHS` (paths.py) picks per
+  call the first of
+  - "flash-attn" (CUDA, attn_implementation="flash_attention_2", no padding mask, inference): two flash-attn calls,
+    the neighbour band as a sliding window and the grouped keys as a causal call, merged by log-sum-exp;
+  - "flex" (CUDA, gradients too): two compiled flex_attention calls with region block masks, merged by their
+    log-sum-exp (which compiled flex returns on CUDA, not on the CPU);
+  - "pieces" (inference without dropout or softcapping): queries in blocks; per block a few flash-attention kernel
+    calls (torch's CPU kernel, or CUDA's flash / memory-efficient kernels), each returning the log-sum-exp of its
+    scores: the grouped keys every row of the block sees in full, the grouped keys at the block's lower edge and
+    the neighbour band (small [block, keys] masks), merged into one softmax. Memory is O(L) (no [L, L] tensor),
+    and the work about that of causal attention;
+  - "written-out" (everything else: gradients on the CPU, dropout, softcapping): the explicit path a block of
+    queries at a time (at most 2^24 scores per block).
 - "hfpatch_self_extend_eager" (models loaded with attn_implementation="eager"): the explicit path on all queries at
   once, returning the attention weights like eager attention does.
 """
@@ -50,6 +56,7 @@ from ..adapters.positions import layer_types, trained_window
 from ..adapters.probe import close
 from ..adapters.probe import run as probe_run
 from ..edits import Edits
+from . import flex, kernels, paths, split
 from .attention import explicit_attention
 from .patch import attention_layers, rotaries_of
 
@@ -156,14 +163,13 @@ def _additive(mask, dtype):
 
 
 def _attend(q, k, v, mask, causal, scaling, flip=False):
-    """(output, log-sum-exp of the scores) of one piece by torch's CPU flash-attention kernel (GQA as given,
+    """(output, log-sum-exp of the scores) of one piece by a flash-attention kernel (kernels.attend: GQA as given,
     causal = top-left aligned). flip: rows and keys in reverse order, which turns the upper triangle into the
     lower one the kernel skips to."""
     if flip:
         q, k, v = q.flip(2), k.flip(2), v.flip(2)
         mask = None if mask is None else mask.flip(2, 3)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=mask, scale=scaling)
+    out, lse = kernels.attend(q, k, v, scaling, mask=mask, causal=causal)
     return (out.flip(2), lse.flip(-1)) if flip else (out, lse)
 
 
@@ -224,27 +230,64 @@ def _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, tra
 
 
 def self_extend_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    maps: Maps = getattr(module, STATE_ATTR)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"), attention_mask)
-    softcap = kwargs.get("softcap")
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if query.device.type == "cpu" and softcap is None and not grad and not (dropout and module.training):
-        out = _pieces(qn, kn, qg, kg, value, attention_mask, maps.window, scaling)
-        return out.transpose(1, 2).contiguous(), None
+    return paths.run("self-extend", module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                     causal=True, kwargs=kwargs)
+
+
+def _both(module, query, key, attention_mask, kwargs):
+    maps: Maps = getattr(module, STATE_ATTR)
+    return (maps, *maps.both(query, key, kwargs.get("position_ids"), attention_mask))
+
+
+def _run_pieces(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+    maps, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
+    return _pieces(qn, kn, qg, kg, value, attention_mask, maps.window, scaling).transpose(1, 2).contiguous()
+
+
+def _run_flex(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+    maps, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
+    out = split.two_maps_flex(qn, kn, qg, kg, value, attention_mask, maps.window, scaling, softcap)
+    return out.transpose(1, 2).contiguous()
+
+
+def _run_flash(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+    maps, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
+    return split.two_maps_flash(qn, kn, qg, kg, value, maps.window, scaling, softcap)
+
+
+def _run_written_out(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+    maps, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
     out, _ = _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, module.training, softcap,
                        block=True)
-    return out, None
+    return out
+
+
+PATHS = (
+    paths.Path("flash-attn", _run_flash, "two flash-attn calls (neighbour window, grouped keys) merged by "
+               "log-sum-exp (attn_implementation='flash_attention_2')", devices=frozenset({"cuda"}),
+               grad_devices=frozenset(), dtypes=paths.LOW, softcap=True, masks=frozenset({"none"}),
+               base=frozenset({"flash_attention_2"}), missing=kernels.flash_attn_missing),
+    paths.Path("flex", _run_flex, "two compiled flex_attention calls (neighbour band, grouped keys) merged by their "
+               "log-sum-exp", devices=frozenset({"cuda"}), softcap=True, masks=frozenset({"none", "bool"}),
+               worth=flex.worth_it),
+    paths.Path("pieces", _run_pieces, "blocks of queries, each a few flash-attention kernel calls merged by "
+               "log-sum-exp", grad_devices=frozenset()),
+    paths.Path("written-out", _run_written_out, "scores written out at both position maps, a block of queries at "
+               "a time", dropout=True, softcap=True),
+)
 
 
 def self_extend_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     maps: Maps = getattr(module, STATE_ATTR)
+    paths.record(module, "eager")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"), attention_mask)
     return _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, module.training,
                      kwargs.get("softcap"), block=False)
 
 
+paths.register("self-extend", PATHS)
 AttentionInterface.register(SDPA_NAME, self_extend_sdpa)
 AttentionInterface.register(EAGER_NAME, self_extend_eager)
 AttentionMaskInterface.register(SDPA_NAME, sdpa_mask)
@@ -279,6 +322,7 @@ def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
     before = _logits(model, "as it is") if check else None
 
     edits.mix_in(rotary, SelfExtendRotary)
+    paths.remember_base(model)
     name = EAGER_NAME if model.config._attn_implementation == "eager" else SDPA_NAME
     for c in {id(c): c for c in (model.config, text)}.values():
         edits.set(c, "_attn_implementation_internal", name)

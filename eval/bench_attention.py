@@ -1,0 +1,201 @@
+"""What each attention path of the non-RoPE schemes costs: forward time and peak memory of a SmolLM2-shaped model
+(d=576, 9 query heads, 3 KV heads, head_dim 64; fewer layers, random weights) for scheme x path x length, against
+the unpatched model (RoPE, sdpa); and training steps (forward + backward) on the path the table picks for them.
+Each cell runs in a fresh process of its own, so its peak memory (max RSS) is its own; ratios come from one run.
+
+A path is forced for its cells (hfpatch.position.paths.forcing); a path that cannot run here (CUDA, flash-attn) is
+left out. For the compiled flex paths the first call (compilation included) is reported apart; the timed forwards
+come after it. torch keeps compiled kernels in an on-disk cache, so a first call is slower on a fresh machine than
+on one that compiled them before (--cold-compile disables that cache for the flex cells).
+
+    python eval/bench_attention.py                                  # 2k, 8k, 16k; every path; ~1 h on 2 cores
+    python eval/bench_attention.py --lengths 2048 --repeats 1       # a quick check
+    python eval/bench_attention.py --lengths 8192 --cells alibi/factorised,t5/pieces
+
+Writes OUT/bench.json (every cell's measurements) and OUT/bench.md (the tables), OUT = eval/results/attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from benchutil import markdown_table, median, peak_rss, reset_peak_rss, rss, run_worker, timed_forwards  # noqa: E402
+
+GB = 1024**3
+THETA = 1e5
+# scheme -> (patch options, the paths that run on a CPU; the CUDA and flash-attn paths are checked by the tests)
+SCHEMES = {
+    "alibi": ({}, ["factorised", "flex", "written-out"]),
+    "t5": ({}, ["pieces", "flex", "written-out"]),
+    "xl": ({}, ["written-out"]),
+    "self-extend": ({"group_size": 8, "window": 1024}, ["pieces", "written-out"]),
+}
+TRAINED = 8192  # the model's trained window (Self-Extend's W must be inside it)
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def build(scheme: str, layers: int, length: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hfpatch
+
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=1000,
+                         max_position_embeddings=TRAINED if scheme == "self-extend" else max(length, TRAINED),
+                         rope_parameters={"rope_type": "default", "rope_theta": THETA})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    if scheme != "unpatched":
+        hfpatch.patch(model, position=scheme, **SCHEMES[scheme][0])
+    if scheme == "t5":  # zero at start: give the buckets values, as after training
+        with torch.no_grad():
+            model.model.hfpatch_t5_bias.weight.normal_(0.0, 1.0)
+    return model
+
+
+def timed_train(model, length: int, repeats: int, vocab: int = 1000) -> dict:
+    """Training steps (forward, loss, backward) on one sequence, like timed_forwards."""
+    import torch
+
+    model.train()
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(1))
+    model(ids[:, :256], labels=ids[:, :256]).loss.backward()  # warm-up
+    model.zero_grad(set_to_none=True)
+    base = rss()
+    reset_peak_rss()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model(ids, labels=ids).loss.backward()
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return {"seconds": times, "peak": peak_rss(), "base": base}
+
+
+def worker(args) -> dict:
+    """One cell: VARIANT is "unpatched", "SCHEME/PATH" (inference, the path forced) or "train:SCHEME" (training, the
+    path the table picks)."""
+    import contextlib
+
+    import torch
+
+    from hfpatch.position import flex, paths
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train = args.worker.startswith("train:")
+    variant = args.worker.removeprefix("train:")
+    scheme, _, path = variant.partition("/")
+    model = build(scheme, args.layers, args.length)
+    paths.reset(model)  # not the patch's own check
+    forced = paths.forcing(scheme, path) if path else contextlib.nullcontext()
+    with forced:
+        if train:
+            out = timed_train(model, args.length, args.repeats)
+        else:
+            out = timed_forwards(model, args.length, args.repeats)
+    out["ran"] = paths.ran(model)
+    out["first_call"] = flex.timings().get("first call")
+    out["threads"] = torch.get_num_threads()
+    return out
+
+
+def cells(lengths, chosen, train_lengths) -> list[tuple[str, int]]:
+    grid = []
+    for L in lengths:
+        grid.append(("unpatched", L))
+        for scheme, (_, cpu_paths) in SCHEMES.items():
+            grid += [(f"{scheme}/{p}", L) for p in cpu_paths if chosen is None or f"{scheme}/{p}" in chosen]
+    for L in train_lengths:
+        grid.append(("train:unpatched", L))
+        grid += [(f"train:{s}", L) for s in SCHEMES if chosen is None or f"train:{s}" in chosen]
+    return grid
+
+
+def tables(results: dict, args) -> str:
+    def t(v, L):
+        return median(results[(v, L)]["seconds"])
+
+    rows, train_rows = [], []
+    for (v, L), r in results.items():
+        train = v.startswith("train:")
+        base = ("train:unpatched" if train else "unpatched", L)
+        if "error" in r:
+            (train_rows if train else rows).append([L, v, r["error"], "", "", "", "", "", ""])
+            continue
+        ran = ", ".join(f"{k} x{n}" for k, n in sorted(r["ran"].items())) or "sdpa (the model's own)"
+        row = [L, v.removeprefix("train:"), f"{t(v, L):.2f}",
+               f"{t(v, L) / t(*base):.2f}" if base in results and "error" not in results[base] else "",
+               f"{r['peak'] / GB:.2f}", f"{(r['peak'] - r['base']) / GB:.2f}",
+               f"{r['peak'] / results[base]['peak']:.2f}" if base in results and "error" not in results[base] else "",
+               "" if r.get("first_call") is None else f"{r['first_call']:.1f}", ran]
+        (train_rows if train else rows).append(row)
+    head = ["L", "scheme/path", "seconds", "time / unpatched", "peak RSS (GB)", "peak above steady state (GB)",
+            "peak / unpatched", "first call (s)", "calls per path"]
+    threads = next((r["threads"] for r in results.values() if "threads" in r), "?")
+    text = [f"SmolLM2-shaped Llama (d=576, 9/3 heads, head_dim 64), {args.layers} layers, random weights; batch 1, "
+            f"median of {args.repeats}; {threads} threads; peak = process peak RSS during the timed calls "
+            "(each cell its own process). Self-Extend: G=8, W=1024; T5: 32 buckets, max_distance 128.", "",
+            "Inference (forward of the base model, no gradients), the path forced:", markdown_table(head, rows)]
+    if train_rows:
+        text += ["", "Training (forward + loss + backward), the path the table picks (inference-only paths step "
+                 "aside):", markdown_table(head, train_rows)]
+    return "\n".join(text)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lengths", type=_ints, default=[2048, 8192, 16384])
+    p.add_argument("--train-lengths", type=_ints, default=[2048],
+                   help="lengths of the training cells (written-out training keeps every block's weights)")
+    p.add_argument("--cells", help="only these cells, e.g. alibi/flex,t5/pieces,train:t5 (unpatched always runs)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, help="torch threads per cell (default: torch's own choice); 1 gives steadier "
+                   "ratios on a machine shared with other work")
+    p.add_argument("--cold-compile", action="store_true", help="compile without torch's on-disk cache (the flex "
+                   "cells' first call then shows what a fresh machine pays)")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "attention"))
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+
+    chosen = None if args.cells is None else set(args.cells.split(","))
+    me = os.path.abspath(__file__)
+    shape = ["--layers", str(args.layers), "--repeats", str(args.repeats)] + \
+        (["--threads", str(args.threads)] if args.threads else [])
+    if args.cold_compile:
+        os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+    results = {}
+    os.makedirs(args.out, exist_ok=True)
+    for v, L in cells(args.lengths, chosen, args.train_lengths):
+        t0 = time.perf_counter()
+        try:
+            results[(v, L)] = run_worker([me, "--worker", v, "--length", str(L), *shape])
+        except RuntimeError as e:  # one cell failing (memory, a path refusing) does not lose the others
+            results[(v, L)] = {"error": str(e).strip().splitlines()[-1][:200]}
+        print(f"{v} @ {L}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("worker", "length")},
+                       "cells": {f"{v}@{L}": r for (v, L), r in results.items()}}, f, indent=1)
+    text = tables(results, args)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

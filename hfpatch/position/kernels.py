@@ -1,0 +1,113 @@
+"""Attention kernels that also return the log-sum-exp of their scores, and the merge of partial attentions by it.
+
+A scheme whose scores differ by region (Self-Extend: neighbour keys at their own positions, far keys at grouped
+ones; T5: a per-distance bias near the query, one constant bias beyond) attends each region with a plain kernel and
+merges the parts: with o_p = softmax over part p (weights summing to one) and l_p = log-sum-exp of its scores,
+the whole softmax is sum_p o_p * exp(l_p - L), L = log(sum_p exp(l_p)). This is exact, and memory stays that of the
+kernels (no [queries, keys] tensor).
+
+`attend` is one kernel call: causal means top-left aligned (row r sees keys c <= r, whatever the shapes), `mask` an
+additive float mask. On the CPU it is torch's flash-attention kernel; on CUDA torch's flash kernel (fp16/bf16,
+no mask, square when causal) or its memory-efficient kernel (any dtype, a mask) — both return the log-sum-exp.
+None of these pass gradients through the log-sum-exp, so the paths built on them are for inference.
+
+flash-attn (the package) is an optional extra, imported where it is used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+MIN = torch.finfo(torch.float32).min
+
+
+def attend(q, k, v, scale: float, *, mask=None, causal: bool = False):
+    """(output [b, H, q, d], log-sum-exp [b, H, q] float32) of softmax(q·kᵀ·scale + mask) v. k/v may have fewer
+    heads than q (grouped-query attention). A row that sees no key gets a finite log-sum-exp far below any real one
+    (CPU, masks) or -inf: either weighs nothing in `merge`."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                          scale=scale)
+    return _attend_cuda(q, k, v, scale, mask, causal)
+
+
+def _attend_cuda(q, k, v, scale, mask, causal):
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # neither CUDA kernel takes grouped keys here
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    q_len, kv_len, d = q.shape[2], k.shape[2], q.shape[-1]
+    square = q_len == kv_len
+    if mask is None and (square or not causal) and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 \
+            and d <= 256:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, _empty_rows(lse)
+    if causal and not square:  # alignment of non-square causal kernels differs between kernels: spell it out
+        above = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).triu_(1)
+        tri = torch.zeros(q_len, kv_len, dtype=q.dtype, device=q.device).masked_fill_(above, MIN)
+        mask, causal = (tri if mask is None else mask.to(q.dtype) + tri), False
+    bias = None if mask is None else _aligned_bias(mask.to(q.dtype), q.shape[0], q.shape[1], q_len, kv_len)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
+                                                                      scale=scale)[:2]
+    return out, _empty_rows(lse[..., :q_len])  # the kernel pads the log-sum-exp to a multiple of 32 rows
+
+
+def _aligned_bias(mask, b, h, q_len, kv_len):
+    """The memory-efficient kernel reads its bias with the last dimension's stride a multiple of 16 elements (as
+    torch's sdpa prepares it): pad, slice back, broadcast to [b, H, q, kv]."""
+    pad = -kv_len % 16
+    if pad:
+        mask = torch.nn.functional.pad(mask, (0, pad))[..., :kv_len]
+    return mask.expand(b, h, q_len, kv_len)
+
+
+def _empty_rows(lse):
+    """flash-style kernels give +inf as the log-sum-exp of a row that sees no key; it weighs nothing: -inf."""
+    return lse.masked_fill(lse == float("inf"), float("-inf"))
+
+
+def merge(acc, lse, out, part_lse):
+    """Fold one part (out [b, H, q, d], part_lse [b, H, q]) into the running float32 (acc, lse), in place where
+    possible; returns the new (acc, lse). Rows that see no key in either part stay zero."""
+    part_lse = part_lse.float()
+    total = torch.logaddexp(lse, part_lse)
+    safe = torch.where(torch.isinf(total) & (total < 0), 0.0, total)  # no key anywhere: both weights are 0
+    acc = acc * (lse - safe).exp().unsqueeze(-1) + out.float() * (part_lse - safe).exp().unsqueeze(-1)
+    return acc, total
+
+
+def merge_parts(parts):
+    """softmax over the union of the parts [(out, lse), ...], as float32 (out, lse)."""
+    (acc, lse), rest = parts[0], parts[1:]
+    acc, lse = acc.float(), _empty_rows(lse.float())
+    for out, part_lse in rest:
+        acc, lse = merge(acc, lse, out, _empty_rows(part_lse))
+    return acc, lse
+
+
+# ------------------------------------------------------------------------------------------------------ flash-attn
+
+def flash_attn_missing() -> str | None:
+    """Why the flash-attn package cannot run here, or None."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash-attn package is not installed"
+    if not torch.cuda.is_available():
+        return "flash-attn needs a CUDA device"
+    return None
+
+
+def flash_attn(q, k, v, scale: float, *, causal: bool, window=(-1, -1), alibi_slopes=None, softcap=0.0,
+               dropout=0.0, lse=False):
+    """flash-attn 2's flash_attn_func on [b, H, n, d] tensors (it takes [b, n, H, d]; grouped keys as they are).
+    Causal is bottom-right aligned (the queries are the last q of the keys); `window` = (left, right) keys around
+    the diagonal. Returns the output [b, q, H, d] (the layout transformers wants), and with `lse` its log-sum-exp
+    [b, H, q] (+inf where a row sees no key: see `merge`)."""
+    from flash_attn import flash_attn_func  # optional extra: only on CUDA machines that have it
+
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout,
+                          softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+                          alibi_slopes=alibi_slopes, return_attn_probs=lse)
+    if not lse:
+        return out
+    return out[0], _empty_rows(out[1])

@@ -1,0 +1,246 @@
+"""Which attention path runs a call, for the schemes that bring their own attention function (ALiBi, T5, XL,
+Self-Extend).
+
+Each scheme lists its paths as data, fastest first (`register(scheme, [Path, ...])`); the written-out path, which
+takes everything, comes last. Per call the first path whose conditions hold runs: the device, the dtype, whether
+gradients are needed, dropout, softcapping, causal or bidirectional attention, a padding mask, the attention
+implementation the model was loaded with (flash-attn paths only for attn_implementation="flash_attention_2"),
+optional packages, and, for compiled paths, whether the call is big enough to pay for compiling (flex.worth_it).
+`refusal(path, call)` says why a path does not take a call.
+
+Every call is counted per attention module and path: hfpatch.describe(model)["position"]["attention_path"]
+(`describe`) and the evaluations' results (`ran`) say which paths ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+ALL_DEVICES = frozenset({"cpu", "cuda"})
+LOW = frozenset({torch.float16, torch.bfloat16})
+
+
+@dataclass(frozen=True)
+class Call:
+    """What decides the path of one attention call."""
+
+    device: str
+    dtype: torch.dtype
+    grad: bool  # gradients will flow through the attention
+    dropout: bool  # attention dropout is active
+    softcap: bool
+    causal: bool
+    mask: str  # "none" | "bool" | "float": the attention_mask the model passed
+    q_len: int
+    kv_len: int
+    base: str = "sdpa"  # the attn_implementation the model was loaded with
+
+
+@dataclass(frozen=True)
+class Path:
+    """One way to compute a scheme's attention. `run(module, query, key, value, attention_mask, scaling=,
+    dropout=, causal=, softcap=, kwargs=)` returns the output [b, q, H, d]."""
+
+    name: str
+    run: Callable
+    summary: str
+    devices: frozenset = ALL_DEVICES
+    grad_devices: frozenset = ALL_DEVICES  # where it passes gradients (frozenset(): inference only)
+    dtypes: frozenset | None = None  # None: any
+    dropout: bool = False
+    softcap: bool = False
+    bidirectional: bool = False
+    causal: bool = True
+    masks: frozenset = frozenset({"none", "bool", "float"})
+    base: frozenset | None = None  # only for models loaded with one of these implementations
+    missing: Callable[[], str | None] | None = None  # why it cannot run on this machine at all
+    worth: Callable[[int, int], str | None] | None = None  # why this call is too small for it (compiled paths)
+
+
+def refusal(path: Path, call: Call, *, size: bool = True) -> str | None:
+    """Why `path` does not take `call`, or None. size=False: whether the call is big enough for a compiled path
+    is not asked (a forced path)."""
+    if call.device not in path.devices:
+        return f"runs on {'/'.join(sorted(path.devices))}, not {call.device}"
+    if path.base is not None and call.base not in path.base:
+        return f"only for attn_implementation={' or '.join(sorted(path.base))} (loaded with {call.base})"
+    if path.dtypes is not None and call.dtype not in path.dtypes:
+        return f"no {str(call.dtype).replace('torch.', '')}"
+    if call.grad and call.device not in path.grad_devices:
+        return f"inference only on {call.device} (gradients are needed)"
+    if call.dropout and not path.dropout:
+        return "no attention dropout"
+    if call.softcap and not path.softcap:
+        return "no softcapping"
+    if not call.causal and not path.bidirectional:
+        return "causal attention only"
+    if call.causal and not path.causal:
+        return "bidirectional attention only"
+    if call.mask not in path.masks:
+        return f"no {call.mask} attention mask"
+    if path.missing is not None and (why := path.missing()):
+        return why
+    if size and path.worth is not None and (why := path.worth(call.q_len, call.kv_len)):
+        return why
+    return None
+
+
+_TABLES: dict[str, tuple[Path, ...]] = {}
+
+
+def register(scheme: str, table) -> None:
+    """A scheme's paths, fastest first; the last one must take every call."""
+    table = tuple(table)
+    if not table or table[-1].devices != ALL_DEVICES or table[-1].masks != Path.masks:
+        raise ValueError(f"{scheme}: the last path must take every call (the written-out one)")
+    _TABLES[scheme] = table
+
+
+def table(scheme: str) -> tuple[Path, ...]:
+    return _TABLES[scheme]
+
+
+def schemes() -> list[str]:
+    return list(_TABLES)
+
+
+class PathUnavailable(RuntimeError):
+    """Raised by a path that turns out not to work here after all (flex failing to compile): the call goes to the
+    next path of the table (later calls too: the path's refusal says so from then on)."""
+
+
+_FORCED: dict[str, str] = {}
+
+
+def choose(scheme: str, call: Call, skip: frozenset = frozenset()) -> Path:
+    if scheme in _FORCED:
+        return _forced(scheme, call)
+    for path in _TABLES[scheme]:
+        if path not in skip and refusal(path, call) is None:
+            return path
+    return _TABLES[scheme][-1]
+
+
+def _forced(scheme: str, call: Call) -> Path:
+    name = _FORCED[scheme]
+    reasons = []
+    for path in _TABLES[scheme]:
+        if path.name == name:
+            why = refusal(path, call, size=False)
+            if why is None:
+                return path
+            reasons.append(why)
+    raise ValueError(f"attention path {name!r} of position={scheme!r} cannot take this call: {'; '.join(reasons)}")
+
+
+@contextlib.contextmanager
+def forcing(scheme: str, name: str):
+    """Within the block, every call of `scheme` runs `name` (whatever its size), or fails saying why it cannot (for
+    benchmarks and tests)."""
+    if name not in {p.name for p in _TABLES[scheme]}:
+        raise ValueError(f"position={scheme!r} has no attention path {name!r}; it has "
+                         f"{', '.join(dict.fromkeys(p.name for p in _TABLES[scheme]))}")
+    before = _FORCED.get(scheme)
+    _FORCED[scheme] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            _FORCED.pop(scheme, None)
+        else:
+            _FORCED[scheme] = before
+
+
+def call_of(module, query, key, value, attention_mask, dropout, causal: bool, softcap) -> Call:
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    mask = "none" if attention_mask is None else "bool" if attention_mask.dtype == torch.bool else "float"
+    return Call(device=query.device.type, dtype=query.dtype, grad=grad,
+                dropout=bool(dropout) and module.training, softcap=softcap is not None, causal=causal, mask=mask,
+                q_len=query.shape[2], kv_len=key.shape[2], base=base_of(module))
+
+
+def run(scheme: str, module, query, key, value, attention_mask, *, scaling: float, dropout: float, causal: bool,
+        kwargs: dict):
+    """Compute one attention call by the first path that takes it; returns (output [b, q, H, d], None)."""
+    softcap = kwargs.get("softcap")
+    if dropout and not module.training:
+        dropout = 0.0
+    call, skip = call_of(module, query, key, value, attention_mask, dropout, causal, softcap), frozenset()
+    while True:
+        path = choose(scheme, call, skip)
+        try:
+            out = path.run(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                           causal=causal, softcap=softcap, kwargs=kwargs)
+        except PathUnavailable:
+            if scheme in _FORCED or path is _TABLES[scheme][-1]:
+                raise
+            skip = skip | {path}
+            continue
+        record(module, path.name)
+        return out, None
+
+
+# ---------------------------------------------------------------------------------------------------- reporting
+
+_RAN: "weakref.WeakKeyDictionary[torch.nn.Module, Counter]" = weakref.WeakKeyDictionary()
+_BASE: dict[int, tuple] = {}  # id(config) -> (weak reference to it, attn_implementation at patch time)
+
+
+def record(module, path: str) -> None:
+    """Count one call of `module` on `path` (the eager functions record theirs too)."""
+    _RAN.setdefault(module, Counter())[path] += 1
+
+
+def ran(model) -> dict[str, int]:
+    """Calls per path, summed over the model's attention modules, since the model was loaded or last reset."""
+    total = Counter()
+    for m in model.modules():
+        total.update(_RAN.get(m, {}))
+    return dict(total)
+
+
+def add_since(record: dict, before: dict, model) -> None:
+    """Add to record["attention_path"] the calls per path the model ran since `before` (a `ran` result): what an
+    evaluation's results say about the attention that produced them. Nothing for models without path tables."""
+    now = ran(model)
+    new = {k: n - before.get(k, 0) for k, n in now.items() if n > before.get(k, 0)}
+    if new:
+        total = Counter(record.get("attention_path", {}))
+        total.update(new)
+        record["attention_path"] = dict(total)
+
+
+def reset(model) -> None:
+    for m in model.modules():
+        _RAN.pop(m, None)
+
+
+def describe(model, scheme: str) -> dict:
+    """describe()'s entry for a model patched with `scheme`: {"attention_path": {"order": the paths it can take,
+    fastest first, "ran": calls per path so far}}, or {} for a scheme that runs the model's own attention."""
+    if scheme not in _TABLES:
+        return {}
+    return {"attention_path": {"order": [p.name for p in _TABLES[scheme]], "ran": ran(model)}}
+
+
+def remember_base(model) -> None:
+    """Keep the attn_implementation the model was loaded with, before a patch replaces it with its own function's
+    name, so that paths for that implementation (flash-attn) can be chosen. Kept beside the config (a config
+    attribute would be saved into config.json); a later patch of the same model overwrites it."""
+    base = model.config._attn_implementation
+    if base is None or base.startswith("hfpatch_"):  # patched already: keep what was remembered
+        return
+    for c in (model.config, model.config.get_text_config()):  # configs are unhashable: keyed by id, held weakly
+        _BASE[id(c)] = (weakref.ref(c, lambda _, key=id(c): _BASE.pop(key, None)), base)
+
+
+def base_of(module) -> str:
+    config = getattr(module, "config", None)
+    ref, base = _BASE.get(id(config), (None, "sdpa"))
+    return base if ref is not None and ref() is config else "sdpa"

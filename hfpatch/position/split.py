@@ -1,0 +1,137 @@
+"""Attention whose keys split by distance into a near band and the far rest, each part computed by a fast kernel
+and the parts merged by their log-sum-exp (kernels.merge): exact, and no [queries, keys] tensor.
+
+Distances are in slots: d = (query slot) - (key slot), the queries being the last q_len of the kv_len key slots
+(no cache, or a DynamicCache). Causal attention only: keys with d < 0 are never seen.
+
+- `two_maps_flex` / `two_maps_flash`: near keys (d < W) scored with one (query, key) pair, far keys (d >= W) with
+  another (Self-Extend's neighbour and grouped positions): two flex_attention calls with region block masks, or two
+  flash-attn calls (a sliding window for the band, a bottom-right causal call on the keys up to W back).
+- `near_far_bias`: a bias that depends on the distance up to D and is one constant per head beyond it (T5's
+  buckets: every distance from some D <= max_distance on shares the last bucket): the band in blocks of queries,
+  one kernel call each with the bias as its additive mask, and the far keys as plain causal kernel calls (the
+  whole sequence at once when there is no padding mask) whose log-sum-exp is shifted by the constant.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import flex, kernels
+
+PIECE_ROWS = 1024  # queries per block where a padding mask is made additive: [batch, rows, keys] floats
+BAND_ROWS = 128  # queries per band call of near_far_bias: the call covers rows + D - 1 keys, D of them in the band
+
+
+# -------------------------------------------------------------------------------------------- two position maps
+
+def two_maps_flex(qn, kn, qg, kg, value, attention_mask, window: int, scaling: float, softcap=None,
+                  compiled: bool = True):
+    """Near keys (d < window) by (qn, kn), far keys (d >= window) by (qg, kg): [b, H, q, d] in value's dtype."""
+    q_len, kv_len = qn.shape[2], kn.shape[2]
+    mods = flex.softcapped(None, softcap)
+    near = flex.block_mask(flex.Region(0, window - 1), q_len, kv_len, qn.device, attention_mask)
+    parts = [flex.attention(qn, kn, value, scaling, mods, near, lse=True, compiled=compiled)]
+    if kv_len - 1 >= window:  # the last query has far keys
+        far = flex.block_mask(flex.Region(window, None), q_len, kv_len, qn.device, attention_mask)
+        parts.append(flex.attention(qg, kg, value, scaling, mods, far, lse=True, compiled=compiled))
+    out, _ = kernels.merge_parts(parts)
+    return out.to(value.dtype)
+
+
+def two_maps_flash(qn, kn, qg, kg, value, window: int, scaling: float, softcap=None):
+    """The same with flash-attn (no padding mask): the band is a causal sliding window of `window` keys (key i -
+    window + 1 .. i); the far part is a causal call against the keys up to slot kv_len - 1 - window, which
+    flash-attn aligns bottom-right, so query slot p sees keys <= p - window. Output [b, q, H, d]."""
+    q_len, kv_len = qn.shape[2], kn.shape[2]
+    cap = softcap or 0.0
+    out, lse = kernels.flash_attn(qn, kn, value, scaling, causal=True, window=(window - 1, 0), softcap=cap, lse=True)
+    far_keys = kv_len - window
+    if far_keys <= 0:
+        return out
+    parts = [(out.transpose(1, 2), lse)]
+    o2, l2 = kernels.flash_attn(qg, kg[:, :, :far_keys], value[:, :, :far_keys], scaling, causal=True, softcap=cap,
+                                lse=True)
+    slots = torch.arange(kv_len - q_len, kv_len, device=qn.device)
+    l2 = l2.masked_fill(slots < window, float("-inf"))  # rows with no far key (flash-attn leaves them undefined)
+    parts.append((o2.transpose(1, 2), l2))
+    merged, _ = kernels.merge_parts(parts)
+    return merged.to(value.dtype).transpose(1, 2).contiguous()
+
+
+# ------------------------------------------------------------------------------------------- near/far distance bias
+
+def additive(mask, dtype):
+    """A slice of the model's mask as an additive float mask of `dtype` (bool: True = attend). Masked scores get the
+    dtype's lowest finite value, so a part in which a row sees no key keeps a finite log-sum-exp (it then weighs
+    nothing in the merge)."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def near_far_bias(query, key, value, attention_mask, scaling: float, near: torch.Tensor, far: torch.Tensor):
+    """Causal softmax(q·kᵀ·scaling + bias + mask) v where bias[h, d] = near[h, d] for d < D = near.shape[1] and
+    far[h] for d >= D. query [b, H, q, d], key/value [b, KV, kv, d] (grouped as they are); attention_mask None or
+    [b, 1, q, kv] (bool or additive). Returns [b, H, q, d] in value's dtype."""
+    D = near.shape[1]
+    band_out, band_lse = _band(query, key, value, attention_mask, scaling, near)
+    far_out, far_lse = _far(query, key, value, attention_mask, scaling, D)
+    out, _ = kernels.merge(band_out, band_lse, far_out, far_lse + far.float()[None, :, None])
+    return out.to(value.dtype)
+
+
+def _band(query, key, value, attention_mask, scaling, near):
+    """The keys at distances 0 .. D - 1, with their bias: blocks of BAND_ROWS queries, each one kernel call whose
+    additive mask is the bias (and -inf off the band). The bias only depends on the distance, so one [H, rows,
+    rows + D - 1] mask serves every block. Returns float32 (out, lse)."""
+    q_len, kv_len, D = query.shape[2], key.shape[2], near.shape[1]
+    first = kv_len - q_len
+    rows = min(BAND_ROWS, q_len)
+    lowest = torch.finfo(query.dtype).min
+    r = torch.arange(rows, device=query.device)[:, None]
+    dist = r + D - 1 - torch.arange(rows + D - 1, device=query.device)[None]  # block keys from s - D + 1
+    inside = (dist >= 0) & (dist < D)
+    band = near.to(query.dtype)[:, dist.clamp(0, D - 1)].masked_fill(~inside, lowest)[None]
+    outs, lses = [], []
+    for s in range(first, kv_len, rows):
+        e = min(kv_len, s + rows)
+        lo = max(0, s - D + 1)
+        m = band[:, :, :e - s, lo - (s - D + 1):e - (s - D + 1)]
+        if attention_mask is not None:
+            given = attention_mask[:, :, s - first:e - first, lo:e]
+            m = torch.where(given, m, lowest) if given.dtype == torch.bool else (m + given).clamp(min=lowest)
+        o, l_ = kernels.attend(query[:, :, s - first:e - first], key[:, :, lo:e], value[:, :, lo:e], scaling, mask=m)
+        outs.append(o.float())
+        lses.append(l_.float())
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _far(query, key, value, attention_mask, scaling, D):
+    """Plain attention over the keys at distances >= D (query slot p sees keys <= p - D). Without a mask: at most
+    two kernel calls over the whole sequence; with one: blocks of PIECE_ROWS queries, so that the additive mask
+    made from the model's bool mask stays a block. Rows without such keys get lse = -inf. Returns float32."""
+    b, H, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    first = kv_len - q_len
+    out = torch.zeros(b, H, q_len, value.shape[-1], dtype=torch.float32, device=query.device)
+    lse = torch.full((b, H, q_len), float("-inf"), device=query.device)
+    step = q_len if attention_mask is None else PIECE_ROWS
+    for s in range(first, kv_len, step):
+        e = min(kv_len, s + step)
+        g = max(s, D)  # the first query slot with far keys
+        if e <= g:
+            continue
+        rows = slice(g - first, e - first)
+
+        def mask(lo, hi):
+            return None if attention_mask is None else additive(attention_mask[:, :, rows, lo:hi], query.dtype)
+
+        # top-left causal over keys g - D .. e - D - 1: query slot p sees keys <= p - D
+        parts = [kernels.attend(query[:, :, rows], key[:, :, g - D:e - D], value[:, :, g - D:e - D], scaling,
+                                mask=mask(g - D, e - D), causal=True)]
+        if g > D:  # keys every one of these queries sees
+            parts.append(kernels.attend(query[:, :, rows], key[:, :, :g - D], value[:, :, :g - D], scaling,
+                                        mask=mask(0, g - D)))
+        out[:, :, rows], lse[:, :, rows] = kernels.merge_parts(parts)
+    return out, lse
