@@ -31,7 +31,8 @@ LAYERS: dict[str, set[str]] = {
     "text": {"lm", "models", "files"},  # documents and tokenizers
     "families": {"apply", "adapters", "position", "tiny"},  # supported(): every family measured
     "hfpatch": {"spec", "apply", "families", "io"},  # the public API
-    "evaluate": {"hfpatch", "apply", "spec", "adapters", "lm", "models", "text", "command", "timing", "files"},
+    "evaluate": {"hfpatch", "apply", "spec", "adapters", "position", "lm", "models", "text", "command", "timing",
+                 "files"},
     "train": {"hfpatch", "evaluate", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models",
               "text", "timing", "command", "files"},
     "cli": {"hfpatch", "command", "evaluate", "norm", "spec", "models", "families", "apply", "files"},
@@ -44,6 +45,7 @@ OPTIONAL = {
     "peft": "the peft extra: LoRA in the recipes",
     "lm_eval": "the lm-eval extra: the lm-evaluation-harness bridge",
     "datasets": "only --dataset / data.dataset read it, and importing it costs about a second",
+    "flash_attn": "flash-attention, where installed: the flash_attention_2 paths of alibi and self-extend",
 }
 # Files whose imports are deferred on purpose: the command's entry point imports each subcommand's modules when it
 # runs, so that `hfpatch --help` does not load torch.
