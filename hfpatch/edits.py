@@ -89,7 +89,7 @@ class Edits:
         transformers' dynamic RoPE update adds while the patched model runs."""
         self._log.append((obj, _KEYS, _keys(obj)))
 
-    def absorb(self, other: "Edits") -> None:
+    def absorb(self, other: Edits) -> None:
         """Take over `other`'s changes (newest last), as if they had been made through this log; `other` is left
         empty. Lets a tentative change be made in a log of its own, checked, and then kept or undone."""
         self._log.extend(other._log)

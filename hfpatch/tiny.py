@@ -21,8 +21,14 @@ import string
 
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import (CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, PreTrainedConfig,
-                          PreTrainedTokenizerFast)
+from transformers import (
+    CONFIG_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    PreTrainedConfig,
+    PreTrainedTokenizerFast,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import is_timm_available
 from transformers.utils import logging as hf_logging

@@ -8,8 +8,8 @@ inference cannot see are overridden by hand (adapters/__init__.OVERRIDES).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Callable
 
 
 def get_path(root, path: str):
@@ -113,7 +113,7 @@ class Adapter:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Adapter":
+    def from_dict(cls, data: dict) -> Adapter:
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in data.items() if k in known}
         for k, v in kw.items():

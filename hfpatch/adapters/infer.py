@@ -88,14 +88,14 @@ def classify_norm(module: nn.Module, config=None) -> NormClass | None:
     candidates += [(None, e) for e in (1e-5, 1e-6, 1e-12, 1e-8)]
     try:
         twin = copy.deepcopy(module).float()
-    except Exception:  # noqa: BLE001 - not copyable: not something we can swap either
+    except Exception:  # not copyable: not something we can swap either
         return None
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(3, dim, generator=g) * s + m for s, m in ((1.0, 0.3), (1e-3, 0.0))]
     try:
         with torch.no_grad():
             ys = [twin(x).double() for x in xs]
-    except Exception:  # noqa: BLE001 - needs other inputs: not a plain norm
+    except Exception:  # needs other inputs: not a plain norm
         return None
     if any(y.shape != x.shape for x, y in zip(xs, ys)):
         return None
@@ -120,7 +120,7 @@ def _upcast(module, kind, eps, offset, x) -> str | None:
         twin = copy.deepcopy(module).to(torch.bfloat16)
         with torch.no_grad():
             got = twin(x.to(torch.bfloat16))
-    except Exception:  # noqa: BLE001 - no bfloat16 on this build: unknown
+    except Exception:  # no bfloat16 on this build: unknown
         return None
     w = getattr(twin, "weight", None)
     b = getattr(twin, "bias", None)
@@ -515,7 +515,7 @@ def _verify_form(info: _Info, ref: str, spec: blocks.BlockSpec) -> str | None:
     try:
         with torch.no_grad():
             out = blocks.run(block, spec, block.forward, call.input, tuple(args), kwargs)
-    except Exception as e:  # noqa: BLE001 - the reason is the answer
+    except Exception as e:  # the reason is the answer
         return f"the generic {spec.placement} block form failed on this block ({type(e).__name__}: {e})"
     out = out[0] if isinstance(out, tuple) else out
     if not _same(out, call.output):
@@ -540,7 +540,7 @@ def _position_notes(model, rotaries, table, mixers, layers_top, removable: bool)
     # nothing found: make sure there is nothing to find (a rotation computed inside attention, GPT-J style)
     try:
         embedded, sources = probes.position_sources(model, mixers, layers_top)
-    except Exception as e:  # noqa: BLE001 - a test that cannot run says nothing: refuse, with the reason
+    except Exception as e:  # a test that cannot run says nothing: refuse, with the reason
         return {"positions": f"the position test could not run ({type(e).__name__}: {e})"}
     if embedded or sources:
         return {"positions": "the model encodes position (on a repeated token, " + (
@@ -562,7 +562,7 @@ def _removal_leaves(model, rotaries, table, attention, layers_top) -> str | None
         if table:
             edits.mix_in(get_path(base, table), ZeroPositions, under=True)
         embedded, sources = probes.position_sources(model, attention, layers_top)
-    except Exception as e:  # noqa: BLE001 - a test that cannot run says nothing: refuse, with the reason
+    except Exception as e:  # a test that cannot run says nothing: refuse, with the reason
         return f"the test that the position signal can be taken out could not run ({type(e).__name__}: {e})"
     finally:
         edits.undo()
@@ -599,7 +599,7 @@ def _rotaries(info: _Info) -> tuple[str, ...]:
                 for k in keys:
                     module._buffers[k] = saved[k] * 0.5 + 0.1
                 after = _flat(module(*args, **kwargs))
-        except Exception:  # noqa: BLE001 - not callable with its recorded inputs: not a module we can rebuild
+        except Exception:  # not callable with its recorded inputs: not a module we can rebuild
             continue
         finally:
             module._buffers.update(saved)

@@ -70,5 +70,5 @@ class ZeroPositions(nn.Embedding):
     """Mixed in just above nn.Embedding in a learned position table's class (`Edits.mix_in(..., under=True)`): the
     lookup returns zeros, so the model adds no position embedding (gradients do not reach the table)."""
 
-    def forward(self, input):  # noqa: A002 - nn.Embedding's name
+    def forward(self, input):  # `input`: nn.Embedding's own parameter name
         return torch.zeros(*input.shape, self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device)

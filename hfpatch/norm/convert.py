@@ -18,7 +18,7 @@ from ..adapters.probe import restore_modes
 from ..edits import Edits
 from ..warn import warn_caller
 from . import exact as ex
-from .modules import RMSNorm, NormModule, build, read
+from .modules import NormModule, RMSNorm, build, read
 
 
 def _parent(root, path: str):
@@ -108,7 +108,7 @@ def _plain_swap(model, path, module, norm, adapter, edits, attributes):
     bias = p.bias if not norm.bias or not affine else (p.bias if p.bias is not None else torch.zeros_like(p.weight))
     like = p.weight if affine else (p.bias if p.bias is not None else next(model.parameters()))
     shape = p.weight.shape if affine else tuple(getattr(module, "normalized_shape", None) or
-                                                (getattr(module, "hidden_size", None) or getattr(module, "dim"),))
+                                                (getattr(module, "hidden_size", None) or module.dim,))
     new = build(norm.module, shape, p.eps, p.offset, p.weight, bias, like).train(module.training)
     for name, value in attributes.items():
         setattr(new, name, value)

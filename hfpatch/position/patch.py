@@ -156,7 +156,7 @@ def native_form_kept(config, rope_parameters: dict) -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             built = type(config).from_dict(data)
-    except Exception:  # noqa: BLE001 - the class refuses them
+    except Exception:  # the class refuses them
         return False
     got = getattr(built, "rope_parameters", None)
     return isinstance(got, dict) and types(got) == types(rope_parameters)

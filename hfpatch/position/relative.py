@@ -32,8 +32,8 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from ..adapters import Adapter
 from ..edits import Edits
-from .attention import biased_attention, causal_of
 from .absolute import sinusoidal_table
+from .attention import biased_attention, causal_of
 from .patch import attention_modules, remove_positions, use_attention
 
 T5_NAME, T5_EAGER = "hfpatch_t5", "hfpatch_t5_eager"

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from . import rope
 from .alibi import apply_alibi

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers import AttentionInterface
@@ -262,7 +262,7 @@ def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
     rotary, config = rotaries[0]
     types = layer_types(config)
     trained = trained_window(config, config.rope_parameters if types == [None] else {})
-    if W > trained:
+    if trained < W:
         raise ValueError(f"window={W} is beyond the {trained} tokens {adapter.model_type} was trained on; "
                          f"Self-Extend keeps exact positions only inside the window, so window must be <= {trained}")
     text = model.config.get_text_config()

@@ -40,7 +40,10 @@ from accelerate.utils import broadcast_object_list
 from accelerate.utils import load as load_pickle  # torch.load(weights_only=True) + numpy arrays
 
 from ..files import PARTIAL as _PARTIAL  # suffix of a folder being written (or being deleted)
-from ..files import differences, fsync as _fsync, publish, sha256_many, write_json  # noqa: F401 (re-exported)
+
+# publish is also used as checkpoint.publish by the loop
+from ..files import differences, publish, sha256_many, write_json
+from ..files import fsync as _fsync
 from .config import ConfigError
 
 MARKER = "hfpatch_checkpoint.json"

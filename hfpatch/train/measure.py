@@ -20,7 +20,6 @@ from ..text import documents, tokenize
 from ..timing import medians
 from .config import ConfigError
 
-
 # ------------------------------------------------------------------------------------------------ gradient norms
 
 class GradNorms:

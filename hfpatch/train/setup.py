@@ -11,8 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import hfpatch
 
 from ..models import load as load_model
-from ..text import load_tokenizer
 from ..position.schemes import SCHEMES
+from ..text import load_tokenizer
 from . import memory, parallel
 from .config import ConfigError
 
