@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import string
 
 import torch
@@ -225,7 +226,7 @@ def _sections(d: dict, declared: dict, n: int) -> list[str]:
 
 def _is_index_list(name: str, value, n_layers: int) -> bool:
     return (name.endswith(_INDEX_LIST_SUFFIXES) and isinstance(value, list) and len(value) > 0
-            and all(_is_int(v) for v in value) and all(a < b for a, b in zip(value, value[1:]))
+            and all(_is_int(v) for v in value) and all(a < b for a, b in itertools.pairwise(value))
             and value[-1] < n_layers)
 
 
@@ -650,7 +651,7 @@ def char_tokenizer():
     """A character-level fast tokenizer with exactly the hand-sized models' 101 ids (pad 0, bos 1, eos 2, unk 3): each
     printable ASCII character is one token; anything else (é, emoji) is one <unk> token that owns 2-4 bytes."""
     chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + chars)}
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>", *chars])}
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tk.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
@@ -660,7 +661,7 @@ def char_tokenizer():
 def char_text(n_chars: int, seed: int) -> str:
     """Deterministic pseudo-text for char_tokenizer, with some multi-byte characters (2-byte é, 4-byte emoji)."""
     g = torch.Generator().manual_seed(seed)
-    alphabet = list(string.ascii_lowercase + "     .,\n") + ["é", "\U0001F600"]
+    alphabet = [*string.ascii_lowercase, *"     .,\n", "é", "\U0001F600"]
     return "".join(alphabet[i] for i in torch.randint(0, len(alphabet), (n_chars,), generator=g).tolist())
 
 

@@ -173,14 +173,14 @@ def memory_needed(shape: Shape, weight_bytes: int, tokens: int, new_tokens: int 
 def available_memory(device: str | None, device_map: str | None) -> tuple[int | None, str]:
     """(bytes free where the model will run, where), None when it cannot be told."""
 
-    if device_map or (device or "").startswith("cuda") or (device is None and torch.cuda.is_available()):
-        if torch.cuda.is_available():
-            if device_map:  # accelerate spreads the model over every GPU (and offloads to the CPU past them)
-                gpus = sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
-                cpu = _host_available()
-                return gpus + (cpu or 0), "GPUs and CPU"
-            index = torch.device(device or "cuda").index or 0
-            return torch.cuda.mem_get_info(index)[0], f"cuda:{index}"
+    on_gpu = device_map or (device or "").startswith("cuda") or device is None
+    if on_gpu and torch.cuda.is_available():
+        if device_map:  # accelerate spreads the model over every GPU (and offloads to the CPU past them)
+            gpus = sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+            cpu = _host_available()
+            return gpus + (cpu or 0), "GPUs and CPU"
+        index = torch.device(device or "cuda").index or 0
+        return torch.cuda.mem_get_info(index)[0], f"cuda:{index}"
     return _host_available(), "CPU"
 
 

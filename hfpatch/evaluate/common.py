@@ -120,10 +120,9 @@ def applied(model, kwargs: dict, name: str):
 def versions() -> dict:
     out = {"hfpatch": __version__, "transformers": transformers.__version__, "torch": torch.__version__,
            "python": platform.python_version()}
-    try:  # read from its metadata: importing datasets only for its version costs a second
+    # read from its metadata: importing datasets only for its version costs a second
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         out["datasets"] = importlib.metadata.version("datasets")
-    except importlib.metadata.PackageNotFoundError:
-        pass
     return out
 
 

@@ -161,7 +161,7 @@ def insert_at(units: list[str], needles: list[str], positions: list[int]) -> lis
     order = sorted(range(len(needles)), key=lambda i: positions[i])
     out, start = [], 0
     for i in order:
-        out += units[start:positions[i]] + [needles[i]]
+        out += [*units[start:positions[i]], needles[i]]
         start = positions[i]
     return out + units[start:]
 

@@ -70,7 +70,7 @@ def grid_tables(cells: list[dict], patches: list[str], lengths: list[int], depth
         for n in lengths:
             cs = [done.get((p, n, d)) for d in depths]
             means.append("—" if None in cs else f"{sum(c[value] for c in cs) / len(cs):.2f}")
-        rows.append(["**mean**"] + means)
+        rows.append(["**mean**", *means])
         header = [row] + [length_label(n) for n in lengths]
         out.append(f"**{p}**: {title}\n\n" + markdown_table(header, rows))
     return "\n\n".join(out)

@@ -109,7 +109,7 @@ class Results:
             try:
                 expected = self.summarize(records)
             except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-                raise self._damaged(f"{name}: its {self.records} cannot be summarized ({type(e).__name__}: {e})")
+                raise self._damaged(f"{name}: its {self.records} cannot be summarized ({type(e).__name__}: {e})") from e
             wrong = sorted(k for k, v in expected.items() if not _same(cell.get(k), v))
             if wrong:
                 raise self._damaged(f"{name}: {', '.join(wrong)} differ from what its {self.records} give")

@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from tqdm.auto import tqdm
 
@@ -92,7 +93,7 @@ class Evaluation:
     default_patches = "none,yarn:2"
     # the cells' coordinates besides the patch spec: settings key -> the cell field it lists (numeric ones are shown
     # sorted, the others in the order they were run)
-    axes: dict = {}
+    axes: ClassVar[dict[str, str]] = {}
 
     @property
     def name(self) -> str:
@@ -241,9 +242,9 @@ def covering(ev: Evaluation, data: dict) -> dict:
     results file to add one spec or one length (e.g. `dynamic` only at 16k) shows the whole table, the cells it
     did not run included, instead of its own slice. The file itself keeps the command's settings."""
     cells, settings = data.get("cells", []), dict(data.get("settings", {}))
-    for key, field in {"patches": "patch", **ev.axes}.items():
+    for key, column in {"patches": "patch", **ev.axes}.items():
         if isinstance(settings.get(key), list):
-            values = list(dict.fromkeys([*(c[field] for c in cells if field in c), *settings[key]]))
+            values = list(dict.fromkeys([*(c[column] for c in cells if column in c), *settings[key]]))
             numeric = all(isinstance(v, (int, float)) for v in values)
             settings[key] = sorted(values) if numeric else values
     return {**data, "settings": settings}
@@ -345,8 +346,9 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
             with applied(run.model, group[0][1], spec):  # patch once per spec, not per cell
                 for _, kwargs, c, left in group:
                     bar.set_postfix_str(" ".join([spec] + [_label(k, v) for k, v in c.key.items()]))
-                    cell = results.cell({"patch": spec, **c.key},
-                                        lambda: {"patch": spec, **c.key, **c.fields, "patch_kwargs": kwargs,
+                    cell = results.cell({"patch": spec, **c.key},  # cell() calls the maker at once, if at all:
+                                        lambda: {"patch": spec, **c.key, **c.fields,  # noqa: B023 - see above
+                                                 "patch_kwargs": kwargs,  # noqa: B023 - see above
                                                  ev.records: [], "complete": False})
                     for unit in left:
                         done = [0]

@@ -34,7 +34,7 @@ def interpolate_rows(table: torch.Tensor, factor: float, keep: int = 0) -> torch
     row). The first `keep` rows (OPT's offset rows) are copied as they are."""
     head, body = table[:keep], table[keep:].double()
     n = body.shape[0]
-    new_n = int(math.ceil(n * factor))
+    new_n = math.ceil(n * factor)
     x = torch.arange(new_n, dtype=torch.float64, device=table.device) / factor
     lo = x.floor().clamp(max=n - 1).long()
     hi = (lo + 1).clamp(max=n - 1)

@@ -44,7 +44,7 @@ def max_positions(scheme, window: int, opts: dict) -> int:
     factor = opts.get("factor")
     if scheme.max_positions != "extended" or factor is None or window is None:
         return window
-    return int(math.ceil(window * factor))
+    return math.ceil(window * factor)
 
 
 def default_layer_types(config) -> list:
@@ -59,12 +59,11 @@ def apply_rope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None
     text_config = model.config.get_text_config()
     opts = {k: v for k, v in req.items() if k not in ("scheme", "layer_types", "original_max_position_embeddings")}
     rotaries = rotaries_of(model, adapter)
-    n_positions = None
     done = {}  # id(config) -> (new config the rotaries of that config read, per-type base params, window)
     for rotary, config in rotaries:
         if id(config) not in done:
             done[id(config)] = _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edits)
-        rope_config, base, window, n_positions = done[id(config)]
+        rope_config, base, window, _ = done[id(config)]
         if rope_config is not config:
             edits.set(rotary, "config", rope_config)
         rot.rebuild(rotary, rope_config, edits)

@@ -315,4 +315,4 @@ def unavailable(name: str, adapter, req: dict | None = None) -> str | None:
 def from_rope_type(rope_type: str) -> str:
     """The scheme a native rope_type reads as (describe() of an unpatched model)."""
     named = {"default": "rope"}
-    return named.get(rope_type, rope_type if rope_type in SCHEMES else rope_type)
+    return named.get(rope_type, rope_type)

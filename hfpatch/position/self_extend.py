@@ -181,7 +181,7 @@ def _pieces(qn, kn, qg, kg, v, attention_mask, window: int, scaling: float):
         e = min(kv_len, s + rows_per_block)
         r = slice(s - first, e - first)
 
-        def piece(q, k, lo, hi, rows=slice(None), causal=False, flip=False):
+        def piece(q, k, lo, hi, rows=slice(None), causal=False, flip=False, r=r):  # r: this block's query rows
             m = None if attention_mask is None else _additive(attention_mask[:, :, r][:, :, rows, lo:hi], q.dtype)
             return _attend(q[:, :, r][:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], m, causal, scaling, flip)
 
@@ -197,10 +197,10 @@ def _pieces(qn, kn, qg, kg, v, attention_mask, window: int, scaling: float):
             parts.append((rows, piece(qg, kg, g - window, e - window, rows, causal=True)))
             if g > window:
                 parts.append((rows, piece(qg, kg, 0, g - window, rows)))
-        for rows, (o, l) in filter(None, parts):
-            total = torch.logaddexp(lse[..., rows], l)
+        for rows, (o, lse_o) in filter(None, parts):
+            total = torch.logaddexp(lse[..., rows], lse_o)
             acc[:, :, rows] = (acc[:, :, rows] * (lse[..., rows] - total).exp()[..., None]
-                               + o.float() * (l - total).exp()[..., None])
+                               + o.float() * (lse_o - total).exp()[..., None])
             lse[..., rows] = total
         outs.append(acc.to(v.dtype))
     return torch.cat(outs, dim=2)

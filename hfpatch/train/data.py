@@ -41,7 +41,7 @@ def packed(cfg, tok) -> tuple[torch.Tensor, torch.Tensor]:
                           "give more text or lower seq_len")
     seqs = torch.from_numpy(ids[: n * cfg.seq_len].copy()).view(n, cfg.seq_len)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed))
-    n_eval = int(round(n * d.eval_fraction))
+    n_eval = round(n * d.eval_fraction)
     n_eval = min(max(n_eval, 1 if d.eval_fraction > 0 else 0), n - 1)
     return seqs[order[n_eval:]], seqs[order[:n_eval]]
 

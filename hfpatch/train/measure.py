@@ -4,6 +4,7 @@ probe, training steps timed side by side, and the summary of a run's training lo
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -161,7 +162,7 @@ def training_summary(out: Path) -> dict:
         return {}
     losses = [r["loss"] for r in rows]
     seconds = [r["seconds"] for r in rows]
-    deltas = [b - a for a, b in zip(seconds, seconds[1:]) if b > a]  # a resumed run restarts its clock
+    deltas = [b - a for a, b in itertools.pairwise(seconds) if b > a]  # a resumed run restarts its clock
     smooth = [statistics.fmean(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
     finite = all(math.isfinite(x) for x in losses)
     final = smooth[-1] if finite else float("nan")

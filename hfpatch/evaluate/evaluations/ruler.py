@@ -36,6 +36,7 @@ from __future__ import annotations
 import random
 import string
 import sys
+from typing import ClassVar
 
 from ... import text as texts
 from ...lm import greedy
@@ -249,7 +250,7 @@ def parse_tasks(text: str) -> list[str]:
 class Ruler(sweep.Evaluation):
     records = "samples"
     unit_key = "sample"
-    axes = {"tasks": "task", "lengths": "length"}
+    axes: ClassVar[dict[str, str]] = {"tasks": "task", "lengths": "length"}
 
     def add_arguments(self, p) -> None:
         p.add_argument("--tasks", default="all", help=f"comma-separated tasks or all (default): {', '.join(TASKS)}")
@@ -325,7 +326,7 @@ class Ruler(sweep.Evaluation):
                 cs = [done.get((p, t, n)) for t in tasks]
                 mean.append("—" if None in cs else _percent(*_score_and_interval(pooled(cs))))
             if len(tasks) > 1:
-                rows.append(["**mean**"] + mean)
+                rows.append(["**mean**", *mean])
             out.append(f"**{p}**\n\n" + report.markdown_table(["task"] + [length_label(n) for n in lengths], rows))
         return "\n\n".join(out)
 
