@@ -69,7 +69,8 @@ def unwrap(model) -> PreTrainedModel:
         target = target.get_base_model()
     if not isinstance(target, PreTrainedModel):
         raise TypeError(
-            f"hfpatch patches a transformers PreTrainedModel (or a peft PeftModel around one), got {type(model).__name__}"
+            "hfpatch patches a transformers PreTrainedModel (or a peft PeftModel around one), "
+            f"got {type(model).__name__}"
         )
     return target
 

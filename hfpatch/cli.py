@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("patch", help="patch a model and save it")
     s.add_argument("model")
     s.add_argument("--out", required=True, help="folder to save the patched model (and tokenizer) to")
-    s.add_argument("--position", help="position scheme, e.g. yarn, ntk, linear, dynamic, dynamic-yarn, llama3, longrope, rope")
+    s.add_argument("--position",
+                   help="position scheme, e.g. yarn, ntk, linear, dynamic, dynamic-yarn, llama3, longrope, rope")
     s.add_argument("--factor", type=float, help="context extension ratio (> 1)")
     s.add_argument("--norm", choices=list(NORMS))
     s.add_argument("--no-exact", dest="exact", action="store_false", default=None,

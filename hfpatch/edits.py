@@ -7,8 +7,8 @@ an `Edits` log that remembers what was there before. That gives us, for free:
 
 `undo()` and `redo()` move one entry at a time to the other list before making its change, so an exception half-way
 (an interrupt, a failing setattr) leaves every change in exactly one of the two lists: `redo()` then puts back all
-that `undo()` had reverted, or was about to. `deferred_interrupts()` holds Ctrl-C back while a patch is made or undone, so that it lands
-before or after, never inside.
+that `undo()` had reverted, or was about to. `deferred_interrupts()` holds Ctrl-C back while a patch is made or
+undone, so that it lands before or after, never inside.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def load(name: str, dtype=None, device_map=None, tokenizer: bool = True, trust_r
     default. allow_pickled_weights: load pytorch_model.bin weights (pickles, read with torch.load(weights_only=True))
     when there are no safetensors; off by default."""
     where, gguf_file = resolve(name)
-    kwargs = {k: v for k, v in {"dtype": dtype, "device_map": device_map, "gguf_file": gguf_file}.items() if v is not None}
+    given = {"dtype": dtype, "device_map": device_map, "gguf_file": gguf_file}
+    kwargs = {k: v for k, v in given.items() if v is not None}
     kwargs["trust_remote_code"] = trust_remote_code
     try:
         if gguf_file:

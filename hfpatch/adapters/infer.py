@@ -187,7 +187,8 @@ def _layout(block: probes.Call, norms: list, attn: probes.Call, mlp: probes.Call
             return "pre"
         if _same(attn.input, x) and _same(i1, x + a) and _same(mlp.input, o1) and _same(i2, o1 + m) and _same(y, o2):
             return "post"
-        if _same(attn.input, x) and _same(i1, a) and _same(mlp.input, x + o1) and _same(i2, m) and _same(y, x + o1 + o2):
+        if (_same(attn.input, x) and _same(i1, a) and _same(mlp.input, x + o1) and _same(i2, m)
+                and _same(y, x + o1 + o2)):
             return "post_sublayer"
         if _same(i1, x) and _same(attn.input, o1) and _same(i2, x) and _same(mlp.input, o2) and _same(y, x + a + m):
             return "parallel2"
@@ -659,7 +660,8 @@ def _residual(info: _Info, layers_top, indices, attention, mlp, norms, placement
     LayerNorm -> RMSNorm conversion folds into. ((), ..., reason) when they cannot all be identified, or when the
     blocks differ (a dense block then mixture-of-experts blocks)."""
     if placement != "pre":
-        return {}, (), (), (), f"the block norms are not all pre-norms of the residual stream (layout {placement or 'unknown'})"
+        return {}, (), (), (), ("the block norms are not all pre-norms of the residual stream "
+                                f"(layout {placement or 'unknown'})")
     if not mlp:
         return {}, (), (), (), "the block has no single MLP module whose output the probe can follow"
     found = [_block_residual(info, f"{layers_top}.{i}.", attention, mlp, norms) for i in indices]
@@ -670,7 +672,8 @@ def _residual(info: _Info, layers_top, indices, attention, mlp, norms, placement
     readers, writers = found[0]
     embedding = _stream_start(info, layers_top)
     if not embedding:
-        return {}, (), (), (), "cannot account for the residual stream's start (embeddings) as the sum of module outputs"
+        return {}, (), (), (), ("cannot account for the residual stream's start (embeddings) as the sum of module "
+                                "outputs")
     return readers, writers, embedding, _final_readers(info, final_norm), None
 
 

@@ -165,7 +165,8 @@ def build_parser(ev: Evaluation) -> command.Parser:
                                     "ignored with --device-map")
     p.add_argument("--patches", default=ev.default_patches,
                    help="comma-separated patch specs, each applied to the same loaded model and removed again: "
-                        f"none, yarn:2, ntk:2, dynamic, linear:2, yarn:4:beta_fast=16, ... (default {ev.default_patches})")
+                        "none, yarn:2, ntk:2, dynamic, linear:2, yarn:4:beta_fast=16, ... "
+                        f"(default {ev.default_patches})")
     ev.add_arguments(p)
     p.add_argument("--out", default=ev.default_out,
                    help=f"folder for results.json, table.md and the plot (default {ev.default_out})")

@@ -4,7 +4,8 @@ relative encoding (position="xl").
 Both take the model's own position signal out first (RoPE becomes the identity, a learned table returns zeros:
 patch.remove_positions), add their parameters, and switch the model to an attention function registered with
 transformers' AttentionInterface (with its mask function in AttentionMaskInterface) that writes the scores out
-(attention.biased_attention: a block of queries at a time, so memory stays bounded; the eager variant returns the weights).
+(attention.biased_attention: a block of queries at a time, so memory stays bounded; the eager variant returns the
+weights).
 
 T5 (Raffel et al. 2020, §2.1): each head adds a learned scalar to score(i, j), looked up by a bucket of the relative
 position j − i. Half of the buckets hold the exact distances 0 .. n/2 − 1, the other half logarithmically wider
@@ -136,8 +137,9 @@ for _name, _eager, _terms in ((T5_NAME, T5_EAGER, _t5_terms), (XL_NAME, XL_EAGER
 
 def apply_t5(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
     if len(set(adapter.heads)) != 1:
-        raise ValueError(f"position='t5' shares one bias table across the layers (as T5 does), but {adapter.model_type}'s "
-                         f"attention layers have different head counts ({sorted(set(adapter.heads))})")
+        raise ValueError("position='t5' shares one bias table across the layers (as T5 does), "
+                         f"but {adapter.model_type}'s attention layers have different head counts "
+                         f"({sorted(set(adapter.heads))})")
     remove_positions(model, adapter, req["scheme"], edits, reloadable=True)
     like = model.get_input_embeddings().weight
     n = req.get("num_buckets", 32)

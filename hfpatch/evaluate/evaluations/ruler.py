@@ -102,7 +102,8 @@ def niah(rng: random.Random, n: int, src: hs.Source, haystack: str, keys: str, v
             d_values = hs.distinct(values, rng, src.pool, n, avoid=[v for vals in value_list for v in vals])
             units = [NEEDLE.format(vs=vs, key=k, value=v) for k, v in zip(d_keys, d_values)]
         # needle before unit i: the fraction (i + 0.5) / n (int(n * fraction) == i, with no rounding doubt)
-        fractions = [(i + 0.5) / n for i in sorted(rng.sample(range(n), len(needles)))] if n >= len(needles) else [0.0] * len(needles)
+        fractions = ([(i + 0.5) / n for i in sorted(rng.sample(range(n), len(needles)))] if n >= len(needles)
+                     else [0.0] * len(needles))
         joiner = "\n"
     context = joiner.join(hs.insert(units, needles, fractions))
     asked = rng.sample(range(n_keys), n_queries)
@@ -111,7 +112,8 @@ def niah(rng: random.Random, n: int, src: hs.Source, haystack: str, keys: str, v
     query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
     if n_queries * n_values == 1:
         v = vs[:-1]  # singular: "A special magic number is hidden ..."
-        text, prefix = NIAH_TEMPLATE_ONE.format(v=v, context=context, query=query), NIAH_PREFIX_ONE.format(v=v, query=query)
+        text = NIAH_TEMPLATE_ONE.format(v=v, context=context, query=query)
+        prefix = NIAH_PREFIX_ONE.format(v=v, query=query)
     else:
         text, prefix = NIAH_TEMPLATE.format(vs=vs, context=context, query=query), NIAH_PREFIX.format(vs=vs, query=query)
     return hs.Sample(text, prefix, references, {"keys": key_list, "values": value_list, "queries": queries,
