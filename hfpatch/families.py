@@ -88,7 +88,7 @@ def measure(model_types=None, use_cache: bool = True, progress=None) -> dict:
         raise ValueError(f"not a causal-LM model type of transformers {transformers.__version__}: "
                          f"{', '.join(unknown)} (see hfpatch supported for the {len(known)} it has)")
     path = _cache_path()
-    cached = {}
+    cached: dict = {}
     if use_cache and path.is_file():
         try:
             data = json.loads(path.read_text())

@@ -20,7 +20,7 @@ from pathlib import Path
 try:
     import fcntl
 except ImportError:  # not on Windows: no lock there
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # checked for None before use
 
 PARTIAL = ".partial"  # suffix of a folder being written (or being deleted)
 _BLOCK = 8 << 20

@@ -264,7 +264,7 @@ def _resize_layers(d: dict, declared: dict, changes: dict) -> None:
         return
     sections = _sections(d, declared, n)
     kinds = _layer_kinds(d, n, changes, sections)
-    first = {}
+    first: dict[tuple[str, ...], int] = {}
     for i in range(n):
         first.setdefault(tuple(repr(seq[i]) for seq in kinds.values()), i)
     keep = sorted(first.values())
@@ -360,9 +360,9 @@ def _shrink(config, widths: frozenset, given: dict) -> dict:
     d = _fields(config)
     declared = _declared(type(config))
     declared.update({k: v for k, v in given.items() if not isinstance(v, dict)})
-    changes = {}
+    changes: dict = {}
     _sizes(d, declared, widths, changes)
-    taken = set()
+    taken: set = set()
     changes.update({name: _token_ids(name, value, taken) for name, value in d.items() if _is_token_id(name)})
     if "is_decoder" in declared:  # an encoder family's causal-LM head attends causally only as a decoder
         changes["is_decoder"] = True

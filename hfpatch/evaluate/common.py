@@ -60,7 +60,8 @@ def parse_fractions(text: str, flag: str, meaning: str) -> list[float]:
 
 def parse_patches(text: str) -> list[tuple[str, dict]]:
     """'none,yarn:2,ntk:2' -> [(name, patch kwargs)], every spec validated (no model needed) before any work."""
-    out, seen = [], {}
+    out: list = []
+    seen: dict = {}
     for raw in _split_specs(text):
         kwargs = specs.parse(raw)
         try:

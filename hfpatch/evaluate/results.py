@@ -55,15 +55,15 @@ class Results:
                              "or use another --out") from None
         for stale in self.path.parent.glob(self.path.name + ".*.tmp"):  # left by a killed run (we hold the lock)
             stale.unlink(missing_ok=True)
-        self.data = None
+        loaded = None
         if self.path.exists() and not overwrite:
             try:
-                self.data = self._load(identity)
+                loaded = self._load(identity)
             except ValueError:
                 self.close()
                 raise
-        if self.data is None:
-            self.data = {"kind": kind, "format": FORMAT, "identity": identity, "cells": [], "started": now()}
+        self.data: dict = loaded if loaded is not None else {
+            "kind": kind, "format": FORMAT, "identity": identity, "cells": [], "started": now()}
         self.resumed = bool(self.data["cells"])
 
     def _damaged(self, what: str) -> ValueError:

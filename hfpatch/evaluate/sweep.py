@@ -342,8 +342,8 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
     bar = tqdm(total=sum(u.tokens for *_, left in todo for u in left), unit="tok", unit_scale=True, desc=ev.name,
                file=sys.stderr, dynamic_ncols=True)
     try:
-        for spec, group in itertools.groupby(todo, key=lambda item: item[0]):
-            group = list(group)
+        for spec, entries in itertools.groupby(todo, key=lambda item: item[0]):
+            group = list(entries)
             with applied(run.model, group[0][1], spec):  # patch once per spec, not per cell
                 for _, kwargs, c, left in group:
                     bar.set_postfix_str(" ".join([spec] + [_label(k, v) for k, v in c.key.items()]))

@@ -124,7 +124,7 @@ def newest_complete(root: Path, check=None) -> tuple[Path | None, list[str]]:
     `check(info)`: a further reason to skip a checkpoint whose files are complete (None: none)."""
     found = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
                    if (m := _STEP.fullmatch(p.name)))
-    skipped = []
+    skipped: list[str] = []
     for _, path in reversed(found):
         why = problem(path)
         if why is None and check is not None:

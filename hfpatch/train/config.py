@@ -114,7 +114,8 @@ DISTILL = {
     }
 }
 
-PRETRAIN = {"model_config": (dict, {})}  # model built from a config: {model_type: llama, hidden_size: ...}
+# model built from a config: {model_type: llama, hidden_size: ...}
+PRETRAIN: dict[str, tuple] = {"model_config": (dict, {})}
 
 POSE = {
     "pose": {  # positional skip-wise training (pose.py): seq_len tokens, positions spread over target_len

@@ -49,7 +49,8 @@ def packed(cfg, tok) -> tuple[torch.Tensor, torch.Tensor]:
 def batch_indices(n: int, global_batch: int, step: int, seed: int) -> torch.Tensor:
     """The sequence indices of global batch `step` (0-based): epochs are seeded permutations of range(n), read
     in order, wrapping into the next epoch."""
-    out, start = [], step * global_batch
+    out: list = []
+    start = step * global_batch
     while len(out) < global_batch:
         epoch, offset = divmod(start + len(out), n)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))

@@ -33,7 +33,8 @@ class GradNorms:
         target = unwrap(model)
         prefix = "" if target.base_model is target else target.base_model_prefix + "."
         layers = prefix + adapter_for(target).layers + "."
-        self.path, self.step, self.sq = path, first_step, {}
+        self.path, self.step = path, first_step
+        self.sq: dict = {}
         self.handles = []
         seen = set()
         for name, p in target.named_parameters():
@@ -122,7 +123,7 @@ def recall(model, ids: torch.Tensor, distances: list[int], span: int = 32, trial
     the second A (its tokens after the first) in the control minus in the copy: ~0 when nothing is recalled from
     that far, up to the control NLL when the copy is perfect. Distances whose sequence passes `limit` are skipped."""
     g = torch.Generator().manual_seed(seed)
-    out = {}
+    out: dict[str, dict[str, float]] = {}
     for d in distances:
         total = 2 * span + d
         if limit is not None and total > limit:
@@ -134,7 +135,7 @@ def recall(model, ids: torch.Tensor, distances: list[int], span: int = 32, trial
             A, B, filler = ids[a:a + span], ids[b:b + span], ids[f + span:f + span + d]
             copy_seqs.append(torch.cat([A, filler, A]))
             control_seqs.append(torch.cat([B, filler, A]))
-        nll = {}
+        nll: dict[str, float] = {}
         for name, seqs in (("copy", torch.stack(copy_seqs)), ("control", torch.stack(control_seqs))):
             # the second A's tokens after its first one
             total_nll, count = logits_nll(model, seqs, first=total - span + 1, batch=4)

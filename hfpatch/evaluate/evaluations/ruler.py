@@ -274,7 +274,8 @@ class Ruler(sweep.Evaluation):
         if not src.pool:  # keys and word lists are drawn from it
             raise ValueError("the text has no words of 3 to 10 lowercase letters to draw RULER's keys and word lists "
                              "from; give other text (--text-files)")
-        prompter, sizes = hs.Prompter(tok, args.chat_template), {}
+        prompter = hs.Prompter(tok, args.chat_template)
+        sizes: dict[tuple[str, int], int] = {}
         first = {(t, n): build(prompter, src, t, n, f"{args.seed}:{t}:{n}:0", sizes) for t in tasks for n in lengths}
         if args.samples > 1:  # every (task, length) fits: the input is valid; now the long part
             print(f"{self.prog}: generating {len(first) * (args.samples - 1)} more prompts", file=sys.stderr)
