@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import itertools
 import string
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models
@@ -115,7 +116,7 @@ def _is_token_id(name: str) -> bool:
     return name.endswith(("_token_id", "_token_index", "_token_ids")) or name in _TOKEN_DEFAULTS
 
 
-def _sizes(d: dict, declared: dict, widths: set, changes: dict) -> None:
+def _sizes(d: dict, declared: dict, widths: frozenset, changes: dict) -> None:
     """The size rules over the config's own declared fields. A field declared with default None is a feature that is
     off (q_lora_rank, sliding_window) or derived in __post_init__ from other sizes: it stays as it is, as do the
     attributes __post_init__ sets without declaring them (derived, so derived again from the tiny sizes). Other
@@ -150,9 +151,9 @@ def _sizes(d: dict, declared: dict, widths: set, changes: dict) -> None:
             HEAD_DIM * rope / whole))
     changes.update(_mla_head_dim(d, {**d, **changes}, free=changes))
     if _is_int(d.get("rotary_dim")):  # gptj / codegen rotate rotary_dim channels: keep the rotated fraction
-        heads, hidden = d.get("n_head") or d.get("num_attention_heads"), d.get("n_embd") or d.get("hidden_size")
-        if heads and hidden:
-            changes["rotary_dim"] = _even(d["rotary_dim"] / (hidden // heads) * HEAD_DIM)
+        n_heads, hidden = d.get("n_head") or d.get("num_attention_heads"), d.get("n_embd") or d.get("hidden_size")
+        if n_heads and hidden:
+            changes["rotary_dim"] = _even(d["rotary_dim"] / (hidden // n_heads) * HEAD_DIM)
 
 
 def _even(x: float) -> int:
@@ -235,7 +236,7 @@ def _layer_kinds(d: dict, n: int, changes: dict, sections: list[str]) -> dict:
     """What tells layer i from layer j, as one sequence over the layers per attribute: per-layer lists, lists of
     layer indices and head/tail counts (as flags), section counts (as the section's name), per_layer_config
     overrides."""
-    kinds = {}
+    kinds: dict[str, list] = {}
     if sections:
         kinds["__section__"] = [name for name in sections for _ in range(d[name])]
     for name in d:
@@ -421,7 +422,7 @@ def _configured(config) -> dict:
 # Values a family's default config lacks, given to it before the rules run: the default leaves None where the model
 # needs a value, or is all of one kind where the family's checkpoints mix kinds. Tiny values (the rules skip fields
 # declared None).
-_DEFAULTS = {
+_DEFAULTS: dict[str, dict[str, Any]] = {
     "bamba": {"attn_layer_indices": [1]},  # default: no attention layer at all
     "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},  # ditto
     "lfm2": {"full_attn_idxs": [2, 5, 8, 10, 12, 14]},  # default: every layer attention, no short convolution
@@ -438,7 +439,7 @@ _DEFAULTS["qwen4_exp"] = {"text_config": _DEFAULTS["qwen4_exp_text"]}
 _DEFAULTS["cohere_compass"] = {"text_config": _DEFAULTS["cohere_compass_text"]}
 
 # Tiny values that overrule the rules.
-_TINY = {
+_TINY: dict[str, dict[str, Any]] = {
     # xLSTM's cache rounds its q/k and v widths up to multiples of 64, its layers do not: widths multiple of 128
     "xlstm": {"hidden_size": 2 * HIDDEN},
     # zamba shares one attention block among its hybrid layers and ties it only where two layers use it

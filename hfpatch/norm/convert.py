@@ -51,7 +51,7 @@ def current_kind(model, adapter: Adapter) -> str:
     return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "none")
 
 
-def exact_blocker(model, adapter: Adapter, placement: str) -> str | None:
+def exact_blocker(model, adapter: Adapter, placement: str | None) -> str | None:
     """Why LayerNorm -> RMSNorm cannot be function-preserving on this model (None: it can)."""
     if placement is None:
         return adapter.notes.get("exact") or adapter.notes.get("placement") or "the block layout is unknown"
@@ -75,7 +75,7 @@ def _warn_once(message: str):
         warn_caller(message)
 
 
-def apply_norm(model, adapter: Adapter, req: dict, norm, placement: str, edits: Edits) -> dict:
+def apply_norm(model, adapter: Adapter, req: dict, norm, placement: str | None, edits: Edits) -> dict:
     """Swap the norms for the kind `req` asks for (`norm`: its record in norm/kinds.NORMS, whose requirements the
     caller checked); returns facts for describe(): {"exact": bool, "reason": str (when not exact)}."""
     kind, want_exact = req["kind"], req.get("exact", True)

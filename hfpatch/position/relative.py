@@ -47,7 +47,8 @@ XL_ATTR = "hfpatch_xl"  # on each attention module: its XLPositions
 def t5_buckets(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int = 32,
                max_distance: int = 128) -> torch.Tensor:
     """The bucket of each relative position (key position − query position), as T5 defines it."""
-    n, offset = num_buckets, 0
+    n = num_buckets
+    offset: torch.Tensor | int = 0
     if bidirectional:
         n //= 2
         offset = (relative_position > 0).long() * n  # keys after the query: the upper half of the buckets

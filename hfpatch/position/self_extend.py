@@ -113,7 +113,7 @@ class Maps:
 
     group_size: int
     window: int
-    rotary: torch.nn.Module
+    rotary: SelfExtendRotary  # the model's rotary module with SelfExtendRotary mixed in
     layer_type: str | None
     apply: Callable
 
@@ -282,7 +282,7 @@ def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
     name = EAGER_NAME if model.config._attn_implementation == "eager" else SDPA_NAME
     for c in {id(c): c for c in (model.config, text)}.values():
         edits.set(c, "_attn_implementation_internal", name)
-    if check:  # with every key inside the window, the model must be itself again
+    if before is not None:  # (check) with every key inside the window, the model must be itself again
         for attn, maps in targets:
             edits.set(attn, STATE_ATTR, dataclasses.replace(maps, window=_EVERYTHING_NEAR))
         after = _logits(model, "with position='self-extend'")

@@ -123,7 +123,7 @@ def recall(model, ids: torch.Tensor, distances: list[int], span: int = 32, trial
     the second A (its tokens after the first) in the control minus in the copy: ~0 when nothing is recalled from
     that far, up to the control NLL when the copy is perfect. Distances whose sequence passes `limit` are skipped."""
     g = torch.Generator().manual_seed(seed)
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, float | str]] = {}
     for d in distances:
         total = 2 * span + d
         if limit is not None and total > limit:

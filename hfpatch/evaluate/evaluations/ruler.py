@@ -36,7 +36,8 @@ from __future__ import annotations
 import random
 import string
 import sys
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from ... import text as texts
 from ...lm import greedy
@@ -208,7 +209,8 @@ def fwe(rng: random.Random, n: int, src: hs.Source, length: int = 4096, alpha: f
 
 
 # name: (generator, keyword arguments, tokens to generate (RULER's), smallest haystack size)
-TASKS = {name: (niah, opts, 128, 1) for name, opts in NIAH.items()}
+TASKS: dict[str, tuple[Callable[..., hs.Sample], dict[str, Any], int, int]] = {
+    name: (niah, opts, 128, 1) for name, opts in NIAH.items()}
 TASKS.update({"vt": (vt, {}, 30, 1), "cwe": (cwe, {}, 120, 11), "fwe": (fwe, {}, 50, 20)})
 
 
@@ -326,7 +328,7 @@ class Ruler(sweep.Evaluation):
                     for t in tasks]
             mean = []
             for n in lengths:
-                cs = [done.get((p, t, n)) for t in tasks]
+                cs: list = [done.get((p, t, n)) for t in tasks]  # None for a missing cell: checked below
                 mean.append("—" if None in cs else _percent(*_score_and_interval(pooled(cs))))
             if len(tasks) > 1:
                 rows.append(["**mean**", *mean])
@@ -350,14 +352,14 @@ class Ruler(sweep.Evaluation):
             for i, p in enumerate(patches):
                 pts = []
                 for n in lengths:
-                    cs = [done.get((p, t, n)) for t in (tasks if panel == "mean" else [panel])]
+                    cs: list = [done.get((p, t, n)) for t in (tasks if panel == "mean" else [panel])]  # as above
                     if None not in cs:
                         score, _, (lo, hi) = pooled(cs)
                         pts.append((n, score, lo, hi))
                 if pts:
-                    xs, ys, los, his = zip(*pts)
+                    xs, scores, los, his = zip(*pts)
                     dodge = 1.06 ** (i - (len(patches) - 1) / 2)  # side by side, so that equal scores stay visible
-                    ys = [100 * y for y in ys]
+                    ys = [100 * y for y in scores]
                     err = [[y - 100 * lo for y, lo in zip(ys, los)], [100 * hi - y for y, hi in zip(ys, his)]]
                     ax.errorbar([x * dodge for x in xs], ys, yerr=err, marker="o", markersize=4, capsize=2,
                                 color=colors[i % len(colors)], label=p)
