@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+from typing import Any
 
 import torch
 
@@ -49,7 +50,8 @@ class Edits:
 
     def __init__(self):
         # (target, attribute, (previous value or MISSING, its slot)): see _held
-        self._log: list[tuple[object, str, object]] = []
+        # (the attribute is a name, or the _KEYS marker whose "previous value" is the set of names)
+        self._log: list[tuple[object, Any, Any]] = []
         self._undone: list[tuple[object, str, object, object]] = []  # what undo() removed, for redo()
 
     def __len__(self):

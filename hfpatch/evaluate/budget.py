@@ -26,6 +26,7 @@ import os
 import struct
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -127,7 +128,7 @@ def shape_of_gguf(path: str) -> Shape:
         return meta.get(f"{arch}.{key}", default)
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
-    vocab = get("vocab_size") or meta.get("tokenizer.ggml.tokens")
+    vocab = cast(int, get("vocab_size") or meta.get("tokenizer.ggml.tokens"))  # the token list's length
     return Shape(params=params, layers=get("block_count"), hidden=hidden, heads=heads,
                  kv_heads=get("attention.head_count_kv", heads), head_dim=get("attention.key_length", hidden // heads),
                  ffn=get("feed_forward_length", 4 * hidden), vocab=vocab, tied=True)

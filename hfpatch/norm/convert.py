@@ -232,7 +232,7 @@ def _exact_to_rmsnorm(model, adapter: Adapter, edits: Edits):
         _fold_norm(model, adapter.final_norm, [reader] if reader is not None else [], adapter, edits)
     # The head kept the original embedding matrix (times γ) while the input embedding was centred: untie them for
     # good, or transformers would tie them again on save/reload.
-    if tied and head.weight is not base.get_input_embeddings().weight:
+    if tied and head is not None and head.weight is not base.get_input_embeddings().weight:  # (tied: head exists)
         edits.set(model.config, "tie_word_embeddings", False)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from typing import cast
 
 import torch
 
@@ -241,14 +242,15 @@ def _signal_of(adapter) -> str:
 def apply_interpolate(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
     """A learned position table stretched to factor x its length by linear interpolation of its rows."""
     base = model.base_model
-    table = get_path(base, adapter.position_table)
+    path = cast(str, adapter.position_table)  # the scheme requires a table (its Requirement)
+    table = get_path(base, path)
     new = absolute.interpolate_rows(table.weight.detach(), req["factor"], keep=adapter.position_offset)
     n_positions = new.shape[0] - adapter.position_offset
     edits.set(table, "weight", torch.nn.Parameter(new, requires_grad=table.weight.requires_grad))
     edits.set(table, "num_embeddings", new.shape[0])
     edits.set(model.config.get_text_config(), "max_position_embeddings", n_positions)
     # BERT keeps position_ids / token_type_ids buffers of the table's length
-    owner = get_path(base, adapter.position_table.rpartition(".")[0]) if "." in adapter.position_table else base
+    owner = get_path(base, path.rpartition(".")[0]) if "." in path else base
     for name, fill in (("position_ids", "arange"), ("token_type_ids", "zeros")):
         buf = getattr(owner, "_buffers", {}).get(name)
         if buf is not None:

@@ -40,6 +40,7 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import AttentionInterface
@@ -261,7 +262,8 @@ def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
                          f"{adapter.model_type} has {len(rotaries)} ({', '.join(adapter.rotaries)})")
     rotary, config = rotaries[0]
     types = layer_types(config)
-    trained = trained_window(config, config.rope_parameters if types == [None] else {})
+    # a RoPE config names its window (None would fail the comparison below, as before)
+    trained = cast(int, trained_window(config, config.rope_parameters if types == [None] else {}))
     if trained < W:
         raise ValueError(f"window={W} is beyond the {trained} tokens {adapter.model_type} was trained on; "
                          f"Self-Extend keeps exact positions only inside the window, so window must be <= {trained}")

@@ -9,6 +9,7 @@ import json
 import math
 import statistics
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -32,7 +33,7 @@ class GradNorms:
     def __init__(self, model, path: Path, first_step: int):
         target = unwrap(model)
         prefix = "" if target.base_model is target else target.base_model_prefix + "."
-        layers = prefix + adapter_for(target).layers + "."
+        layers = prefix + cast(str, adapter_for(target).layers) + "."  # a model we train has its blocks found
         self.path, self.step = path, first_step
         self.sq: dict = {}
         self.handles = []
