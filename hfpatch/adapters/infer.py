@@ -14,9 +14,11 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from ..edits import Edits
@@ -36,7 +38,7 @@ class InferenceError(ValueError):
 
 @dataclass
 class _Info:
-    model: nn.Module
+    model: PreTrainedModel
     probe: probes.Probe
     prefix: str  # name prefix of the base model inside the top model ("model." or "")
 
@@ -76,7 +78,7 @@ def classify_norm(module: nn.Module, config=None) -> NormClass | None:
     dim = shapes.pop() if shapes else _norm_dim(module)
     if dim is None or dim < 2:
         return None
-    candidates = []
+    candidates: list[tuple[str | None, float]] = []  # (the module's attribute that holds it, eps)
     for a in _EPS_ATTRS:
         v = getattr(module, a, None)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -166,7 +168,7 @@ def _same(a, b) -> bool:
     return bool(torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol * max(1.0, float(b.abs().max()))))
 
 
-def _layout(block: probes.Call, norms: list, attn: probes.Call, mlp: probes.Call | None) -> str | None:
+def _layout(block: probes.Call, norms: list, attn: probes.Call | None, mlp: probes.Call | None) -> str | None:
     """Which known block layout the recorded tensors follow (None: none of them). x is the block input, y its
     output, A/M the attention/MLP calls, N1.. the block norms in call order.
 
@@ -179,8 +181,13 @@ def _layout(block: probes.Call, norms: list, attn: probes.Call, mlp: probes.Call
     """
     if mlp is None or attn is None:
         return None
-    x, y, a, m = block.input, block.output, attn.output, mlp.output
-    n = [(c.input, c.output) for c in norms]
+    # Any: recorded tensors, None where a call recorded none (then _same() is False, and the sums are not reached
+    # except where the patterns below evaluate one first)
+    x: Any = block.input
+    y: Any = block.output
+    a: Any = attn.output
+    m: Any = mlp.output
+    n: list[tuple[Any, Any]] = [(c.input, c.output) for c in norms]
     if len(n) == 2:
         (i1, o1), (i2, o2) = n
         if _same(i1, x) and _same(attn.input, o1) and _same(i2, x + a) and _same(mlp.input, o2) and _same(y, x + a + m):
@@ -224,7 +231,8 @@ def _find_layers(info: _Info, attention_names: list[str]) -> str | None:
                 return head
         return None
     n = getattr(info.model.config.get_text_config(), "num_hidden_layers", None)
-    sized = [name for name in lists if name.startswith(info.prefix) and len(info.model.get_submodule(name)) == n]
+    sized = [name for name in lists
+             if name.startswith(info.prefix) and len(cast(nn.ModuleList, info.model.get_submodule(name))) == n]
     return sized[0] if len(sized) == 1 else None
 
 
@@ -347,7 +355,7 @@ def _blocks(info: _Info, attention_names: list[str], notes: dict) -> _Stack | No
     top = _find_layers(info, attention_names)
     if top is None or not top.startswith(info.prefix):
         return None
-    per_block = {}
+    per_block: dict[int, list[str]] = {}
     for name in attention_names:
         hit = _layer_index(name, top)
         if hit:
@@ -360,7 +368,7 @@ def _blocks(info: _Info, attention_names: list[str], notes: dict) -> _Stack | No
         notes["attention"] = f"blocks hold several attention modules or use different paths: {sorted(paths)}"
     if attention is None and not notes.get("attention"):
         notes["attention"] = "no attention module found in the blocks"
-    return _Stack(top, list(info.model.get_submodule(top)), attention,
+    return _Stack(top, list(cast(nn.ModuleList, info.model.get_submodule(top))), attention,
                   tuple(sorted(per_block)) if attention else ())
 
 
@@ -486,7 +494,7 @@ def _block_forms(info: _Info, stack: _Stack, layout, placement, norms: list, mlp
     return "generic", dropouts
 
 
-def _residual_dropouts(info: _Info, ref: str, attention: str, mlp: str):
+def _residual_dropouts(info: _Info, ref: str, attention: str | None, mlp: str):
     """Dropout modules of the block applied to the attention / MLP output before the residual add (phi3's
     resid_attn_dropout, GPT-NeoX's post_attention_dropout): identity in eval mode, so found by their input."""
     out = []
@@ -720,7 +728,7 @@ def _stream_start(info: _Info, layers_top: str):
 
 def _final_readers(info: _Info, final_norm):
     """What reads the final norm if not the LM head (OPT's project_out)."""
-    final_readers = ()
+    final_readers: tuple[str, ...] = ()
     if final_norm:
         out = info.call(info.prefix + final_norm).output
         head = info.model.get_output_embeddings()
