@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ _KEYS = _Marker("_KEYS")  # log marker: the set of attribute names an object had
 class Edits:
     """An ordered log of reversible changes."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         # (target, attribute, (previous value or MISSING, its slot)): see _held
         # (the attribute is a name, or the _KEYS marker whose "previous value" is the set of names)
         self._log: list[tuple[object, Any, Any]] = []
@@ -161,7 +162,7 @@ def _reapply(obj, name, now) -> None:
 
 
 @contextlib.contextmanager
-def _finishing():
+def _finishing() -> Iterator[Callable[..., Any]]:
     """`finish(step, *args)` runs a step of an undo or redo; a KeyboardInterrupt inside it is held, the step run
     again, and the interrupt raised once the whole undo or redo is done: an interrupted undo would leave the model
     neither patched nor not."""

@@ -224,7 +224,8 @@ def _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, tra
                               training=training, block=block)
 
 
-def self_extend_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def self_extend_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
     maps: Maps = getattr(module, STATE_ATTR)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"), attention_mask)
@@ -238,7 +239,8 @@ def self_extend_sdpa(module, query, key, value, attention_mask, dropout=0.0, sca
     return out, None
 
 
-def self_extend_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def self_extend_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     maps: Maps = getattr(module, STATE_ATTR)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"), attention_mask)

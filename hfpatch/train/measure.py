@@ -52,7 +52,7 @@ class GradNorms:
             self.sq[key] = (group, float(p.grad.detach().float().pow(2).sum()))  # latest = the accumulated gradient
         return read
 
-    def _flush(self, optimizer, args, kwargs):
+    def _flush(self, optimizer, args, kwargs) -> None:
         self.step += 1
         groups: dict[str, float] = {}
         for group, sq in self.sq.values():
