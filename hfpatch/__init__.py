@@ -6,4 +6,4 @@ from .families import supported
 from .io import from_pretrained, save_pretrained
 
 __version__ = "0.3.0"
-__all__ = ["__version__", "describe", "from_pretrained", "patch", "save_pretrained", "spec", "supported", "unpatch"]
+__all__ = ["spec", "patch", "unpatch", "describe", "supported", "save_pretrained", "from_pretrained", "__version__"]
