@@ -58,14 +58,5 @@ def set_adapter(model, adapter: Adapter) -> None:
     object.__setattr__(model, _CACHE, adapter)
 
 
-__all__ = [
-    "OVERRIDES",
-    "Adapter",
-    "InferenceError",
-    "NormClass",
-    "adapter_for",
-    "classify_norm",
-    "get_path",
-    "infer",
-    "set_adapter",
-]
+__all__ = ["Adapter", "NormClass", "OVERRIDES", "InferenceError", "adapter_for", "set_adapter", "classify_norm",
+           "get_path", "infer"]
