@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import cast
 
 from transformers import PreTrainedConfig, PreTrainedModel
 
@@ -69,7 +70,8 @@ def unwrap(model) -> PreTrainedModel:
         target = target.get_base_model()
     if not isinstance(target, PreTrainedModel):
         raise TypeError(
-            f"hfpatch patches a transformers PreTrainedModel (or a peft PeftModel around one), got {type(model).__name__}"
+            "hfpatch patches a transformers PreTrainedModel (or a peft PeftModel around one), "
+            f"got {type(model).__name__}"
         )
     return target
 
@@ -232,7 +234,7 @@ def _replace(target: PreTrainedModel, adapter: Adapter, old: PatchState, new_spe
                 new.layers[a].undo()
         for edits in reversed(started):
             edits.redo()
-        if new.config is not old.config:
+        if new.config is not None and new.config is not old.config:  # (old.config is new.config when None)
             new.config.undo()
         if isinstance(e, (ValueError, TypeError)) or not isinstance(e, Exception):
             raise  # a refusal with its reason already, or an interrupt: as it is
@@ -315,7 +317,7 @@ def _position(model, adapter: Adapter, state: PatchState | None) -> dict:
         params = get_path(model.base_model, adapter.rotary).config.rope_parameters
         flat = "rope_type" in params
         rope_type = params["rope_type"] if flat else {lt: p and p["rope_type"] for lt, p in params.items()}
-        scheme = schemes.from_rope_type(rope_type) if flat else "rope"
+        scheme = schemes.from_rope_type(cast(str, rope_type)) if flat else "rope"
         return {"scheme": scheme, "rope_parameters": copy.deepcopy(params), "native": True}
     if adapter.position_table:
         return {"scheme": "learned", "table": adapter.position_table}

@@ -75,7 +75,8 @@ def _patch_arguments(s) -> None:
 
     s.add_argument("model")
     s.add_argument("--out", required=True, help="folder to save the patched model (and tokenizer) to")
-    s.add_argument("--position", help="position scheme, e.g. yarn, ntk, linear, dynamic, dynamic-yarn, llama3, longrope, rope")
+    s.add_argument("--position",
+                   help="position scheme, e.g. yarn, ntk, linear, dynamic, dynamic-yarn, llama3, longrope, rope")
     s.add_argument("--factor", type=float, help="context extension ratio (> 1)")
     s.add_argument("--norm", choices=list(NORMS))
     s.add_argument("--no-exact", dest="exact", action="store_false", default=None,
@@ -109,8 +110,8 @@ def _check_out(out: str, source: str) -> Path:
     for parent in [path, *path.parents]:
         if parent.is_file():
             raise ValueError(f"--out {out}: {parent} is a file, not a folder")
-    source_dir = Path(source).expanduser()
-    source_dir = source_dir if source_dir.is_dir() else source_dir.parent if source_dir.is_file() else None
+    given = Path(source).expanduser()
+    source_dir = given if given.is_dir() else given.parent if given.is_file() else None
     if source_dir is not None and path.exists() and os.path.samefile(path, source_dir):
         raise ValueError(f"--out {out} is the model's own folder: the patched model would replace the original; "
                          "choose another folder")

@@ -7,8 +7,8 @@ an `Edits` log that remembers what was there before. That gives us, for free:
 
 `undo()` and `redo()` move one entry at a time to the other list before making its change, so an exception half-way
 (an interrupt, a failing setattr) leaves every change in exactly one of the two lists: `redo()` then puts back all
-that `undo()` had reverted, or was about to. `deferred_interrupts()` holds Ctrl-C back while a patch is made or undone, so that it lands
-before or after, never inside.
+that `undo()` had reverted, or was about to. `deferred_interrupts()` holds Ctrl-C back while a patch is made or
+undone, so that it lands before or after, never inside.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -47,9 +49,10 @@ _KEYS = _Marker("_KEYS")  # log marker: the set of attribute names an object had
 class Edits:
     """An ordered log of reversible changes."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         # (target, attribute, (previous value or MISSING, its slot)): see _held
-        self._log: list[tuple[object, str, object]] = []
+        # (the attribute is a name, or the _KEYS marker whose "previous value" is the set of names)
+        self._log: list[tuple[object, Any, Any]] = []
         self._undone: list[tuple[object, str, object, object]] = []  # what undo() removed, for redo()
 
     def __len__(self):
@@ -89,7 +92,7 @@ class Edits:
         transformers' dynamic RoPE update adds while the patched model runs."""
         self._log.append((obj, _KEYS, _keys(obj)))
 
-    def absorb(self, other: "Edits") -> None:
+    def absorb(self, other: Edits) -> None:
         """Take over `other`'s changes (newest last), as if they had been made through this log; `other` is left
         empty. Lets a tentative change be made in a log of its own, checked, and then kept or undone."""
         self._log.extend(other._log)
@@ -159,7 +162,7 @@ def _reapply(obj, name, now) -> None:
 
 
 @contextlib.contextmanager
-def _finishing():
+def _finishing() -> Iterator[Callable[..., Any]]:
     """`finish(step, *args)` runs a step of an undo or redo; a KeyboardInterrupt inside it is held, the step run
     again, and the interrupt raised once the whole undo or redo is done: an interrupted undo would leave the model
     neither patched nor not."""

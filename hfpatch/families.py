@@ -88,7 +88,7 @@ def measure(model_types=None, use_cache: bool = True, progress=None) -> dict:
         raise ValueError(f"not a causal-LM model type of transformers {transformers.__version__}: "
                          f"{', '.join(unknown)} (see hfpatch supported for the {len(known)} it has)")
     path = _cache_path()
-    cached = {}
+    cached: dict = {}
     if use_cache and path.is_file():
         try:
             data = json.loads(path.read_text())
@@ -151,7 +151,7 @@ def counts(results: dict) -> str:
     results = {t: r for t, r in results.items() if t not in unswept}
     built = {t: r for t, r in results.items() if r["built"] and "patches" in r}
     rope = [t for t, r in results.items() if r.get("rope_config")]
-    n = lambda pred: sum(1 for r in built.values() if pred(r["patches"]))  # noqa: E731
+    n = lambda pred: sum(1 for r in built.values() if pred(r["patches"]))
     lines = [
         f"- causal-LM model types: {len(results)}; built tiny and read: {len(built)}; not built: "
         f"{sum(not r['built'] for r in results.values())}; built but unreadable: "

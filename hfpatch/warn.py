@@ -6,12 +6,14 @@ from __future__ import annotations
 import sys
 import warnings
 from pathlib import Path
+from types import FrameType
 
 _PACKAGE = str(Path(__file__).resolve().parent)
 
 
 def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
-    level, frame = 2, sys._getframe(1)  # stacklevel 2: warn_caller's caller
+    level = 2  # stacklevel 2: warn_caller's caller
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

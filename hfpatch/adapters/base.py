@@ -8,12 +8,16 @@ inference cannot see are overridden by hand (adapters/__init__.OVERRIDES).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Callable
 
 
-def get_path(root, path: str):
-    """root.a.b.c for path "a.b.c" (list indices are attributes of nn.ModuleList too)."""
+def get_path(root, path: str | None):
+    """root.a.b.c for path "a.b.c" (list indices are attributes of nn.ModuleList too). `path` is typed as the
+    adapter's optional fields are: the patches that read a field require it first (their Requirement records), so
+    None here is a bug, reported as the missing attribute it is."""
+    if path is None:
+        raise AttributeError(f"{type(root).__name__}: no module path (the adapter found none)")
     for part in path.split("."):
         root = getattr(root, part)
     return root
@@ -113,7 +117,7 @@ class Adapter:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Adapter":
+    def from_dict(cls, data: dict) -> Adapter:
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in data.items() if k in known}
         for k, v in kw.items():

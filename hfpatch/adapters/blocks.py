@@ -25,9 +25,9 @@ class BlockSpec:
     """What a generic form needs of a block (paths relative to the block)."""
 
     placement: str  # the form to run: "pre" | "post" | "parallel"
-    attention: str
-    mlp: str
-    norms: tuple[str, str]
+    attention: str | None  # typed as Adapter's fields; a block with a form has both (placement_forms)
+    mlp: str | None
+    norms: tuple[str, ...]  # two
     dropouts: tuple[str | None, str | None] = (None, None)  # residual dropouts after attention / MLP
 
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from ..edits import Edits
@@ -36,7 +38,7 @@ class InferenceError(ValueError):
 
 @dataclass
 class _Info:
-    model: nn.Module
+    model: PreTrainedModel
     probe: probes.Probe
     prefix: str  # name prefix of the base model inside the top model ("model." or "")
 
@@ -76,7 +78,7 @@ def classify_norm(module: nn.Module, config=None) -> NormClass | None:
     dim = shapes.pop() if shapes else _norm_dim(module)
     if dim is None or dim < 2:
         return None
-    candidates = []
+    candidates: list[tuple[str | None, float]] = []  # (the module's attribute that holds it, eps)
     for a in _EPS_ATTRS:
         v = getattr(module, a, None)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -88,14 +90,14 @@ def classify_norm(module: nn.Module, config=None) -> NormClass | None:
     candidates += [(None, e) for e in (1e-5, 1e-6, 1e-12, 1e-8)]
     try:
         twin = copy.deepcopy(module).float()
-    except Exception:  # noqa: BLE001 - not copyable: not something we can swap either
+    except Exception:  # not copyable: not something we can swap either
         return None
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(3, dim, generator=g) * s + m for s, m in ((1.0, 0.3), (1e-3, 0.0))]
     try:
         with torch.no_grad():
             ys = [twin(x).double() for x in xs]
-    except Exception:  # noqa: BLE001 - needs other inputs: not a plain norm
+    except Exception:  # needs other inputs: not a plain norm
         return None
     if any(y.shape != x.shape for x, y in zip(xs, ys)):
         return None
@@ -120,7 +122,7 @@ def _upcast(module, kind, eps, offset, x) -> str | None:
         twin = copy.deepcopy(module).to(torch.bfloat16)
         with torch.no_grad():
             got = twin(x.to(torch.bfloat16))
-    except Exception:  # noqa: BLE001 - no bfloat16 on this build: unknown
+    except Exception:  # no bfloat16 on this build: unknown
         return None
     w = getattr(twin, "weight", None)
     b = getattr(twin, "bias", None)
@@ -166,7 +168,7 @@ def _same(a, b) -> bool:
     return bool(torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol * max(1.0, float(b.abs().max()))))
 
 
-def _layout(block: probes.Call, norms: list, attn: probes.Call, mlp: probes.Call | None) -> str | None:
+def _layout(block: probes.Call, norms: list, attn: probes.Call | None, mlp: probes.Call | None) -> str | None:
     """Which known block layout the recorded tensors follow (None: none of them). x is the block input, y its
     output, A/M the attention/MLP calls, N1.. the block norms in call order.
 
@@ -179,15 +181,21 @@ def _layout(block: probes.Call, norms: list, attn: probes.Call, mlp: probes.Call
     """
     if mlp is None or attn is None:
         return None
-    x, y, a, m = block.input, block.output, attn.output, mlp.output
-    n = [(c.input, c.output) for c in norms]
+    # Any: recorded tensors, None where a call recorded none (then _same() is False, and the sums are not reached
+    # except where the patterns below evaluate one first)
+    x: Any = block.input
+    y: Any = block.output
+    a: Any = attn.output
+    m: Any = mlp.output
+    n: list[tuple[Any, Any]] = [(c.input, c.output) for c in norms]
     if len(n) == 2:
         (i1, o1), (i2, o2) = n
         if _same(i1, x) and _same(attn.input, o1) and _same(i2, x + a) and _same(mlp.input, o2) and _same(y, x + a + m):
             return "pre"
         if _same(attn.input, x) and _same(i1, x + a) and _same(mlp.input, o1) and _same(i2, o1 + m) and _same(y, o2):
             return "post"
-        if _same(attn.input, x) and _same(i1, a) and _same(mlp.input, x + o1) and _same(i2, m) and _same(y, x + o1 + o2):
+        if (_same(attn.input, x) and _same(i1, a) and _same(mlp.input, x + o1) and _same(i2, m)
+                and _same(y, x + o1 + o2)):
             return "post_sublayer"
         if _same(i1, x) and _same(attn.input, o1) and _same(i2, x) and _same(mlp.input, o2) and _same(y, x + a + m):
             return "parallel2"
@@ -223,7 +231,8 @@ def _find_layers(info: _Info, attention_names: list[str]) -> str | None:
                 return head
         return None
     n = getattr(info.model.config.get_text_config(), "num_hidden_layers", None)
-    sized = [name for name in lists if name.startswith(info.prefix) and len(info.model.get_submodule(name)) == n]
+    sized = [name for name in lists
+             if name.startswith(info.prefix) and len(cast(nn.ModuleList, info.model.get_submodule(name))) == n]
     return sized[0] if len(sized) == 1 else None
 
 
@@ -346,7 +355,7 @@ def _blocks(info: _Info, attention_names: list[str], notes: dict) -> _Stack | No
     top = _find_layers(info, attention_names)
     if top is None or not top.startswith(info.prefix):
         return None
-    per_block = {}
+    per_block: dict[int, list[str]] = {}
     for name in attention_names:
         hit = _layer_index(name, top)
         if hit:
@@ -359,7 +368,7 @@ def _blocks(info: _Info, attention_names: list[str], notes: dict) -> _Stack | No
         notes["attention"] = f"blocks hold several attention modules or use different paths: {sorted(paths)}"
     if attention is None and not notes.get("attention"):
         notes["attention"] = "no attention module found in the blocks"
-    return _Stack(top, list(info.model.get_submodule(top)), attention,
+    return _Stack(top, list(cast(nn.ModuleList, info.model.get_submodule(top))), attention,
                   tuple(sorted(per_block)) if attention else ())
 
 
@@ -485,7 +494,7 @@ def _block_forms(info: _Info, stack: _Stack, layout, placement, norms: list, mlp
     return "generic", dropouts
 
 
-def _residual_dropouts(info: _Info, ref: str, attention: str, mlp: str):
+def _residual_dropouts(info: _Info, ref: str, attention: str | None, mlp: str):
     """Dropout modules of the block applied to the attention / MLP output before the residual add (phi3's
     resid_attn_dropout, GPT-NeoX's post_attention_dropout): identity in eval mode, so found by their input."""
     out = []
@@ -515,7 +524,7 @@ def _verify_form(info: _Info, ref: str, spec: blocks.BlockSpec) -> str | None:
     try:
         with torch.no_grad():
             out = blocks.run(block, spec, block.forward, call.input, tuple(args), kwargs)
-    except Exception as e:  # noqa: BLE001 - the reason is the answer
+    except Exception as e:  # the reason is the answer
         return f"the generic {spec.placement} block form failed on this block ({type(e).__name__}: {e})"
     out = out[0] if isinstance(out, tuple) else out
     if not _same(out, call.output):
@@ -540,7 +549,7 @@ def _position_notes(model, rotaries, table, mixers, layers_top, removable: bool)
     # nothing found: make sure there is nothing to find (a rotation computed inside attention, GPT-J style)
     try:
         embedded, sources = probes.position_sources(model, mixers, layers_top)
-    except Exception as e:  # noqa: BLE001 - a test that cannot run says nothing: refuse, with the reason
+    except Exception as e:  # a test that cannot run says nothing: refuse, with the reason
         return {"positions": f"the position test could not run ({type(e).__name__}: {e})"}
     if embedded or sources:
         return {"positions": "the model encodes position (on a repeated token, " + (
@@ -562,7 +571,7 @@ def _removal_leaves(model, rotaries, table, attention, layers_top) -> str | None
         if table:
             edits.mix_in(get_path(base, table), ZeroPositions, under=True)
         embedded, sources = probes.position_sources(model, attention, layers_top)
-    except Exception as e:  # noqa: BLE001 - a test that cannot run says nothing: refuse, with the reason
+    except Exception as e:  # a test that cannot run says nothing: refuse, with the reason
         return f"the test that the position signal can be taken out could not run ({type(e).__name__}: {e})"
     finally:
         edits.undo()
@@ -599,7 +608,7 @@ def _rotaries(info: _Info) -> tuple[str, ...]:
                 for k in keys:
                     module._buffers[k] = saved[k] * 0.5 + 0.1
                 after = _flat(module(*args, **kwargs))
-        except Exception:  # noqa: BLE001 - not callable with its recorded inputs: not a module we can rebuild
+        except Exception:  # not callable with its recorded inputs: not a module we can rebuild
             continue
         finally:
             module._buffers.update(saved)
@@ -659,7 +668,8 @@ def _residual(info: _Info, layers_top, indices, attention, mlp, norms, placement
     LayerNorm -> RMSNorm conversion folds into. ((), ..., reason) when they cannot all be identified, or when the
     blocks differ (a dense block then mixture-of-experts blocks)."""
     if placement != "pre":
-        return {}, (), (), (), f"the block norms are not all pre-norms of the residual stream (layout {placement or 'unknown'})"
+        return {}, (), (), (), ("the block norms are not all pre-norms of the residual stream "
+                                f"(layout {placement or 'unknown'})")
     if not mlp:
         return {}, (), (), (), "the block has no single MLP module whose output the probe can follow"
     found = [_block_residual(info, f"{layers_top}.{i}.", attention, mlp, norms) for i in indices]
@@ -670,7 +680,8 @@ def _residual(info: _Info, layers_top, indices, attention, mlp, norms, placement
     readers, writers = found[0]
     embedding = _stream_start(info, layers_top)
     if not embedding:
-        return {}, (), (), (), "cannot account for the residual stream's start (embeddings) as the sum of module outputs"
+        return {}, (), (), (), ("cannot account for the residual stream's start (embeddings) as the sum of module "
+                                "outputs")
     return readers, writers, embedding, _final_readers(info, final_norm), None
 
 
@@ -717,7 +728,7 @@ def _stream_start(info: _Info, layers_top: str):
 
 def _final_readers(info: _Info, final_norm):
     """What reads the final norm if not the LM head (OPT's project_out)."""
-    final_readers = ()
+    final_readers: tuple[str, ...] = ()
     if final_norm:
         out = info.call(info.prefix + final_norm).output
         head = info.model.get_output_embeddings()

@@ -13,6 +13,7 @@ start from.
 from __future__ import annotations
 
 import numbers
+from typing import cast
 
 import torch
 from torch import nn
@@ -33,8 +34,9 @@ def trained_window(config, params: dict | None = None) -> int | None:
         sets = [params]
     named = [getattr(config, name, None) for name in ("original_max_position_embeddings", "max_position_embeddings")]
     for value in [p.get("original_max_position_embeddings") for p in sets] + named:
-        if isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0:
-            return int(value)
+        # numbers.Real: typeshed gives the ABC no comparison with int nor __int__, which every real number has
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and cast(float, value) > 0:
+            return int(cast(float, value))
     return None
 
 
@@ -70,5 +72,5 @@ class ZeroPositions(nn.Embedding):
     """Mixed in just above nn.Embedding in a learned position table's class (`Edits.mix_in(..., under=True)`): the
     lookup returns zeros, so the model adds no position embedding (gradients do not reach the table)."""
 
-    def forward(self, input):  # noqa: A002 - nn.Embedding's name
+    def forward(self, input):  # `input`: nn.Embedding's own parameter name
         return torch.zeros(*input.shape, self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device)

@@ -178,7 +178,7 @@ def run(model, ids: torch.Tensor | None = None, record_interface: bool = True) -
         with ctx:
             model(input_ids=ids.to(device), use_cache=False)
         probe.interface = record_interface and bool(probe.attention)
-    except Exception as e:  # noqa: BLE001 - the reason goes into the adapter's notes
+    except Exception as e:  # the reason goes into the adapter's notes
         probe.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
     finally:
         for h in handles:

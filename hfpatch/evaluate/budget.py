@@ -26,6 +26,7 @@ import os
 import struct
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -127,7 +128,7 @@ def shape_of_gguf(path: str) -> Shape:
         return meta.get(f"{arch}.{key}", default)
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
-    vocab = get("vocab_size") or meta.get("tokenizer.ggml.tokens")
+    vocab = cast(int, get("vocab_size") or meta.get("tokenizer.ggml.tokens"))  # the token list's length
     return Shape(params=params, layers=get("block_count"), hidden=hidden, heads=heads,
                  kv_heads=get("attention.head_count_kv", heads), head_dim=get("attention.key_length", hidden // heads),
                  ffn=get("feed_forward_length", 4 * hidden), vocab=vocab, tied=True)
@@ -173,14 +174,14 @@ def memory_needed(shape: Shape, weight_bytes: int, tokens: int, new_tokens: int 
 def available_memory(device: str | None, device_map: str | None) -> tuple[int | None, str]:
     """(bytes free where the model will run, where), None when it cannot be told."""
 
-    if device_map or (device or "").startswith("cuda") or (device is None and torch.cuda.is_available()):
-        if torch.cuda.is_available():
-            if device_map:  # accelerate spreads the model over every GPU (and offloads to the CPU past them)
-                gpus = sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
-                cpu = _host_available()
-                return gpus + (cpu or 0), "GPUs and CPU"
-            index = torch.device(device or "cuda").index or 0
-            return torch.cuda.mem_get_info(index)[0], f"cuda:{index}"
+    on_gpu = device_map or (device or "").startswith("cuda") or device is None
+    if on_gpu and torch.cuda.is_available():
+        if device_map:  # accelerate spreads the model over every GPU (and offloads to the CPU past them)
+            gpus = sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+            cpu = _host_available()
+            return gpus + (cpu or 0), "GPUs and CPU"
+        index = torch.device(device or "cuda").index or 0
+        return torch.cuda.mem_get_info(index)[0], f"cuda:{index}"
     return _host_available(), "CPU"
 
 

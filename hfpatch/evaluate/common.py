@@ -60,7 +60,8 @@ def parse_fractions(text: str, flag: str, meaning: str) -> list[float]:
 
 def parse_patches(text: str) -> list[tuple[str, dict]]:
     """'none,yarn:2,ntk:2' -> [(name, patch kwargs)], every spec validated (no model needed) before any work."""
-    out, seen = [], {}
+    out: list = []
+    seen: dict = {}
     for raw in _split_specs(text):
         kwargs = specs.parse(raw)
         try:
@@ -120,10 +121,9 @@ def applied(model, kwargs: dict, name: str):
 def versions() -> dict:
     out = {"hfpatch": __version__, "transformers": transformers.__version__, "torch": torch.__version__,
            "python": platform.python_version()}
-    try:  # read from its metadata: importing datasets only for its version costs a second
+    # read from its metadata: importing datasets only for its version costs a second
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         out["datasets"] = importlib.metadata.version("datasets")
-    except importlib.metadata.PackageNotFoundError:
-        pass
     return out
 
 

@@ -28,7 +28,7 @@ from .. import command, spec
 from ..models import resolve
 
 try:
-    import lm_eval.models  # noqa: F401  (lm-eval's own models first: its registry imports them only while empty)
+    import lm_eval.models  # noqa: F401 (lm-eval's own models first: its registry imports them only while empty)
     from lm_eval.api.registry import register_model
     from lm_eval.models.huggingface import HFLM
 except ImportError:  # the optional extra is not installed

@@ -12,9 +12,13 @@ import hashlib
 import random
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .. import text as texts
+
+T = TypeVar("T")  # what a fit() build makes
 
 # The repeated noise of the passkey test, which RULER also uses as its "noise" haystack.
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -161,7 +165,7 @@ def insert_at(units: list[str], needles: list[str], positions: list[int]) -> lis
     order = sorted(range(len(needles)), key=lambda i: positions[i])
     out, start = [], 0
     for i in order:
-        out += units[start:positions[i]] + [needles[i]]
+        out += [*units[start:positions[i]], needles[i]]
         start = positions[i]
     return out + units[start:]
 
@@ -177,7 +181,8 @@ def boundary(units: list[str], fraction: float) -> int:
     return len(units)
 
 
-def fit(build, count_tokens, budget: int, low: int, high: int, start: int | None = None) -> tuple[int, object]:
+def fit(build: Callable[[int], T], count_tokens: Callable[[T], int], budget: int, low: int, high: int,
+        start: int | None = None) -> tuple[int, T]:
     """The largest n in [low, high] whose build(n) has at most `budget` tokens, and that build (build(n) must not
     shrink as n grows). The search starts at `start` (the answer for a similar prompt) or, without one, where the
     token counts of two small builds extrapolate to; it walks in steps of about 1/64 of that until it crosses the

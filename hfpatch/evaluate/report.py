@@ -68,9 +68,9 @@ def grid_tables(cells: list[dict], patches: list[str], lengths: list[int], depth
             rows.append([f"{d:g}"] + [_share(done.get((p, n, d)), value) for n in lengths])
         means = []
         for n in lengths:
-            cs = [done.get((p, n, d)) for d in depths]
+            cs: list = [done.get((p, n, d)) for d in depths]  # None for a missing cell: checked below
             means.append("—" if None in cs else f"{sum(c[value] for c in cs) / len(cs):.2f}")
-        rows.append(["**mean**"] + means)
+        rows.append(["**mean**", *means])
         header = [row] + [length_label(n) for n in lengths]
         out.append(f"**{p}**: {title}\n\n" + markdown_table(header, rows))
     return "\n\n".join(out)

@@ -55,15 +55,15 @@ class Results:
                              "or use another --out") from None
         for stale in self.path.parent.glob(self.path.name + ".*.tmp"):  # left by a killed run (we hold the lock)
             stale.unlink(missing_ok=True)
-        self.data = None
+        loaded = None
         if self.path.exists() and not overwrite:
             try:
-                self.data = self._load(identity)
+                loaded = self._load(identity)
             except ValueError:
                 self.close()
                 raise
-        if self.data is None:
-            self.data = {"kind": kind, "format": FORMAT, "identity": identity, "cells": [], "started": now()}
+        self.data: dict = loaded if loaded is not None else {
+            "kind": kind, "format": FORMAT, "identity": identity, "cells": [], "started": now()}
         self.resumed = bool(self.data["cells"])
 
     def _damaged(self, what: str) -> ValueError:
@@ -109,7 +109,7 @@ class Results:
             try:
                 expected = self.summarize(records)
             except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-                raise self._damaged(f"{name}: its {self.records} cannot be summarized ({type(e).__name__}: {e})")
+                raise self._damaged(f"{name}: its {self.records} cannot be summarized ({type(e).__name__}: {e})") from e
             wrong = sorted(k for k, v in expected.items() if not _same(cell.get(k), v))
             if wrong:
                 raise self._damaged(f"{name}: {', '.join(wrong)} differ from what its {self.records} give")

@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from tqdm.auto import tqdm
 
@@ -93,7 +94,7 @@ class Evaluation:
     default_patches = "none,yarn:2"
     # the cells' coordinates besides the patch spec: settings key -> the cell field it lists (numeric ones are shown
     # sorted, the others in the order they were run)
-    axes: dict = {}
+    axes: ClassVar[dict[str, str]] = {}
 
     @property
     def name(self) -> str:
@@ -165,7 +166,8 @@ def build_parser(ev: Evaluation) -> command.Parser:
                                     "ignored with --device-map")
     p.add_argument("--patches", default=ev.default_patches,
                    help="comma-separated patch specs, each applied to the same loaded model and removed again: "
-                        f"none, yarn:2, ntk:2, dynamic, linear:2, yarn:4:beta_fast=16, ... (default {ev.default_patches})")
+                        "none, yarn:2, ntk:2, dynamic, linear:2, yarn:4:beta_fast=16, ... "
+                        f"(default {ev.default_patches})")
     ev.add_arguments(p)
     p.add_argument("--out", default=ev.default_out,
                    help=f"folder for results.json, table.md and the plot (default {ev.default_out})")
@@ -242,9 +244,9 @@ def covering(ev: Evaluation, data: dict) -> dict:
     results file to add one spec or one length (e.g. `dynamic` only at 16k) shows the whole table, the cells it
     did not run included, instead of its own slice. The file itself keeps the command's settings."""
     cells, settings = data.get("cells", []), dict(data.get("settings", {}))
-    for key, field in {"patches": "patch", **ev.axes}.items():
+    for key, column in {"patches": "patch", **ev.axes}.items():
         if isinstance(settings.get(key), list):
-            values = list(dict.fromkeys([*(c[field] for c in cells if field in c), *settings[key]]))
+            values = list(dict.fromkeys([*(c[column] for c in cells if column in c), *settings[key]]))
             numeric = all(isinstance(v, (int, float)) for v in values)
             settings[key] = sorted(values) if numeric else values
     return {**data, "settings": settings}
@@ -341,13 +343,14 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
     bar = tqdm(total=sum(u.tokens for *_, left in todo for u in left), unit="tok", unit_scale=True, desc=ev.name,
                file=sys.stderr, dynamic_ncols=True)
     try:
-        for spec, group in itertools.groupby(todo, key=lambda item: item[0]):
-            group = list(group)
+        for spec, entries in itertools.groupby(todo, key=lambda item: item[0]):
+            group = list(entries)
             with applied(run.model, group[0][1], spec):  # patch once per spec, not per cell
                 for _, kwargs, c, left in group:
                     bar.set_postfix_str(" ".join([spec] + [_label(k, v) for k, v in c.key.items()]))
-                    cell = results.cell({"patch": spec, **c.key},
-                                        lambda: {"patch": spec, **c.key, **c.fields, "patch_kwargs": kwargs,
+                    cell = results.cell({"patch": spec, **c.key},  # cell() calls the maker at once, if at all:
+                                        lambda: {"patch": spec, **c.key, **c.fields,  # noqa: B023 - see above
+                                                 "patch_kwargs": kwargs,  # noqa: B023 - see above
                                                  ev.records: [], "complete": False})
                     paths_before = paths.ran(run.model)
                     for unit in left:

@@ -18,7 +18,7 @@ from ..adapters.probe import restore_modes
 from ..edits import Edits
 from ..warn import warn_caller
 from . import exact as ex
-from .modules import RMSNorm, NormModule, build, read
+from .modules import NormModule, RMSNorm, build, read
 
 
 def _parent(root, path: str):
@@ -51,7 +51,7 @@ def current_kind(model, adapter: Adapter) -> str:
     return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "none")
 
 
-def exact_blocker(model, adapter: Adapter, placement: str) -> str | None:
+def exact_blocker(model, adapter: Adapter, placement: str | None) -> str | None:
     """Why LayerNorm -> RMSNorm cannot be function-preserving on this model (None: it can)."""
     if placement is None:
         return adapter.notes.get("exact") or adapter.notes.get("placement") or "the block layout is unknown"
@@ -75,7 +75,7 @@ def _warn_once(message: str):
         warn_caller(message)
 
 
-def apply_norm(model, adapter: Adapter, req: dict, norm, placement: str, edits: Edits) -> dict:
+def apply_norm(model, adapter: Adapter, req: dict, norm, placement: str | None, edits: Edits) -> dict:
     """Swap the norms for the kind `req` asks for (`norm`: its record in norm/kinds.NORMS, whose requirements the
     caller checked); returns facts for describe(): {"exact": bool, "reason": str (when not exact)}."""
     kind, want_exact = req["kind"], req.get("exact", True)
@@ -108,7 +108,7 @@ def _plain_swap(model, path, module, norm, adapter, edits, attributes):
     bias = p.bias if not norm.bias or not affine else (p.bias if p.bias is not None else torch.zeros_like(p.weight))
     like = p.weight if affine else (p.bias if p.bias is not None else next(model.parameters()))
     shape = p.weight.shape if affine else tuple(getattr(module, "normalized_shape", None) or
-                                                (getattr(module, "hidden_size", None) or getattr(module, "dim"),))
+                                                (getattr(module, "hidden_size", None) or module.dim,))
     new = build(norm.module, shape, p.eps, p.offset, p.weight, bias, like).train(module.training)
     for name, value in attributes.items():
         setattr(new, name, value)
@@ -232,7 +232,7 @@ def _exact_to_rmsnorm(model, adapter: Adapter, edits: Edits):
         _fold_norm(model, adapter.final_norm, [reader] if reader is not None else [], adapter, edits)
     # The head kept the original embedding matrix (times γ) while the input embedding was centred: untie them for
     # good, or transformers would tie them again on save/reload.
-    if tied and head.weight is not base.get_input_embeddings().weight:
+    if tied and head is not None and head.weight is not base.get_input_embeddings().weight:  # (tied: head exists)
         edits.set(model.config, "tie_word_embeddings", False)
 
 

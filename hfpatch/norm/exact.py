@@ -29,8 +29,9 @@ def centre_output(weight: torch.Tensor, bias: torch.Tensor | None, conv1d: bool 
     w = weight.double()
     out_dim = 1 if conv1d else 0
     w = w - w.mean(out_dim, keepdim=True)
-    b = None if bias is None else (bias.double() - bias.double().mean())
-    return w.to(weight.dtype), None if b is None else b.to(bias.dtype)
+    if bias is None:
+        return w.to(weight.dtype), None
+    return w.to(weight.dtype), (bias.double() - bias.double().mean()).to(bias.dtype)
 
 
 def fold_affine(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor | None,

@@ -17,8 +17,8 @@ A record says:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .batchnorm import attach
 from .convert import exact_rmsnorm, norm_sites

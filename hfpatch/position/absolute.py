@@ -34,7 +34,7 @@ def interpolate_rows(table: torch.Tensor, factor: float, keep: int = 0) -> torch
     row). The first `keep` rows (OPT's offset rows) are copied as they are."""
     head, body = table[:keep], table[keep:].double()
     n = body.shape[0]
-    new_n = int(math.ceil(n * factor))
+    new_n = math.ceil(n * factor)
     x = torch.arange(new_n, dtype=torch.float64, device=table.device) / factor
     lo = x.floor().clamp(max=n - 1).long()
     hi = (lo + 1).clamp(max=n - 1)
@@ -66,7 +66,7 @@ class SinusoidalPositions(nn.Embedding):
     hfpatch_offset: int = 0
     hfpatch_pe_scale: float = 1.0
 
-    def forward(self, input):  # noqa: A002
+    def forward(self, input):  # `input`: nn.Embedding's own parameter name
         pe = sinusoidal_table(input - self.hfpatch_offset, self.embedding_dim) * self.hfpatch_pe_scale
         return pe.to(device=self.weight.device, dtype=self.weight.dtype)
 

@@ -54,7 +54,7 @@ def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> list[float]:
     def power_of_two(n):
         return [2.0 ** (-max_bias * (h + 1) / n) for h in range(n)]
 
-    p = 2 ** int(math.floor(math.log2(n_heads)))
+    p = 2 ** math.floor(math.log2(n_heads))
     if p == n_heads:
         return power_of_two(n_heads)
     return power_of_two(p) + power_of_two(2 * p)[0::2][: n_heads - p]
@@ -75,7 +75,7 @@ def _slopes(module, like):
 
 def factorise(slopes: torch.Tensor, query, key, value, scaling: float, centre: int):
     """Query/key/value with the ALiBi channels appended: scaling·(q'·k') = scaling·q·k + m·(j − centre)."""
-    b, h, q_len, d = query.shape
+    b, h, q_len, _ = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     extra = 2  # padding to a multiple of 8 measured no faster once denormals are flushed
     j = torch.arange(kv_len, device=key.device, dtype=torch.float64) - centre

@@ -17,10 +17,10 @@ BLOCK_ELEMENTS = 1 << 24  # scores per block of queries when blocked (64 MB in f
 def explicit_attention(scores, value, attention_mask, q_pos, k_pos, *, softcap=None, causal=True, dropout=0.0,
                        training=False, block=False):
     """Like transformers' eager attention, with the scores of query rows s:e given by `scores(s, e)` as (logits [b,
-    H, e - s, kv], scaled; bias or None): softcapping of the logits, then the bias added, then the mask (bool: True = attend; float: additive; None:
-    causal by q_pos / k_pos when `causal`), softmax in float32, dropout, times `value` ([b, H, kv, d], GQA already
-    expanded). With `block`, a block of queries at a time (at most BLOCK_ELEMENTS scores exist at once) and no weights
-    are kept. Returns (output [b, q, H, d], weights or None)."""
+    H, e - s, kv], scaled; bias or None): softcapping of the logits, then the bias added, then the mask (bool:
+    True = attend; float: additive; None: causal by q_pos / k_pos when `causal`), softmax in float32, dropout, times
+    `value` ([b, H, kv, d], GQA already expanded). With `block`, a block of queries at a time (at most
+    BLOCK_ELEMENTS scores exist at once) and no weights are kept. Returns (output [b, q, H, d], weights or None)."""
     b, h, kv_len, _ = value.shape
     q_len = q_pos.shape[0]
     step = q_len if not block else max(1, min(q_len, BLOCK_ELEMENTS // max(1, b * h * kv_len)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from typing import cast
 
 import torch
 
@@ -44,7 +45,7 @@ def max_positions(scheme, window: int, opts: dict) -> int:
     factor = opts.get("factor")
     if scheme.max_positions != "extended" or factor is None or window is None:
         return window
-    return int(math.ceil(window * factor))
+    return math.ceil(window * factor)
 
 
 def default_layer_types(config) -> list:
@@ -59,12 +60,11 @@ def apply_rope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None
     text_config = model.config.get_text_config()
     opts = {k: v for k, v in req.items() if k not in ("scheme", "layer_types", "original_max_position_embeddings")}
     rotaries = rotaries_of(model, adapter)
-    n_positions = None
     done = {}  # id(config) -> (new config the rotaries of that config read, per-type base params, window)
     for rotary, config in rotaries:
         if id(config) not in done:
             done[id(config)] = _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edits)
-        rope_config, base, window, n_positions = done[id(config)]
+        rope_config, base, window, _ = done[id(config)]
         if rope_config is not config:
             edits.set(rotary, "config", rope_config)
         rot.rebuild(rotary, rope_config, edits)
@@ -156,7 +156,7 @@ def native_form_kept(config, rope_parameters: dict) -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             built = type(config).from_dict(data)
-    except Exception:  # noqa: BLE001 - the class refuses them
+    except Exception:  # the class refuses them
         return False
     got = getattr(built, "rope_parameters", None)
     return isinstance(got, dict) and types(got) == types(rope_parameters)
@@ -243,14 +243,15 @@ def _signal_of(adapter) -> str:
 def apply_interpolate(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
     """A learned position table stretched to factor x its length by linear interpolation of its rows."""
     base = model.base_model
-    table = get_path(base, adapter.position_table)
+    path = cast(str, adapter.position_table)  # the scheme requires a table (its Requirement)
+    table = get_path(base, path)
     new = absolute.interpolate_rows(table.weight.detach(), req["factor"], keep=adapter.position_offset)
     n_positions = new.shape[0] - adapter.position_offset
     edits.set(table, "weight", torch.nn.Parameter(new, requires_grad=table.weight.requires_grad))
     edits.set(table, "num_embeddings", new.shape[0])
     edits.set(model.config.get_text_config(), "max_position_embeddings", n_positions)
     # BERT keeps position_ids / token_type_ids buffers of the table's length
-    owner = get_path(base, adapter.position_table.rpartition(".")[0]) if "." in adapter.position_table else base
+    owner = get_path(base, path.rpartition(".")[0]) if "." in path else base
     for name, fill in (("position_ids", "arange"), ("token_type_ids", "zeros")):
         buf = getattr(owner, "_buffers", {}).get(name)
         if buf is not None:

@@ -38,8 +38,8 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from ..adapters import Adapter
 from ..edits import Edits
 from . import flex, paths, split
-from .attention import biased_attention, causal_of
 from .absolute import sinusoidal_table
+from .attention import biased_attention, causal_of
 from .patch import attention_modules, remove_positions, use_attention
 
 T5_NAME, T5_EAGER = "hfpatch_t5", "hfpatch_t5_eager"
@@ -52,7 +52,8 @@ XL_ATTR = "hfpatch_xl"  # on each attention module: its XLPositions
 def t5_buckets(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int = 32,
                max_distance: int = 128) -> torch.Tensor:
     """The bucket of each relative position (key position − query position), as T5 defines it."""
-    n, offset = num_buckets, 0
+    n = num_buckets
+    offset: torch.Tensor | int = 0
     if bidirectional:
         n //= 2
         offset = (relative_position > 0).long() * n  # keys after the query: the upper half of the buckets
@@ -230,8 +231,9 @@ for _scheme, _name, _eager_name, _terms in (("t5", T5_NAME, T5_EAGER, _t5_terms)
 
 def apply_t5(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
     if len(set(adapter.heads)) != 1:
-        raise ValueError(f"position='t5' shares one bias table across the layers (as T5 does), but {adapter.model_type}'s "
-                         f"attention layers have different head counts ({sorted(set(adapter.heads))})")
+        raise ValueError("position='t5' shares one bias table across the layers (as T5 does), "
+                         f"but {adapter.model_type}'s attention layers have different head counts "
+                         f"({sorted(set(adapter.heads))})")
     remove_positions(model, adapter, req["scheme"], edits, reloadable=True)
     like = model.get_input_embeddings().weight
     n = req.get("num_buckets", 32)

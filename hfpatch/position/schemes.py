@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from . import rope
 from .alibi import apply_alibi
@@ -143,7 +143,8 @@ REQUIREMENTS: dict[str, Requirement] = {
     "known_positions": Requirement(
         lambda a, r: a.layers is not None and a.position_signal != "unknown" and "removal" not in a.notes,
         lambda a, s: (f"position={s!r} replaces the model's position signal, but {a.model_type}'s cannot be "
-                      "taken out: " + (a.notes.get("positions") or a.notes.get("removal") or a.notes.get("blocks", "")))),
+                      "taken out: "
+                      + (a.notes.get("positions") or a.notes.get("removal") or a.notes.get("blocks", "")))),
     "attention_interface": Requirement(
         lambda a, r: a.attention_interface,
         lambda a, s: (f"position={s!r} runs its own attention function, but {a.model_type}'s attention does not "
@@ -291,7 +292,8 @@ def request(scheme, options: dict) -> dict:
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ValueError(
-            f"position={name!r} does not take {', '.join(unknown)}; it accepts: {', '.join(sorted(allowed)) or 'no options'}"
+            f"position={name!r} does not take {', '.join(unknown)}; "
+            f"it accepts: {', '.join(sorted(allowed)) or 'no options'}"
         )
     if s.factor == "required" and options.get("factor") is None:
         raise ValueError(f"position={name!r} needs factor= (a finite number > 1, the context extension ratio)")
@@ -315,4 +317,4 @@ def unavailable(name: str, adapter, req: dict | None = None) -> str | None:
 def from_rope_type(rope_type: str) -> str:
     """The scheme a native rope_type reads as (describe() of an unpatched model)."""
     named = {"default": "rope"}
-    return named.get(rope_type, rope_type if rope_type in SCHEMES else rope_type)
+    return named.get(rope_type, rope_type)

@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import cast
 
 import torch
 from transformers import AttentionInterface
@@ -120,7 +121,7 @@ class Maps:
 
     group_size: int
     window: int
-    rotary: torch.nn.Module
+    rotary: SelfExtendRotary  # the model's rotary module with SelfExtendRotary mixed in
     layer_type: str | None
     apply: Callable
 
@@ -187,7 +188,7 @@ def _pieces(qn, kn, qg, kg, v, attention_mask, window: int, scaling: float):
         e = min(kv_len, s + rows_per_block)
         r = slice(s - first, e - first)
 
-        def piece(q, k, lo, hi, rows=slice(None), causal=False, flip=False):
+        def piece(q, k, lo, hi, rows=slice(None), causal=False, flip=False, r=r):  # r: this block's query rows
             m = None if attention_mask is None else _additive(attention_mask[:, :, r][:, :, rows, lo:hi], q.dtype)
             return _attend(q[:, :, r][:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], m, causal, scaling, flip)
 
@@ -203,10 +204,10 @@ def _pieces(qn, kn, qg, kg, v, attention_mask, window: int, scaling: float):
             parts.append((rows, piece(qg, kg, g - window, e - window, rows, causal=True)))
             if g > window:
                 parts.append((rows, piece(qg, kg, 0, g - window, rows)))
-        for rows, (o, l) in filter(None, parts):
-            total = torch.logaddexp(lse[..., rows], l)
+        for rows, (o, lse_o) in filter(None, parts):
+            total = torch.logaddexp(lse[..., rows], lse_o)
             acc[:, :, rows] = (acc[:, :, rows] * (lse[..., rows] - total).exp()[..., None]
-                               + o.float() * (l - total).exp()[..., None])
+                               + o.float() * (lse_o - total).exp()[..., None])
             lse[..., rows] = total
         outs.append(acc.to(v.dtype))
     return torch.cat(outs, dim=2)
@@ -278,7 +279,8 @@ PATHS = (
 )
 
 
-def self_extend_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def self_extend_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     maps: Maps = getattr(module, STATE_ATTR)
     paths.record(module, "eager")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -304,8 +306,9 @@ def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
                          f"{adapter.model_type} has {len(rotaries)} ({', '.join(adapter.rotaries)})")
     rotary, config = rotaries[0]
     types = layer_types(config)
-    trained = trained_window(config, config.rope_parameters if types == [None] else {})
-    if W > trained:
+    # a RoPE config names its window (None would fail the comparison below, as before)
+    trained = cast(int, trained_window(config, config.rope_parameters if types == [None] else {}))
+    if trained < W:
         raise ValueError(f"window={W} is beyond the {trained} tokens {adapter.model_type} was trained on; "
                          f"Self-Extend keeps exact positions only inside the window, so window must be <= {trained}")
     text = model.config.get_text_config()
@@ -326,7 +329,7 @@ def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
     name = EAGER_NAME if model.config._attn_implementation == "eager" else SDPA_NAME
     for c in {id(c): c for c in (model.config, text)}.values():
         edits.set(c, "_attn_implementation_internal", name)
-    if check:  # with every key inside the window, the model must be itself again
+    if before is not None:  # (check) with every key inside the window, the model must be itself again
         for attn, maps in targets:
             edits.set(attn, STATE_ATTR, dataclasses.replace(maps, window=_EVERYTHING_NEAR))
         after = _logits(model, "with position='self-extend'")

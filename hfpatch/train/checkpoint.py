@@ -35,12 +35,16 @@ import pickle
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from accelerate.utils import broadcast_object_list
 from accelerate.utils import load as load_pickle  # torch.load(weights_only=True) + numpy arrays
 
 from ..files import PARTIAL as _PARTIAL  # suffix of a folder being written (or being deleted)
-from ..files import differences, fsync as _fsync, publish, sha256_many, write_json  # noqa: F401 (re-exported)
+
+# publish is also used as checkpoint.publish by the loop
+from ..files import differences, publish, sha256_many, write_json
+from ..files import fsync as _fsync
 from .config import ConfigError
 
 MARKER = "hfpatch_checkpoint.json"
@@ -121,7 +125,7 @@ def newest_complete(root: Path, check=None) -> tuple[Path | None, list[str]]:
     `check(info)`: a further reason to skip a checkpoint whose files are complete (None: none)."""
     found = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
                    if (m := _STEP.fullmatch(p.name)))
-    skipped = []
+    skipped: list[str] = []
     for _, path in reversed(found):
         why = problem(path)
         if why is None and check is not None:
@@ -146,22 +150,22 @@ def resume(accelerator, resume, out: Path, states: dict, log: Path, identity: di
         return states_problem(info, states) or (consistent(info) if consistent else None)
 
     # the main process checks the files (hashing them once) and tells the others what it chose
-    choice = [None, [], None]  # (why refused, skipped folders, the chosen one)
+    choice: list[Any] = [None, [], None]  # (why refused, skipped folders, the chosen one)
     if accelerator.is_main_process:
         if isinstance(resume, str):
-            path = Path(resume)
-            why = problem(path)
-            why = why or check(json.loads((path / MARKER).read_text()))
-            choice = [why and f"resume: {path} is not a complete checkpoint: {why}", [], str(path)]
+            given = Path(resume)
+            why = problem(given)
+            why = why or check(json.loads((given / MARKER).read_text()))
+            choice = [why and f"resume: {given} is not a complete checkpoint: {why}", [], str(given)]
         else:
-            path, skipped = newest_complete(out / "checkpoints", check)
-            choice = [None, skipped, str(path) if path else None]
+            newest, skipped = newest_complete(out / "checkpoints", check)
+            choice = [None, skipped, str(newest) if newest else None]
     if accelerator.num_processes > 1:
         broadcast_object_list(choice)
-    refused, skipped, path = choice
+    refused, skipped, chosen = choice
     if refused:
         raise ConfigError(refused)
-    path = Path(path) if path else None
+    path = Path(chosen) if chosen else None
     for line in skipped:
         accelerator.print(f"resume: skipped {line}")
     step = 0

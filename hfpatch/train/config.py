@@ -7,6 +7,7 @@ missing data path is one clear error (ConfigError), never ignored.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import difflib
@@ -113,7 +114,8 @@ DISTILL = {
     }
 }
 
-PRETRAIN = {"model_config": (dict, {})}  # model built from a config: {model_type: llama, hidden_size: ...}
+# model built from a config: {model_type: llama, hidden_size: ...}
+PRETRAIN: dict[str, tuple] = {"model_config": (dict, {})}
 
 POSE = {
     "pose": {  # positional skip-wise training (pose.py): seq_len tokens, positions spread over target_len
@@ -162,10 +164,8 @@ def _check(schema: dict, values: dict, where: str = "") -> Config:
         if float in types and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if float in types and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-            try:
+            with contextlib.suppress(ValueError):
                 value = float(value)
-            except ValueError:
-                pass
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
             raise ConfigError(f"{name} must be {names}, got {value!r} ({type(value).__name__})")

@@ -41,7 +41,7 @@ def packed(cfg, tok) -> tuple[torch.Tensor, torch.Tensor]:
                           "give more text or lower seq_len")
     seqs = torch.from_numpy(ids[: n * cfg.seq_len].copy()).view(n, cfg.seq_len)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed))
-    n_eval = int(round(n * d.eval_fraction))
+    n_eval = round(n * d.eval_fraction)
     n_eval = min(max(n_eval, 1 if d.eval_fraction > 0 else 0), n - 1)
     return seqs[order[n_eval:]], seqs[order[:n_eval]]
 
@@ -49,7 +49,8 @@ def packed(cfg, tok) -> tuple[torch.Tensor, torch.Tensor]:
 def batch_indices(n: int, global_batch: int, step: int, seed: int) -> torch.Tensor:
     """The sequence indices of global batch `step` (0-based): epochs are seeded permutations of range(n), read
     in order, wrapping into the next epoch."""
-    out, start = [], step * global_batch
+    out: list = []
+    start = step * global_batch
     while len(out) < global_batch:
         epoch, offset = divmod(start + len(out), n)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))

@@ -9,7 +9,8 @@ writing (log rows, markers, configs, tokenizer files), os.rename / os.replace an
 JSON line per event ({"n", "kind", "path"}, path relative to OUT) before the event happens. --kill-at N: at the N-th
 event (from 0) whose "kind path" matches --match, the process SIGKILLs itself: torch.save / save_file write their
 file, which is then cut to half its size, and a file opened for writing gets half of its first write (torn writes),
-before the kill; renames and rmtree are killed just before they happen. The hooks run inside the process, so the kill lands exactly there, every time.
+before the kill; renames and rmtree are killed just before they happen. The hooks run inside the process, so the
+kill lands exactly there, every time.
 """
 
 from __future__ import annotations

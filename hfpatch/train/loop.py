@@ -24,6 +24,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -173,8 +174,9 @@ def prepare(cfg, model, teacher=None) -> Run:
     loss_module = CausalLMLoss(model, chunk=cfg.loss_chunk, teacher=teacher,
                                alpha=distill.alpha if distill else 0.0,
                                temperature=distill.temperature if distill else 1.0, fused=cfg.fused_loss)
+    fused: dict[str, Any] = {"fused": True} if cfg.fused_optimizer else {}
     optimizer = torch.optim.AdamW([p for p in loss_module.parameters() if p.requires_grad], lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay, **({"fused": True} if cfg.fused_optimizer else {}))
+                                  weight_decay=cfg.weight_decay, **fused)
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
     loss_module, optimizer = accelerator.prepare(loss_module, optimizer)
     params = [p for p in loss_module.parameters() if p.requires_grad]  # after prepare: FSDP2 replaces them

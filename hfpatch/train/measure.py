@@ -4,10 +4,12 @@ probe, training steps timed side by side, and the summary of a run's training lo
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -20,7 +22,6 @@ from ..text import documents, tokenize
 from ..timing import medians
 from .config import ConfigError
 
-
 # ------------------------------------------------------------------------------------------------ gradient norms
 
 class GradNorms:
@@ -32,8 +33,9 @@ class GradNorms:
     def __init__(self, model, path: Path, first_step: int):
         target = unwrap(model)
         prefix = "" if target.base_model is target else target.base_model_prefix + "."
-        layers = prefix + adapter_for(target).layers + "."
-        self.path, self.step, self.sq = path, first_step, {}
+        layers = prefix + cast(str, adapter_for(target).layers) + "."  # a model we train has its blocks found
+        self.path, self.step = path, first_step
+        self.sq: dict = {}
         self.handles = []
         seen = set()
         for name, p in target.named_parameters():
@@ -50,7 +52,7 @@ class GradNorms:
             self.sq[key] = (group, float(p.grad.detach().float().pow(2).sum()))  # latest = the accumulated gradient
         return read
 
-    def _flush(self, optimizer, args, kwargs):
+    def _flush(self, optimizer, args, kwargs) -> None:
         self.step += 1
         groups: dict[str, float] = {}
         for group, sq in self.sq.values():
@@ -122,7 +124,7 @@ def recall(model, ids: torch.Tensor, distances: list[int], span: int = 32, trial
     the second A (its tokens after the first) in the control minus in the copy: ~0 when nothing is recalled from
     that far, up to the control NLL when the copy is perfect. Distances whose sequence passes `limit` are skipped."""
     g = torch.Generator().manual_seed(seed)
-    out = {}
+    out: dict[str, dict[str, float | str]] = {}
     for d in distances:
         total = 2 * span + d
         if limit is not None and total > limit:
@@ -134,7 +136,7 @@ def recall(model, ids: torch.Tensor, distances: list[int], span: int = 32, trial
             A, B, filler = ids[a:a + span], ids[b:b + span], ids[f + span:f + span + d]
             copy_seqs.append(torch.cat([A, filler, A]))
             control_seqs.append(torch.cat([B, filler, A]))
-        nll = {}
+        nll: dict[str, float] = {}
         for name, seqs in (("copy", torch.stack(copy_seqs)), ("control", torch.stack(control_seqs))):
             # the second A's tokens after its first one
             total_nll, count = logits_nll(model, seqs, first=total - span + 1, batch=4)
@@ -162,7 +164,7 @@ def training_summary(out: Path) -> dict:
         return {}
     losses = [r["loss"] for r in rows]
     seconds = [r["seconds"] for r in rows]
-    deltas = [b - a for a, b in zip(seconds, seconds[1:]) if b > a]  # a resumed run restarts its clock
+    deltas = [b - a for a, b in itertools.pairwise(seconds) if b > a]  # a resumed run restarts its clock
     smooth = [statistics.fmean(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
     finite = all(math.isfinite(x) for x in losses)
     final = smooth[-1] if finite else float("nan")

@@ -11,8 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import hfpatch
 
 from ..models import load as load_model
-from ..text import load_tokenizer
 from ..position.schemes import SCHEMES
+from ..text import load_tokenizer
 from . import memory, parallel
 from .config import ConfigError
 
@@ -35,7 +35,8 @@ def load(cfg):
     """(model, tokenizer) of cfg.model (cfg.tokenizer overrides the tokenizer)."""
     try:
         model, tok = load_model(cfg.model, dtype=dtype_of(cfg), tokenizer=not cfg.tokenizer,
-                                trust_remote_code=cfg.trust_remote_code, allow_pickled_weights=cfg.allow_pickled_weights)
+                                trust_remote_code=cfg.trust_remote_code,
+                                allow_pickled_weights=cfg.allow_pickled_weights)
     except (ValueError, OSError) as e:
         raise ConfigError(f"model: {e}") from None
     if cfg.tokenizer:
@@ -106,6 +107,7 @@ def apply_patch(model, cfg):
             raise ConfigError(str(e)) from None
     head = hfpatch.apply.unwrap(model).get_output_embeddings()
     if cfg.fused_loss and not isinstance(head, torch.nn.Linear):
-        raise ConfigError(f"fused_loss needs a linear LM head; this model's is {type(head).__name__}: remove fused_loss")
+        raise ConfigError(f"fused_loss needs a linear LM head; this model's is {type(head).__name__}: "
+                          "remove fused_loss")
     parallel.check(cfg, scheme)
     return model

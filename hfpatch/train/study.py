@@ -117,7 +117,7 @@ def plan(study: dict) -> list[Run]:
             overrides = base + _flatten(extra) + [f"seed={seed}", f"output_dir={out}"]
             try:
                 # a study started again continues its runs: their folders may hold one (train() resumes it)
-                cfg = config.load("pretrain", None, overrides + ["resume=true"])
+                cfg = config.load("pretrain", None, [*overrides, "resume=true"])
             except ConfigError as e:
                 raise ConfigError(f"arm {arm!r}: {e}") from None
             runs.append(Run(arm, seed, out, overrides, cfg))

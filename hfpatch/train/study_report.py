@@ -49,7 +49,7 @@ def table(summary: dict) -> str:
         rows = [[a] + [_f(mean(r["statistics"]["nll"][k] for r in by_arm[a] if "statistics" in r), 4) for k in keys]
                 for a in arms]
         parts.append("**held-out NLL by normalisation statistics** (eval(): running; batchstats: the batch's own)\n\n"
-                     + markdown_table(["arm"] + keys, rows))
+                     + markdown_table(["arm", *keys], rows))
     if any("recall" in r for r in runs):
         ds = list(next(r for r in runs if "recall" in r)["recall"])
         rows = [[a] + [_f(mean(r["recall"][d].get("gain") for r in by_arm[a] if "recall" in r), 3) for d in ds]

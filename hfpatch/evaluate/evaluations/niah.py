@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import ClassVar
 
 from ... import text as texts
 from ...lm import greedy
@@ -106,7 +107,7 @@ def trial_offset(seed: int, trial: int, n_words: int) -> int:
 class Niah(sweep.Evaluation):
     records = "trials"
     unit_key = "trial"
-    axes = {"lengths": "length", "depths": "depth"}
+    axes: ClassVar[dict[str, str]] = {"lengths": "length", "depths": "depth"}
 
     def add_arguments(self, p) -> None:
         p.add_argument("--lengths", default="1k,2k,4k,8k",
@@ -140,8 +141,8 @@ class Niah(sweep.Evaluation):
                 units = []
                 for t in range(args.trials):  # the same haystacks for every spec and after a resume
                     offset = trial_offset(args.seed, t, len(src.words))
-                    size, sample = hs.fit(lambda m: build(src, offset, m, needles, d), lambda s: len(prompter.ids(s)),
-                                          n - args.new_tokens, 1, 4 * n, sizes.get(n))
+                    size, sample = hs.fit(lambda m: build(src, offset, m, needles, d),  # noqa: B023 - fit calls it now
+                                          lambda s: len(prompter.ids(s)), n - args.new_tokens, 1, 4 * n, sizes.get(n))
                     sizes[n] = size
                     _check_haystack(src, size, n, args.text_files)
                     ids = prompter.ids(sample)

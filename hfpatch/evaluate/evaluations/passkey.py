@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import re
 import sys
+from typing import ClassVar
 
 from ...lm import greedy
 from .. import report, sweep
@@ -73,7 +74,7 @@ def make_key(seed: int, length: int, depth: float, trial: int, digits: int) -> s
 class Passkey(sweep.Evaluation):
     records = "trials"
     unit_key = "trial"
-    axes = {"lengths": "length", "depths": "depth"}
+    axes: ClassVar[dict[str, str]] = {"lengths": "length", "depths": "depth"}
 
     def add_arguments(self, p) -> None:
         p.add_argument("--lengths", default="1k,2k,4k,8k",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import ClassVar
 
 import numpy as np
 from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
@@ -40,7 +41,7 @@ class Perplexity(sweep.Evaluation):
     kind = "perplexity"  # what its results files are marked with (files written so far resume under it)
     records = "documents"
     unit_key = "name"
-    axes = {"windowing": "windowing", "lengths": "length"}
+    axes: ClassVar[dict[str, str]] = {"windowing": "windowing", "lengths": "length"}
 
     def add_arguments(self, p) -> None:
         p.add_argument("--lengths", default=DEFAULT_LENGTHS,

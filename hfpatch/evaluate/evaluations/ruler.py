@@ -36,6 +36,8 @@ from __future__ import annotations
 import random
 import string
 import sys
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from ... import text as texts
 from ...lm import greedy
@@ -101,7 +103,8 @@ def niah(rng: random.Random, n: int, src: hs.Source, haystack: str, keys: str, v
             d_values = hs.distinct(values, rng, src.pool, n, avoid=[v for vals in value_list for v in vals])
             units = [NEEDLE.format(vs=vs, key=k, value=v) for k, v in zip(d_keys, d_values)]
         # needle before unit i: the fraction (i + 0.5) / n (int(n * fraction) == i, with no rounding doubt)
-        fractions = [(i + 0.5) / n for i in sorted(rng.sample(range(n), len(needles)))] if n >= len(needles) else [0.0] * len(needles)
+        fractions = ([(i + 0.5) / n for i in sorted(rng.sample(range(n), len(needles)))] if n >= len(needles)
+                     else [0.0] * len(needles))
         joiner = "\n"
     context = joiner.join(hs.insert(units, needles, fractions))
     asked = rng.sample(range(n_keys), n_queries)
@@ -110,7 +113,8 @@ def niah(rng: random.Random, n: int, src: hs.Source, haystack: str, keys: str, v
     query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
     if n_queries * n_values == 1:
         v = vs[:-1]  # singular: "A special magic number is hidden ..."
-        text, prefix = NIAH_TEMPLATE_ONE.format(v=v, context=context, query=query), NIAH_PREFIX_ONE.format(v=v, query=query)
+        text = NIAH_TEMPLATE_ONE.format(v=v, context=context, query=query)
+        prefix = NIAH_PREFIX_ONE.format(v=v, query=query)
     else:
         text, prefix = NIAH_TEMPLATE.format(vs=vs, context=context, query=query), NIAH_PREFIX.format(vs=vs, query=query)
     return hs.Sample(text, prefix, references, {"keys": key_list, "values": value_list, "queries": queries,
@@ -205,7 +209,8 @@ def fwe(rng: random.Random, n: int, src: hs.Source, length: int = 4096, alpha: f
 
 
 # name: (generator, keyword arguments, tokens to generate (RULER's), smallest haystack size)
-TASKS = {name: (niah, opts, 128, 1) for name, opts in NIAH.items()}
+TASKS: dict[str, tuple[Callable[..., hs.Sample], dict[str, Any], int, int]] = {
+    name: (niah, opts, 128, 1) for name, opts in NIAH.items()}
 TASKS.update({"vt": (vt, {}, 30, 1), "cwe": (cwe, {}, 120, 11), "fwe": (fwe, {}, 50, 20)})
 
 
@@ -249,7 +254,7 @@ def parse_tasks(text: str) -> list[str]:
 class Ruler(sweep.Evaluation):
     records = "samples"
     unit_key = "sample"
-    axes = {"tasks": "task", "lengths": "length"}
+    axes: ClassVar[dict[str, str]] = {"tasks": "task", "lengths": "length"}
 
     def add_arguments(self, p) -> None:
         p.add_argument("--tasks", default="all", help=f"comma-separated tasks or all (default): {', '.join(TASKS)}")
@@ -271,7 +276,8 @@ class Ruler(sweep.Evaluation):
         if not src.pool:  # keys and word lists are drawn from it
             raise ValueError("the text has no words of 3 to 10 lowercase letters to draw RULER's keys and word lists "
                              "from; give other text (--text-files)")
-        prompter, sizes = hs.Prompter(tok, args.chat_template), {}
+        prompter = hs.Prompter(tok, args.chat_template)
+        sizes: dict[tuple[str, int], int] = {}
         first = {(t, n): build(prompter, src, t, n, f"{args.seed}:{t}:{n}:0", sizes) for t in tasks for n in lengths}
         if args.samples > 1:  # every (task, length) fits: the input is valid; now the long part
             print(f"{self.prog}: generating {len(first) * (args.samples - 1)} more prompts", file=sys.stderr)
@@ -322,10 +328,10 @@ class Ruler(sweep.Evaluation):
                     for t in tasks]
             mean = []
             for n in lengths:
-                cs = [done.get((p, t, n)) for t in tasks]
+                cs: list = [done.get((p, t, n)) for t in tasks]  # None for a missing cell: checked below
                 mean.append("—" if None in cs else _percent(*_score_and_interval(pooled(cs))))
             if len(tasks) > 1:
-                rows.append(["**mean**"] + mean)
+                rows.append(["**mean**", *mean])
             out.append(f"**{p}**\n\n" + report.markdown_table(["task"] + [length_label(n) for n in lengths], rows))
         return "\n\n".join(out)
 
@@ -346,14 +352,14 @@ class Ruler(sweep.Evaluation):
             for i, p in enumerate(patches):
                 pts = []
                 for n in lengths:
-                    cs = [done.get((p, t, n)) for t in (tasks if panel == "mean" else [panel])]
+                    cs: list = [done.get((p, t, n)) for t in (tasks if panel == "mean" else [panel])]  # as above
                     if None not in cs:
                         score, _, (lo, hi) = pooled(cs)
                         pts.append((n, score, lo, hi))
                 if pts:
-                    xs, ys, los, his = zip(*pts)
+                    xs, scores, los, his = zip(*pts)
                     dodge = 1.06 ** (i - (len(patches) - 1) / 2)  # side by side, so that equal scores stay visible
-                    ys = [100 * y for y in ys]
+                    ys = [100 * y for y in scores]
                     err = [[y - 100 * lo for y, lo in zip(ys, los)], [100 * hi - y for y, hi in zip(ys, his)]]
                     ax.errorbar([x * dodge for x in xs], ys, yerr=err, marker="o", markersize=4, capsize=2,
                                 color=colors[i % len(colors)], label=p)
