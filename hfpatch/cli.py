@@ -147,8 +147,16 @@ def _run(args) -> int:
         print(markdown(results) if args.markdown else json.dumps(results, indent=2))
         return 0
     if args.command == "describe":
+        from hfpatch.serving import folder_differences
+
         model, _ = load(args.model, tokenizer=False, **_loading(args))
-        print(json.dumps(hfpatch.describe(model), indent=2, default=str))
+        info = hfpatch.describe(model)
+        serving = folder_differences(args.model)  # a saved folder: what vLLM / SGLang would serve differently
+        if serving:
+            info["serving"] = serving
+        print(json.dumps(info, indent=2, default=str))
+        for line in serving:
+            print(f"hfpatch: warning: {line}", file=sys.stderr)
         return 0
     # patch: validate the request before spending time loading the model
     kwargs = {k: getattr(args, k) for k in ("position", "factor", "norm", "exact", "placement",
