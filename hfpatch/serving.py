@@ -17,9 +17,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
-from .command import markdown_table
+from transformers import AutoConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .position.schemes import SCHEMES
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -112,8 +116,6 @@ _CHECKED = ("factor", "original_max_position_embeddings", "attention_factor", "b
 
 def transformers_attention(config, layer_type=None) -> float:
     """The cos/sin magnitude transformers applies for a config's RoPE (its own RoPE functions)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
     if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
         return 1.0
@@ -156,8 +158,6 @@ def folder_differences(path) -> list[str]:
     """`differences` of the config.json in a saved folder (what an engine reads), or [] for anything else."""
     if not (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))):
         return []
-    from transformers import AutoConfig
-
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError):
@@ -166,8 +166,6 @@ def folder_differences(path) -> list[str]:
     record = getattr(config, "hfpatch", None)
     spec = record.get("spec", {}) if isinstance(record, dict) else {}
     if "position" in spec:
-        from .position.schemes import SCHEMES
-
         scheme = spec["position"].get("scheme")
         if scheme in SCHEMES and not SCHEMES[scheme].native:
             out.append(f"position={scheme!r} is not in config.json's own terms: every engine but hfpatch serves the "
@@ -202,6 +200,12 @@ def markdown() -> str:
     return keys + "\n\n" + markdown_table(["engine", "rope_type", "what it does"], rows)
 
 
+def markdown_table(header: list, rows: list[list]) -> str:
+    # the evaluations' table helper lives above this layer (evaluate/report.py, with matplotlib); this is the same
+    lines = ["| " + " | ".join(str(h) for h in header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
 # rope_type -> the scheme keys transformers reads for it (which the table checks the engines against)
 _TRANSFORMERS_KEYS = {
     "linear": ("factor",),
@@ -216,8 +220,6 @@ _TRANSFORMERS_KEYS = {
 
 def main(argv=None) -> int:
     """python -m hfpatch.serving [FOLDER]: the docs table, or a saved folder's differences."""
-    import sys
-
     argv = sys.argv[1:] if argv is None else argv
     if argv:
         print(json.dumps(folder_differences(argv[0]), indent=2))

@@ -29,6 +29,7 @@ LAYERS: dict[str, set[str]] = {
     "lm": {"apply", "adapters"},  # a causal LM as body + head
     "gguf": {"spec", "apply", "adapters", "position", "edits"},  # GGUF in, GGUF out: llama.cpp's RoPE metadata
     "models": {"io", "files", "gguf"},  # load by name
+    "serving": {"position"},  # what vLLM and SGLang read of a saved checkpoint's RoPE
     "text": {"lm", "models", "files"},  # documents and tokenizers
     "families": {"apply", "adapters", "position", "tiny"},  # supported(): every family measured
     "hfpatch": {"spec", "apply", "families", "io"},  # the public API
@@ -36,7 +37,8 @@ LAYERS: dict[str, set[str]] = {
                  "gguf"},
     "train": {"hfpatch", "evaluate", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models",
               "text", "timing", "command", "files"},
-    "cli": {"hfpatch", "command", "evaluate", "norm", "spec", "models", "families", "apply", "files", "gguf"},
+    "cli": {"hfpatch", "command", "evaluate", "norm", "spec", "models", "families", "apply", "files", "gguf",
+            "serving"},
     "__main__": {"cli"},
 }
 
