@@ -20,6 +20,8 @@ placement swaps. Self-Extend is a run-time setting of llama.cpp, not metadata: t
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 import os
@@ -159,7 +161,8 @@ def _rope_numbers(params: dict, n_rot: int, n_positions: int):
                          vocab_size=2, intermediate_size=2, max_position_embeddings=n_positions,
                          rope_parameters=dict(params), bos_token_id=None, eos_token_id=None, pad_token_id=None)
     rope_type = params["rope_type"]
-    fn = LlamaRotaryEmbedding.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+    default = LlamaRotaryEmbedding.compute_default_rope_parameters
+    fn = default if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
     inv_freq, attention_factor = fn(config)
     return inv_freq.double().numpy(), float(attention_factor)
 
@@ -232,8 +235,8 @@ def _form_llama3(info, params, opts, n_positions):
 
 def _form_longrope(info, params, opts, n_positions):
     if info.arch not in LONGROPE_ARCHS:
-        raise ValueError(f"LongRoPE lives in rope_factors_long/short tensors, which llama.cpp's {info.arch} loader does "
-                         f"not read (architectures that do: {', '.join(sorted(LONGROPE_ARCHS))})")
+        raise ValueError(f"LongRoPE lives in rope_factors_long/short tensors, which llama.cpp's {info.arch} loader "
+                         f"does not read (architectures that do: {', '.join(sorted(LONGROPE_ARCHS))})")
     _, attention = _rope_numbers(params, info.n_rot, n_positions)
     # No rope.scaling.factor: llama.cpp would also divide every angle by it (freq_scale); the factors carry it all.
     keys = _plain_keys("longrope", **{"rope.scaling.attn_factor": (attention, "f32")})
@@ -265,7 +268,8 @@ def request(position=None, factor=None, **options) -> dict:
     req = specs.request(position=position, factor=factor, **options)
     other = [axis for axis in req if axis != "position"]
     if other:
-        raise ValueError(f"{'= and '.join(other)}= change{'s' if len(other) == 1 else ''} the model's blocks, which a GGUF export does not touch (it "
+        verb = "changes" if len(other) == 1 else "change"
+        raise ValueError(f"{'= and '.join(other)}= {verb} the model's blocks, which a GGUF export does not touch (it "
                          "copies the weights byte for byte and rewrites only RoPE metadata); llama.cpp runs its "
                          "architectures' own norms")
     if "position" not in req:
@@ -331,8 +335,8 @@ def export(src, out, position=None, factor=None, **options) -> dict:
 
 def _write(gguf, reader, out: str, keys: dict, drop: set, new_tensors: dict, drop_tensors: set) -> None:
     """Write `out`: the reader's metadata less `drop`, with `keys` (each where the key it replaces was, new ones at
-    the end), the new tensors first, then every other tensor but `drop_tensors` byte for byte. Written next to `out` and renamed at the
-    end, so a failure leaves no partial file."""
+    the end), the new tensors first, then every other tensor but `drop_tensors` byte for byte. Written next to `out`
+    and renamed at the end, so a failure leaves no partial file."""
     types = {"f32": gguf.GGUFValueType.FLOAT32, "u32": gguf.GGUFValueType.UINT32, "str": gguf.GGUFValueType.STRING}
     arch = _value(reader, "general.architecture")
     tmp = f"{out}.{os.getpid()}.tmp"
@@ -387,9 +391,17 @@ class Found:
 
 def read_patch(path) -> Found | None:
     """The RoPE scaling a GGUF file carries, or None when it carries none (plain RoPE as transformers loads it)."""
+    path = os.path.realpath(os.fspath(path))
+    st = os.stat(path)
+    return copy.deepcopy(_read_patch(path, st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=16)
+def _read_patch(path: str, mtime_ns: int, size: int) -> Found | None:
+    """read_patch, once per version of a file: parsing a GGUF's metadata (its vocabulary) takes seconds."""
     import gguf  # an optional extra (hfpatch[gguf])
 
-    reader = gguf.GGUFReader(os.fspath(path))
+    reader = gguf.GGUFReader(path)
     try:
         info = read_rope(reader)
     except ValueError:
@@ -489,7 +501,7 @@ def _llama3_from_freqs(info: RopeInfo) -> dict | None:
         window = -alpha / beta
     high = low + window / alpha
     patch = {"position": "llama3", "factor": s, "low_freq_factor": float(round(low, 6)),
-             "high_freq_factor": float(round(high, 6)), "original_max_position_embeddings": int(round(window))}
+             "high_freq_factor": float(round(high, 6)), "original_max_position_embeddings": round(window)}
     return patch
 
 

@@ -8,16 +8,15 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import WINDOW, stdlib_text, tiny_model
+from tiny_gguf import write_llama_gguf
+
+import hfpatch
+from hfpatch import gguf as hg
+from hfpatch.cli import main
+from hfpatch.models import load
 
 gguf = pytest.importorskip("gguf", reason="GGUF export needs the gguf package (pip install 'hfpatch[gguf]')")
-
-import hfpatch  # noqa: E402
-from hfpatch import gguf as hg  # noqa: E402
-from hfpatch.cli import main  # noqa: E402
-from hfpatch.models import load  # noqa: E402
-
-from conftest import WINDOW, stdlib_text, tiny_model  # noqa: E402
-from tiny_gguf import write_llama_gguf  # noqa: E402
 
 HEAD = 16  # the tiny llama's head_dim: 8 rotary frequencies
 SPECS = {

@@ -9,18 +9,17 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import stdlib_text
+
+import hfpatch
+from hfpatch import gguf as hg
+from hfpatch.evaluate import perplexity
+from hfpatch.evaluate.llamacpp import LlamaCppModel
+from hfpatch.lm import causal_lm_parts, document_nll, greedy
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp engine needs llama-cpp-python "
                                                     "(pip install 'hfpatch[llama-cpp]')")
 pytest.importorskip("gguf", reason="GGUF export needs the gguf package")
-
-import hfpatch  # noqa: E402
-from hfpatch import gguf as hg  # noqa: E402
-from hfpatch.evaluate import perplexity  # noqa: E402
-from hfpatch.evaluate.llamacpp import LlamaCppModel  # noqa: E402
-from hfpatch.lm import causal_lm_parts, document_nll, greedy  # noqa: E402
-
-from conftest import stdlib_text  # noqa: E402
 
 N = 256  # tokens per window: small enough for a busy 2-core machine
 
@@ -125,9 +124,9 @@ def test_engine_greedy_continues_like_transformers(smollm2, engine):
                                          ("self-extend:group_size=4:window=512", "--grp-attn-n 4"),
                                          ("norm=layernorm", "norm= changes the model's blocks")])
 def test_what_llama_cpp_cannot_run_is_refused_before_any_work(spec, reason, engine):
-    with pytest.raises(ValueError, match="with --engine llama.cpp") as e:
-        with engine.applied(hfpatch.spec.parse(spec), spec):
-            pass
+    kwargs = hfpatch.spec.parse(spec)
+    with pytest.raises(ValueError, match=r"with --engine llama\.cpp") as e, engine.applied(kwargs, spec):
+        pass
     assert reason in str(e.value)
 
 

@@ -8,12 +8,11 @@ import json
 import math
 
 import pytest
+from conftest import REPO, WINDOW, tiny_model
 
 import hfpatch
 from hfpatch import serving
 from hfpatch.cli import main
-
-from conftest import REPO, WINDOW, tiny_model
 
 
 def saved(tmp_path, **spec):
