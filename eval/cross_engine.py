@@ -2,15 +2,16 @@
 tokens, and each cell's gap between the engines set against the unpatched model's own gap at that length.
 
     python eval/cross_engine.py                      # SmolLM2-135M (Q4_1 GGUF), one book, 2k
-    python eval/cross_engine.py --lengths 2k,4k --book ../shared/data/books/dracula.txt --passkey-trials 2
+    python eval/cross_engine.py --lengths 8k,16k --book ../shared/data/books/dracula.txt --passkey-trials 2
 
 For each engine it runs `hfpatch eval ppl` and `hfpatch eval passkey` (--engine transformers / llama.cpp) with the
 same arguments, into OUT/LENGTHS/{ppl,passkey}-{engine}/ (LENGTHS e.g. 2k or 8k-16k; resumable: a rerun continues
-them), then writes OUT/LENGTHS/cross_engine.json and prints the table. Perplexity: the first `--windows` x the longest length tokens of the book, chunked windows.
-The gap of a cell is |NLL_llama.cpp - NLL_transformers| / NLL_transformers (mean NLL per token); the ratio is that gap
-over the unpatched model's gap at the same length: both engines run the same quantized weights (transformers
-dequantizes them to fp32), so the unpatched gap is what the engines differ by without any patch. Schemes a GGUF
-cannot carry are listed with the reason instead of a number. Needs llama-cpp-python (pip install 'hfpatch[llama-cpp]').
+them), then writes OUT/LENGTHS/cross_engine.json and prints the table. Perplexity: the first `--windows` windows of
+the longest length of the book, in chunks. The gap of a cell is |NLL_llama.cpp - NLL_transformers| / NLL_transformers
+(mean NLL per token); the ratio is that gap over the unpatched model's gap at the same length: both engines run the
+same quantized weights (transformers dequantizes them to fp32), so the unpatched gap is what the engines differ by
+without any patch. Schemes a GGUF cannot carry are listed with the reason instead of a number. Needs
+llama-cpp-python (pip install 'hfpatch[llama-cpp]').
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import gguf
 
 from hfpatch import gguf as hg
 from hfpatch import spec as specs
-from hfpatch.command import markdown_table
-from hfpatch.evaluate import passkey, perplexity
+from hfpatch.evaluate import evaluation
 from hfpatch.evaluate.common import length_label, parse_lengths
+from hfpatch.evaluate.report import markdown_table
 from hfpatch.models import resolve
 
 HERE = Path(__file__).resolve().parent
@@ -80,9 +81,10 @@ def measure(args, run: list[str]) -> None:
     for engine in ENGINES:
         common = ["--model", args.model, "--engine", engine, "--lengths", args.lengths, "--patches", ",".join(run),
                   "--no-plot"]
-        rc = perplexity.main([*common, "--text-files", args.book, "--tokens-per-doc", str(args.windows * longest),
-                              "--out", f"{args.out}/ppl-{engine}"])
-        rc = rc or passkey.main([*common, "--depths", "0.5", "--trials", str(args.trials),
+        per_doc = str(args.windows * longest)
+        rc = evaluation("ppl").main([*common, "--text-files", args.book, "--tokens-per-doc", per_doc,
+                                     "--out", f"{args.out}/ppl-{engine}"])
+        rc = rc or evaluation("passkey").main([*common, "--depths", "0.5", "--trials", str(args.trials),
                                  "--out", f"{args.out}/passkey-{engine}"])
         if rc:
             raise SystemExit(rc)

@@ -13,7 +13,7 @@ from conftest import stdlib_text
 
 import hfpatch
 from hfpatch import gguf as hg
-from hfpatch.evaluate import perplexity
+from hfpatch.evaluate import evaluation
 from hfpatch.evaluate.llamacpp import LlamaCppModel
 from hfpatch.lm import causal_lm_parts, document_nll, greedy
 
