@@ -159,6 +159,25 @@ def self_extend_bench():
     return bench_self_extend.tables(load("self_extend/bench.json"))
 
 
+# --------------------------------------------------------------------------------------------------- serving
+
+@table("hfpatch/serving.py")
+def serving_engines():
+    from hfpatch.serving import markdown
+
+    return markdown()
+
+
+@table("eval/results/cross_engine/2k/cross_engine.json")
+def cross_engine():
+    import cross_engine as ce
+
+    result = load("cross_engine/2k/cross_engine.json")
+    return (f"SmolLM2-135M (Q4_1 GGUF), the first {result['windows']} windows of {result['book']} per length; mean "
+            f"NLL per token; passkey at depth 0.5, {result['passkey_trials']} keys; {result['machine']}.\n\n"
+            + ce.table(result))
+
+
 # --------------------------------------------------------------------------------------------------- recipes
 
 @table("eval/results/heal_before.json", "eval/results/heal_kl_only.json", "eval/results/heal_after.json",

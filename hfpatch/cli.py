@@ -2,6 +2,7 @@
 
     hfpatch describe MODEL
     hfpatch patch MODEL --position yarn --factor 4 --out DIR
+    hfpatch patch MODEL.gguf --position yarn --factor 4 --out MODEL-yarn4.gguf   (llama.cpp's RoPE metadata)
     hfpatch supported
     hfpatch eval ppl ...        (hfpatch eval ppl --help)
     hfpatch eval passkey ...
@@ -74,7 +75,8 @@ def _patch_arguments(s) -> None:
     from .norm.kinds import NORMS  # the registry imports torch: only when `hfpatch patch` is parsed
 
     s.add_argument("model")
-    s.add_argument("--out", required=True, help="folder to save the patched model (and tokenizer) to")
+    s.add_argument("--out", required=True, help="folder to save the patched model (and tokenizer) to; a .gguf path "
+                                                "with a .gguf model: a copy with llama.cpp's RoPE metadata")
     s.add_argument("--position",
                    help="position scheme, e.g. yarn, ntk, linear, dynamic, dynamic-yarn, llama3, longrope, rope")
     s.add_argument("--factor", type=float, help="context extension ratio (> 1)")
@@ -146,8 +148,16 @@ def _run(args) -> int:
         print(markdown(results) if args.markdown else json.dumps(results, indent=2))
         return 0
     if args.command == "describe":
+        from hfpatch.serving import folder_differences
+
         model, _ = load(args.model, tokenizer=False, **_loading(args))
-        print(json.dumps(hfpatch.describe(model), indent=2, default=str))
+        info = hfpatch.describe(model)
+        serving = folder_differences(args.model)  # a saved folder: what vLLM / SGLang would serve differently
+        if serving:
+            info["serving"] = serving
+        print(json.dumps(info, indent=2, default=str))
+        for line in serving:
+            print(f"hfpatch: warning: {line}", file=sys.stderr)
         return 0
     # patch: validate the request before spending time loading the model
     kwargs = {k: getattr(args, k) for k in ("position", "factor", "norm", "exact", "placement",
@@ -157,6 +167,8 @@ def _run(args) -> int:
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if not kwargs:
         raise UsageError("hfpatch patch: error: nothing to patch: give --position, --norm or --placement")
+    if args.out.endswith(".gguf"):  # GGUF in, GGUF out: llama.cpp's RoPE metadata, the weights as they are
+        return _export_gguf(args, kwargs)
     hfpatch.spec.request(**kwargs)
     out = _check_out(args.out, args.model)
     dtype = None
@@ -170,6 +182,26 @@ def _run(args) -> int:
     write_folder(out, lambda tmp: hfpatch.save_pretrained(model, tmp, tokenizer=tok))
     info = hfpatch.describe(model)
     print(f"saved {info['family']} with {hfpatch.spec.describe_string(info['applied'])} to {args.out}")
+    return 0
+
+
+def _export_gguf(args, kwargs) -> int:
+    from hfpatch.gguf import export
+    from hfpatch.models import resolve
+    from hfpatch.spec import describe_string
+
+    if args.dtype:
+        raise UsageError("hfpatch patch: error: --dtype does not apply to a .gguf --out: the weights are copied as "
+                         "they are")
+    folder, name = resolve(args.model)
+    if name is None:
+        raise UsageError(f"hfpatch patch: error: --out {args.out} is a GGUF file, which needs a .gguf model to copy "
+                         "(a transformers folder saves to a folder; convert it with llama.cpp's convert_hf_to_gguf.py)")
+    written = export(os.path.join(folder, name), args.out, **kwargs)
+    keys = ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in written["metadata"].items()
+                     if not k.startswith("hfpatch."))
+    tensors = f"; tensors {', '.join(written['tensors'])}" if written["tensors"] else ""
+    print(f"wrote {args.out} with {describe_string(written['spec'])}: {keys}{tensors}")
     return 0
 
 

@@ -158,6 +158,8 @@ def windows(n_tokens: int, length: int, windowing: str, stride: int | None = Non
 def document_nll(parts: LMParts, ids, spans: list[tuple[int, int, int]], chunk: int = 1024, progress=None):
     """(nll sum, tokens scored, [(a, b)] runs of scored token indices) over the given windows of `ids`;
     progress(n) is told the tokens read after each window."""
+    if not isinstance(parts, LMParts):  # another engine's model (evaluate/llamacpp.py) scores with its own code
+        return parts.document_nll(ids, spans, progress)
     ids = torch.as_tensor(ids)
     total, count, runs = 0.0, 0, []
     for start, end, first in spans:
@@ -175,6 +177,8 @@ def greedy(parts: LMParts, ids: list[int], new_tokens: int, eos: set[int], done=
     """Greedy decoding with a KV cache: one forward over the prompt, then one token at a time, up to new_tokens,
     an EOS token, or done(generated) returning True. Only the last position goes through the LM head (no [L,
     vocab] logits)."""
+    if not isinstance(parts, LMParts):  # another engine's model (evaluate/llamacpp.py) decodes with its own code
+        return parts.greedy(ids, new_tokens, eos, done)
     x = torch.tensor([ids], device=parts.input_device)
     out = parts.base(input_ids=x, use_cache=True)
     past, generated = out.past_key_values, []

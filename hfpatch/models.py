@@ -13,6 +13,7 @@ from huggingface_hub import try_to_load_from_cache
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from . import files
+from .gguf import apply_to_loaded
 from .io import from_pretrained, refuse_pickled_weights, remote_code_refused
 
 SMOLLM2 = "smollm2"
@@ -59,7 +60,8 @@ OPT_IN = {"trust_remote_code": "load(..., trust_remote_code=True), hfpatch --tru
 
 def load(name: str, dtype=None, device_map=None, tokenizer: bool = True, trust_remote_code: bool = False,
          allow_pickled_weights: bool = False):
-    """(model, tokenizer or None). A model saved by hfpatch comes back patched.
+    """(model, tokenizer or None). A model saved by hfpatch comes back patched, and so does a GGUF file with RoPE
+    scaling (exported by hfpatch.gguf.export, or by llama.cpp's converter).
 
     trust_remote_code: run the Python code a model folder (or hub repository) carries, if it needs it; off by
     default. allow_pickled_weights: load pytorch_model.bin weights (pickles, read with torch.load(weights_only=True))
@@ -71,6 +73,7 @@ def load(name: str, dtype=None, device_map=None, tokenizer: bool = True, trust_r
     try:
         if gguf_file:
             model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+            apply_to_loaded(model, os.path.join(where, gguf_file))  # transformers reads no RoPE scaling from GGUF
         else:
             refuse_pickled_weights(where, not allow_pickled_weights, OPT_IN["allow_pickled_weights"])
             model = from_pretrained(where, use_safetensors=None if allow_pickled_weights else True, **kwargs)

@@ -27,15 +27,18 @@ LAYERS: dict[str, set[str]] = {
     "apply": {"spec", "adapters", "norm", "position", "edits", "warn"},  # patch / unpatch / describe
     "io": {"apply", "spec", "adapters"},  # save / reload
     "lm": {"apply", "adapters"},  # a causal LM as body + head
-    "models": {"io", "files"},  # load by name
+    "gguf": {"spec", "apply", "adapters", "position", "edits"},  # GGUF in, GGUF out: llama.cpp's RoPE metadata
+    "models": {"io", "files", "gguf"},  # load by name
+    "serving": {"position"},  # what vLLM and SGLang read of a saved checkpoint's RoPE
     "text": {"lm", "models", "files"},  # documents and tokenizers
     "families": {"apply", "adapters", "position", "tiny"},  # supported(): every family measured
     "hfpatch": {"spec", "apply", "families", "io"},  # the public API
     "evaluate": {"hfpatch", "apply", "spec", "adapters", "position", "lm", "models", "text", "command", "timing",
-                 "files"},
+                 "files", "gguf"},
     "train": {"hfpatch", "evaluate", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models",
               "text", "timing", "command", "files"},
-    "cli": {"hfpatch", "command", "evaluate", "norm", "spec", "models", "families", "apply", "files"},
+    "cli": {"hfpatch", "command", "evaluate", "norm", "spec", "models", "families", "apply", "files", "gguf",
+            "serving"},
     "__main__": {"cli"},
 }
 
@@ -46,6 +49,8 @@ OPTIONAL = {
     "lm_eval": "the lm-eval extra: the lm-evaluation-harness bridge",
     "datasets": "only --dataset / data.dataset read it, and importing it costs about a second",
     "flash_attn": "flash-attention, where installed: the flash_attention_2 paths of alibi and self-extend",
+    "gguf": "the gguf extra: reading and writing GGUF files",
+    "llama_cpp": "the llama-cpp extra: the llama.cpp engine of the evaluations",
 }
 # Files whose imports are deferred on purpose: the command's entry point imports each subcommand's modules when it
 # runs, so that `hfpatch --help` does not load torch.

@@ -37,6 +37,7 @@ from ..position import paths
 from ..text import load_tokenizer
 from . import budget
 from .common import applied, length_label, load_model, parse_lengths, parse_patches, versions
+from .llamacpp import Engine as LlamaCppEngine
 from .results import Results, now
 
 
@@ -83,6 +84,7 @@ class Run:
     parts: object
     tok: object
     args: object
+    applied: object = applied  # (model, kwargs, spec name) -> context manager: the engine's way to patch
 
 
 class Evaluation:
@@ -164,6 +166,9 @@ def build_parser(ev: Evaluation) -> command.Parser:
                    help="'auto' shards the model over the GPUs present (accelerate big-model inference)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu); "
                                     "ignored with --device-map")
+    p.add_argument("--engine", default="transformers", choices=list(ENGINES),
+                   help="transformers (default), or llama.cpp: the same cells run by llama.cpp on the GGUF file, "
+                        "specs applied as its RoPE metadata (needs pip install 'hfpatch[llama-cpp]')")
     p.add_argument("--patches", default=ev.default_patches,
                    help="comma-separated patch specs, each applied to the same loaded model and removed again: "
                         "none, yarn:2, ntk:2, dynamic, linear:2, yarn:4:beta_fast=16, ... "
@@ -188,13 +193,16 @@ def main(ev: Evaluation, argv=None) -> int:
 def _main(ev: Evaluation, argv) -> int:
     args = build_parser(ev).parse_args(argv)
     patches = parse_patches(args.patches)  # every spec validated before any loading
+    engine = ENGINES[args.engine](args)
     if not args.no_memory_check:
-        check_longest_read(args)
+        engine.check_longest_read(args)
     tok = load_tokenizer(args.model)
     plan = ev.plan(args, tok)
     plan.identity["model_files"] = model_fingerprint(args.model)  # what is loaded, by content: not only its path
     out = Path(args.out)
-    results = Results(out / "results.json", ev.kind, plan.identity, ev.records, ev.summarize, args.overwrite)
+    # another engine's numbers are other numbers: its results file is not continued by transformers, nor the reverse
+    identity = plan.identity if engine.name == "transformers" else {**plan.identity, "engine": engine.name}
+    results = Results(out / "results.json", ev.kind, identity, ev.records, ev.summarize, args.overwrite)
     try:
         if results.resumed:
             print(f"{ev.prog}: resuming from {out / 'results.json'}", file=sys.stderr)
@@ -204,10 +212,10 @@ def _main(ev: Evaluation, argv) -> int:
         todo = _todo(ev, results, plan, patches)
         if todo:
             if not args.no_memory_check:
-                check_memory(args, plan)
-            model = load_model(args)
-            run = Run(model, _prepare(model, patches, plan, results, args.model), tok, args)
-            estimate = _estimate(ev, run, plan, todo)
+                engine.check_memory(args, plan)
+            model = engine.load(args)
+            run = Run(model, engine.prepare(model, patches, plan, results, args.model), tok, args, engine.applied)
+            estimate = engine.estimate(ev, run, plan, todo)
             results.data.setdefault("runs", []).append({"started": now(), "estimate_s": round(estimate, 1)})
             results.save()
             if args.dry_run:
@@ -345,7 +353,7 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
     try:
         for spec, entries in itertools.groupby(todo, key=lambda item: item[0]):
             group = list(entries)
-            with applied(run.model, group[0][1], spec):  # patch once per spec, not per cell
+            with run.applied(run.model, group[0][1], spec):  # patch once per spec, not per cell
                 for _, kwargs, c, left in group:
                     bar.set_postfix_str(" ".join([spec] + [_label(k, v) for k, v in c.key.items()]))
                     cell = results.cell({"patch": spec, **c.key},  # cell() calls the maker at once, if at all:
@@ -372,6 +380,27 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
                     results.save()
     finally:
         bar.close()
+
+
+class TransformersEngine:
+    """The default engine: the model loaded and patched by transformers and hfpatch (the functions above)."""
+
+    name = "transformers"
+
+    def __init__(self, args):
+        pass
+
+    check_longest_read = staticmethod(check_longest_read)
+    check_memory = staticmethod(check_memory)
+    load = staticmethod(load_model)
+    prepare = staticmethod(_prepare)
+    estimate = staticmethod(_estimate)
+    applied = staticmethod(applied)
+
+
+# --engine NAME -> (parsed arguments) -> an object with name, check_longest_read, check_memory, load, prepare,
+# estimate, applied
+ENGINES = {"transformers": TransformersEngine, "llama.cpp": LlamaCppEngine}
 
 
 def _label(key: str, value) -> str:

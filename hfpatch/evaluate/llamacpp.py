@@ -1,0 +1,250 @@
+"""The llama.cpp engine of the evaluations: `hfpatch eval ppl|passkey|ruler|niah --engine llama.cpp`.
+
+The same cells as the transformers engine: the same tokens (the evaluation tokenizes with the GGUF's transformers
+tokenizer and hands llama.cpp the token ids), the same windows, prompts, scoring and results file. A patch spec is
+applied the way a served GGUF carries it: the RoPE metadata `hfpatch.gguf.export` writes for it, given to llama.cpp
+as metadata overrides (`kv_overrides`), or, for schemes that live in tensors (llama3, LongRoPE) or when the file
+already carries a scaling of its own, a copy of the file exported with that spec. YaRN's betas, which the llama
+loader does not read from metadata, are passed as context parameters. What a GGUF cannot carry (dynamic scaling,
+ALiBi, Self-Extend, norm swaps, ...) is refused before any work, with the reason.
+
+Scoring: llama-cpp-python's `Llama(path, n_ctx, logits_all=True)`, `.eval(ids)` and `.scores` (float32 logits of
+every position); the log-softmax is taken in float64 here. Greedy decoding evaluates the prompt once, then one token
+at a time on llama.cpp's KV cache, taking the argmax of the last logits.
+
+llama.cpp fixes the RoPE when a context is created: one context serves a cell's units, and LongRoPE's choice between
+its short and long factors follows the context size (rounded up to 256 tokens for decoding), where transformers
+follows the current sequence length.
+
+Needs the optional extra llama-cpp-python (pip install 'hfpatch[llama-cpp]'); it compiles llama.cpp on install.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import gguf as hg
+from .. import spec as specs
+from ..models import resolve
+from . import budget
+
+NAME = "llama.cpp"
+RUNTIME_OPTIONS = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}  # context parameters
+DECODE_CTX_STEP = 256  # decoding contexts are sized in steps of this many tokens, so that trials share one
+
+
+def check_installed() -> None:
+    try:
+        import llama_cpp  # noqa: F401  - an optional extra
+    except ImportError:
+        raise ImportError("--engine llama.cpp needs llama-cpp-python: pip install 'hfpatch[llama-cpp]' (it "
+                          "compiles llama.cpp, which takes a while)") from None
+
+
+@dataclass
+class Setting:
+    """How one patch spec runs in llama.cpp."""
+
+    path: str  # the GGUF file to load
+    kv_overrides: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)  # Llama(...) context parameters
+    exported: bool = False  # path is a copy exported with the spec
+
+
+class LlamaCppModel:
+    """A GGUF file run by llama.cpp, with the spec applied now; scores and decodes like lm.LMParts."""
+
+    def __init__(self, path: str, threads: int | None = None):
+        import gguf
+
+        self.path = path
+        self.threads = threads or os.cpu_count() or 1
+        self.info = hg.read_rope(gguf.GGUFReader(path))
+        # A file that carries a scaling of its own (a rope_freqs tensor, a yarn type...) is exported again for
+        # each spec: metadata overrides cannot take a tensor or a key out.
+        self.scaled = bool(self.info.keys or self.info.tensors)
+        self.setting = Setting(path)
+        self._tmp = tempfile.mkdtemp(prefix="hfpatch-llamacpp-")
+        weakref.finalize(self, shutil.rmtree, self._tmp, True)  # the exported copies go with the model
+        self._exports: dict = {}
+        self._llm = None
+        self._key = None
+
+    # --------------------------------------------------------------------------------------------- patch specs
+
+    def setting_for(self, kwargs: dict) -> Setting:
+        """The Setting of a patch spec (`hfpatch.patch` keyword arguments), or ValueError saying why llama.cpp
+        cannot run it."""
+        if not kwargs:
+            return Setting(self.path)
+        specs.request(**kwargs)  # the spec itself is valid
+        position = {k: v for k, v in kwargs.items() if k not in RUNTIME_OPTIONS}
+        runtime = {RUNTIME_OPTIONS[k]: float(v) for k, v in kwargs.items() if k in RUNTIME_OPTIONS}
+        pos = hg.request(**position)
+        p = hg.plan(self.info, pos)
+        if p.tensors or self.scaled:
+            return Setting(self._export(pos), params=runtime, exported=True)
+        overrides = {f"{self.info.arch}.{k}": (int(v) if kind == "u32" else v) for k, (v, kind) in p.keys.items()}
+        return Setting(self.path, overrides, runtime)
+
+    def _export(self, pos: dict) -> str:
+        key = repr(sorted(pos.items()))
+        if key not in self._exports:
+            out = os.path.join(self._tmp, f"spec{len(self._exports)}.gguf")
+            hg.export(self.path, out, **specs.to_kwargs({"position": pos}))
+            self._exports[key] = out
+        return self._exports[key]
+
+    @contextlib.contextmanager
+    def applied(self, kwargs: dict, name: str):
+        try:
+            setting = self.setting_for(kwargs)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"patch spec {name!r} with --engine llama.cpp: {e}") from None
+        before, self.setting = self.setting, setting
+        try:
+            yield self
+        finally:
+            self.setting = before
+
+    # ----------------------------------------------------------------------------------------------- contexts
+
+    def llm(self, n_ctx: int):
+        """A llama.cpp context of n_ctx tokens for the current setting (kept while both stay the same)."""
+        from llama_cpp import Llama  # an optional extra
+
+        s = self.setting
+        key = (s.path, tuple(sorted(s.kv_overrides.items())), tuple(sorted(s.params.items())), n_ctx)
+        if key != self._key:
+            self.close_context()
+            self._llm = Llama(s.path, n_ctx=n_ctx, n_batch=min(512, n_ctx), logits_all=True, verbose=False,
+                              n_threads=self.threads, n_threads_batch=self.threads,
+                              kv_overrides=dict(s.kv_overrides) or None, **s.params)
+            self._key = key
+        self._llm.reset()
+        return self._llm
+
+    def close_context(self) -> None:
+        if self._llm is not None:
+            self._llm.close()
+            self._llm, self._key = None, None
+
+    def close(self) -> None:
+        self.close_context()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------ scoring and decoding
+
+    def document_nll(self, ids, spans, progress=None):
+        """lm.document_nll in llama.cpp: (nll sum, tokens scored, scored runs) over the windows of `ids`."""
+        ids = np.asarray(ids, dtype=np.int64)
+        llm = None
+        n_ctx = max(end - start - 1 for start, end, _ in spans)
+        total, count, runs = 0.0, 0, []
+        for start, end, first in spans:
+            llm = self.llm(n_ctx)
+            window = ids[start:end]
+            llm.eval(window[:-1].tolist())
+            total += _nll(llm.scores[first - 1 : len(window) - 1], window[first:])
+            count += len(window) - first
+            runs.append((start + first, end))
+            if progress is not None:
+                progress(end - start - 1)
+        return total, count, runs
+
+    def greedy(self, ids, new_tokens: int, eos: set, done=None) -> list[int]:
+        """lm.greedy in llama.cpp: the prompt once, then one token at a time on llama.cpp's KV cache."""
+        n_ctx = math.ceil((len(ids) + new_tokens) / DECODE_CTX_STEP) * DECODE_CTX_STEP
+        llm = self.llm(n_ctx)
+        llm.eval(list(map(int, ids)))
+        generated = []
+        for _ in range(new_tokens):
+            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            generated.append(nxt)
+            if nxt in eos or len(generated) == new_tokens or (done is not None and done(generated)):
+                break
+            llm.eval([nxt])
+        return generated
+
+
+def _nll(logits: np.ndarray, targets: np.ndarray, chunk: int = 256) -> float:
+    """Sum of -log softmax(logits)[target] per row, in float64."""
+    total = 0.0
+    for i in range(0, len(targets), chunk):
+        x = logits[i : i + chunk].astype(np.float64)
+        m = x.max(axis=1)
+        lse = m + np.log(np.exp(x - m[:, None]).sum(axis=1))
+        total += float((lse - x[np.arange(len(x)), targets[i : i + chunk]]).sum())
+    return total
+
+
+# ------------------------------------------------------------------------------------------ the sweep's engine
+
+class Engine:
+    """What the sweep (sweep.py) calls to check, load, patch and time the model, for llama.cpp."""
+
+    name = NAME
+
+    def __init__(self, args):
+        check_installed()
+        if args.device_map or args.device:
+            raise ValueError("--device and --device-map are transformers options; llama.cpp runs where it was "
+                             "built to run")
+        folder, name = resolve(args.model)
+        if name is None:
+            raise ValueError(f"--engine llama.cpp runs GGUF files; {args.model} is not one (convert it with "
+                             "llama.cpp's convert_hf_to_gguf.py)")
+        self.path = os.path.join(folder, name)
+
+    def check_longest_read(self, args) -> None:
+        pass  # llama.cpp allocates its context itself and says when it cannot
+
+    def check_memory(self, args, plan) -> None:
+        pass
+
+    def load(self, args):
+        return LlamaCppModel(self.path)
+
+    def prepare(self, model, patches, plan, results, name):
+        for spec, kwargs in patches:  # every spec is checked before any work
+            with model.applied(kwargs, spec):
+                pass
+        import llama_cpp
+
+        results.data["model"] = {"name": f"{name} (llama.cpp)", "engine": NAME, "gguf": self.path,
+                                 "llama_cpp_python": llama_cpp.__version__, "architecture": model.info.arch,
+                                 "trained_window": model.info.window, "threads": model.threads,
+                                 "weights": "as stored in the GGUF file"}
+        return model
+
+    def estimate(self, ev, run, plan, todo) -> float:
+        """Seconds the work left will take, from one timed evaluation (llama.cpp's cost is close to linear in the
+        tokens read at these lengths; attention makes long reads slower, so this is a floor)."""
+        model = run.model
+        n = max(16, min(512, plan.read))
+        ids = np.random.default_rng(0).integers(0, 1000, n).tolist()
+        llm = model.llm(n)
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        rate = n / (time.perf_counter() - t0)
+        units = [u for *_, left in todo for u in left]
+        tokens = sum(u.tokens for u in units)
+        seconds = tokens / rate
+        print(f"{ev.prog}: {len(todo)} cell(s), {len(units)} {ev.records} and {tokens:,} tokens to read with "
+              f"llama.cpp: about {budget.duration(seconds)} here (from a timed {n}-token evaluation: "
+              f"{rate:.0f} tokens/s)", file=sys.stderr)
+        return seconds
+
+    @staticmethod
+    def applied(model, kwargs, name):
+        return model.applied(kwargs, name)

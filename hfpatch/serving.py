@@ -1,0 +1,232 @@
+"""What serving engines read of a saved checkpoint's RoPE, as data: the warnings of `hfpatch describe` on a saved
+folder and the table of docs/serving.md both come from `ENGINES` below.
+
+A checkpoint that hfpatch saves carries its RoPE in transformers' own `rope_parameters` (config.json), which
+transformers reloads exactly. vLLM and SGLang build their rotary embeddings from the same dict, but each reads its own
+list of keys for a rope_type and computes the attention factor (the cos/sin magnitude of YaRN and LongRoPE) its own
+way; where that gives another number than transformers, the engine serves a different model. hfpatch writes no keys
+of theirs into the config (transformers would warn about, or keep, unknown keys): it says what differs instead.
+
+Read from the engines' source (vLLM: vllm/model_executor/layers/rotary_embedding/, get_rope and the YaRN, LongRoPE
+and dynamic NTK classes; SGLang: python/sglang/srt/layers/rotary_embedding/, get_rope in factory.py, yarn.py,
+rope_variant.py). Engines change: check the version you serve with.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+from transformers import AutoConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .position.schemes import SCHEMES
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(s) + 1 (1 for s <= 1), as every engine writes it."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _longrope_attention(p: dict, max_positions: int) -> float:
+    """Phi-3's LongRoPE magnitude from the served window: sqrt(1 + ln s / ln L), s = max_position_embeddings / L."""
+    original = p["original_max_position_embeddings"]
+    scale = max_positions / original
+    return 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
+
+
+def _vllm_yarn(p: dict, max_positions: int) -> float:
+    return yarn_mscale(p["factor"]) * p.get("attn_factor", 1.0)
+
+
+def _sglang_yarn(p: dict, max_positions: int) -> float:
+    m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+    base = yarn_mscale(p["factor"], m) / yarn_mscale(p["factor"], m_all) if m is not None and m_all is not None \
+        else yarn_mscale(p["factor"])
+    return base * p.get("attn_factor", 1.0)
+
+
+LONGROPE_TEXT = ("sqrt(1 + ln s / ln L), s = max_position_embeddings / L, L = original_max_position_embeddings "
+                 "(short_mscale / long_mscale, its own keys, replace it)")
+
+
+@dataclass(frozen=True)
+class Engine:
+    source: str
+    reads: dict  # rope_type -> the rope_parameters keys the engine reads for it
+    # rope_type -> ((rope_parameters, max_position_embeddings) -> the cos/sin magnitude the engine applies, how)
+    attention: dict = field(default_factory=dict)
+    behaviour: dict = field(default_factory=dict)  # rope_type -> how the engine's scheme differs beyond its keys
+
+
+ENGINES = {
+    "vLLM": Engine(
+        source="vllm/model_executor/layers/rotary_embedding/__init__.py (get_rope)",
+        reads={
+            "default": ("rope_theta", "partial_rotary_factor"),
+            "linear": ("rope_theta", "factor"),
+            "dynamic": ("rope_theta", "factor", "alpha"),
+            "yarn": ("rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+                     "attn_factor", "extrapolation_factor", "apply_yarn_scaling"),
+            "llama3": ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings"),
+            "longrope": ("rope_theta", "short_factor", "long_factor", "original_max_position_embeddings",
+                         "short_mscale", "long_mscale"),
+        },
+        attention={"yarn": (_vllm_yarn, "(0.1 ln factor + 1) x attn_factor (its own key, default 1)"),
+                   "longrope": (_longrope_attention, LONGROPE_TEXT)},
+        behaviour={
+            "dynamic": "plain RoPE at every length: its base for max_position_embeddings x factor positions, "
+                       "theta * (s - (s - 1))^(d/(d-2)), is theta itself; transformers grows the base with each "
+                       "sequence's length",
+            "longrope": "the long factors for every sequence once the served length (max_model_len) exceeds "
+                        "original_max_position_embeddings; transformers switches per sequence",
+        }),
+    "SGLang": Engine(
+        source="python/sglang/srt/layers/rotary_embedding/factory.py (get_rope)",
+        reads={
+            "default": ("rope_theta",),
+            "linear": ("rope_theta", "factor"),
+            "dynamic": ("rope_theta", "factor", "alpha"),
+            "yarn": ("rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+                     "attn_factor", "extrapolation_factor", "mscale", "mscale_all_dim"),
+            "llama3": ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings"),
+            "longrope": ("rope_theta", "short_factor", "long_factor", "original_max_position_embeddings",
+                         "short_mscale", "long_mscale"),
+        },
+        attention={"yarn": (_sglang_yarn, "(0.1 mscale ln factor + 1) / (0.1 mscale_all_dim ln factor + 1) when "
+                                          "both are given, else 0.1 ln factor + 1; times attn_factor (its own key, "
+                                          "default 1)"),
+                   "longrope": (_longrope_attention, LONGROPE_TEXT)},
+        behaviour={
+            "dynamic": "one RoPE for every length, with the base transformers uses at a length of "
+                       "max_position_embeddings x factor (plain RoPE when the factor is 1); transformers grows the "
+                       "base with each sequence's length",
+        }),
+}
+
+# The rope_parameters keys of a scaling scheme that an engine may not read (the ones every engine reads are left out)
+_CHECKED = ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+            "mscale_all_dim", "truncate", "low_freq_factor", "high_freq_factor", "short_factor", "long_factor")
+
+
+def transformers_attention(config, layer_type=None) -> float:
+    """The cos/sin magnitude transformers applies for a config's RoPE (its own RoPE functions)."""
+    params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+    if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
+        return 1.0
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    return float(ROPE_INIT_FUNCTIONS[params["rope_type"]](config, None, **kwargs)[1])
+
+
+def differences(config) -> list[str]:
+    """Where each known engine serves this config's RoPE differently from transformers (empty: the same)."""
+    config = config.get_text_config()
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return []
+    nested = "rope_type" not in params
+    out = []
+    for layer_type, p in (params.items() if nested else [(None, params)]):
+        if not isinstance(p, dict) or p.get("rope_type") in (None, "default"):
+            continue
+        where = f" ({layer_type} layers)" if layer_type else ""
+        kind = p["rope_type"]
+        for name, engine in ENGINES.items():
+            if kind not in engine.reads:
+                out.append(f"{name} has no rope_type {kind!r}{where}")
+                continue
+            unread = [k for k in _CHECKED if k in p and k not in engine.reads[kind]]
+            fn, _ = engine.attention.get(kind, (None, None))
+            if fn is not None:
+                theirs = fn(p, config.max_position_embeddings)
+                ours = transformers_attention(config, layer_type)
+                if not math.isclose(theirs, ours, rel_tol=1e-6):
+                    keys = f" (it does not read {', '.join(unread)})" if unread else ""
+                    out.append(f"{name} applies a {kind} attention factor of {theirs:.6g}, transformers "
+                               f"{ours:.6g}{where}{keys}")
+            if kind in engine.behaviour:
+                out.append(f"{name} {kind}{where}: {engine.behaviour[kind]}")
+    return out
+
+
+def folder_differences(path) -> list[str]:
+    """`differences` of the config.json in a saved folder (what an engine reads), or [] for anything else."""
+    if not (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))):
+        return []
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return []
+    out = differences(config)
+    record = getattr(config, "hfpatch", None)
+    spec = record.get("spec", {}) if isinstance(record, dict) else {}
+    if "position" in spec:
+        scheme = spec["position"].get("scheme")
+        if scheme in SCHEMES and not SCHEMES[scheme].native:
+            out.append(f"position={scheme!r} is not in config.json's own terms: every engine but hfpatch serves the "
+                       "model's original position encoding")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- the docs table
+
+SCHEME_TYPES = {"linear": "linear", "ntk": "default", "dynamic": "dynamic", "yarn": "yarn", "llama3": "llama3",
+                "longrope": "longrope"}  # hfpatch scheme -> the rope_type it saves
+
+
+def markdown() -> str:
+    """The tables of docs/serving.md: the keys each engine does not read, per saved scheme, and how each engine
+    computes the attention factor or runs a scheme differently."""
+    rows = []
+    for scheme, kind in SCHEME_TYPES.items():
+        cells = [f"`{scheme}`", f"`{kind}`", ", ".join(f"`{k}`" for k in _TRANSFORMERS_KEYS[kind]) or "(theta only)"]
+        for engine in ENGINES.values():
+            reads = engine.reads.get(kind, ())
+            cells.append(", ".join(f"`{k}`" for k in _TRANSFORMERS_KEYS[kind] if k not in reads) or "-")
+        rows.append(cells)
+    keys = markdown_table(["hfpatch scheme", "rope_type", "transformers reads", *(f"{e} does not read"
+                                                                                  for e in ENGINES)], rows)
+    rows = []
+    for name, engine in ENGINES.items():
+        for kind, (_, how) in engine.attention.items():
+            rows.append([name, f"`{kind}`", f"attention factor (cos/sin magnitude) = {how}"])
+        for kind, how in engine.behaviour.items():
+            rows.append([name, f"`{kind}`", how])
+    return keys + "\n\n" + markdown_table(["engine", "rope_type", "what it does"], rows)
+
+
+def markdown_table(header: list, rows: list[list]) -> str:
+    # the evaluations' table helper lives above this layer (evaluate/report.py, with matplotlib); this is the same
+    lines = ["| " + " | ".join(str(h) for h in header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+# rope_type -> the scheme keys transformers reads for it (which the table checks the engines against)
+_TRANSFORMERS_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("factor", "original_max_position_embeddings", "attention_factor", "short_factor", "long_factor"),
+    "default": (),
+}
+
+
+def main(argv=None) -> int:
+    """python -m hfpatch.serving [FOLDER]: the docs table, or a saved folder's differences."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv:
+        print(json.dumps(folder_differences(argv[0]), indent=2))
+    else:
+        print(markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""What vLLM and SGLang would serve differently from a saved checkpoint (hfpatch.serving): the warnings of
+`hfpatch describe` on a saved folder, checked against transformers' own attention factor and the engines' formulas
+written out; and docs/serving.md carrying the table the code holds."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import REPO, WINDOW, tiny_model
+
+import hfpatch
+from hfpatch import serving
+from hfpatch.cli import main
+
+
+def saved(tmp_path, **spec):
+    model = tiny_model("llama")
+    hfpatch.patch(model, **spec)
+    with pytest.warns(UserWarning) if not hfpatch.describe(model)["position"].get("native", True) else _nothing():
+        hfpatch.save_pretrained(model, tmp_path / "m")
+    return str(tmp_path / "m")
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_plain_yarn_is_served_the_same_everywhere(tmp_path):
+    assert serving.folder_differences(saved(tmp_path, position="yarn", factor=4.0)) == []
+
+
+def test_an_explicit_yarn_attention_factor_is_lost_in_both_engines(tmp_path):
+    out = serving.folder_differences(saved(tmp_path, position="yarn", factor=4.0, attention_factor=1.3))
+    default = 0.1 * math.log(4) + 1  # YaRN's default, what both engines apply without their own attn_factor
+    assert len(out) == 2
+    for engine, line in zip(("vLLM", "SGLang"), out):
+        assert line.startswith(f"{engine} applies a yarn attention factor of {default:.6g}, transformers 1.3")
+        assert "it does not read attention_factor" in line
+
+
+def test_mscale_pair_is_lost_in_vllm_only(tmp_path):
+    out = serving.folder_differences(saved(tmp_path, position="yarn", factor=4.0, mscale=0.8, mscale_all_dim=0.6))
+    assert len(out) == 1 and out[0].startswith("vLLM") and "mscale, mscale_all_dim" in out[0]
+    # SGLang's formula gives transformers' number (the ratio of the two corrections), by hand:
+    by_hand = (0.1 * 0.8 * math.log(4) + 1) / (0.1 * 0.6 * math.log(4) + 1)
+    params = {"factor": 4.0, "mscale": 0.8, "mscale_all_dim": 0.6}
+    assert serving.ENGINES["SGLang"].attention["yarn"][0](params, 4 * WINDOW) == pytest.approx(by_hand)
+
+
+def test_longrope_attention_and_vllms_long_factors(tmp_path):
+    spec = dict(position="longrope", factor=4.0, short_factor=[1.0] * 8, long_factor=[2.0] * 8)
+    out = serving.folder_differences(saved(tmp_path, **spec))
+    assert out == [f"vLLM longrope: {serving.ENGINES['vLLM'].behaviour['longrope']}"]
+    out = serving.folder_differences(saved(tmp_path / "b", **spec, attention_factor=1.0))
+    assert sum("longrope attention factor of" in line and "attention_factor" in line for line in out) == 2
+
+
+def test_dynamic_is_fixed_in_both_engines(tmp_path):
+    out = serving.folder_differences(saved(tmp_path, position="dynamic", factor=2.0))
+    assert [line.split(" ")[0] for line in out] == ["vLLM", "SGLang"] and all("dynamic" in line for line in out)
+
+
+def test_a_scheme_config_json_cannot_express_is_served_as_the_original(tmp_path):
+    out = serving.folder_differences(saved(tmp_path, position="dynamic-yarn"))
+    assert out and "original position encoding" in out[-1]
+
+
+def test_describe_warns_on_a_saved_folder(tmp_path, capsys):
+    folder = saved(tmp_path, position="yarn", factor=4.0, attention_factor=1.3)
+    assert main(["describe", folder]) == 0
+    captured = capsys.readouterr()
+    assert len(json.loads(captured.out)["serving"]) == 2
+    warnings = [line for line in captured.err.splitlines() if line.startswith("hfpatch: warning: ")]
+    assert len(warnings) == 2 and "vLLM" in warnings[0] and "SGLang" in warnings[1]
+
+
+def test_the_docs_page_carries_the_table_of_the_code():
+    """docs/serving.md includes the generated table, and the generated table is the code's (eval/docs_tables.py)."""
+    assert '--8<-- "docs/generated/serving_engines.md"' in (REPO / "docs" / "serving.md").read_text()
+    generated = (REPO / "docs" / "generated" / "serving_engines.md").read_text()
+    assert serving.markdown() in generated, "docs/generated/ is stale: run python eval/docs_tables.py"
