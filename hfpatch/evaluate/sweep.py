@@ -19,12 +19,14 @@ are always a prefix of its units and resuming continues after the last one.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from tqdm.auto import tqdm
 
@@ -84,7 +86,7 @@ class Run:
     parts: object
     tok: object
     args: object
-    applied: object = applied  # (model, kwargs, spec name) -> context manager: the engine's way to patch
+    applied: Callable[..., Any] = applied  # (model, kwargs, spec name) -> context manager: the engine's way to patch
 
 
 class Evaluation:
@@ -400,7 +402,8 @@ class TransformersEngine:
 
 # --engine NAME -> (parsed arguments) -> an object with name, check_longest_read, check_memory, load, prepare,
 # estimate, applied
-ENGINES = {"transformers": TransformersEngine, "llama.cpp": LlamaCppEngine}
+ENGINES: dict[str, Callable[[argparse.Namespace], Any]] = {"transformers": TransformersEngine,
+                                                            "llama.cpp": LlamaCppEngine}
 
 
 def _label(key: str, value) -> str:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -188,7 +188,7 @@ def run(scheme: str, module, query, key, value, attention_mask, *, scaling: floa
 
 # ---------------------------------------------------------------------------------------------------- reporting
 
-_RAN: "weakref.WeakKeyDictionary[torch.nn.Module, Counter]" = weakref.WeakKeyDictionary()
+_RAN: weakref.WeakKeyDictionary[torch.nn.Module, Counter] = weakref.WeakKeyDictionary()
 _BASE: dict[int, tuple] = {}  # id(config) -> (weak reference to it, attn_implementation at patch time)
 
 
@@ -237,7 +237,7 @@ def remember_base(model) -> None:
     if base is None or base.startswith("hfpatch_"):  # patched already: keep what was remembered
         return
     for c in (model.config, model.config.get_text_config()):  # configs are unhashable: keyed by id, held weakly
-        _BASE[id(c)] = (weakref.ref(c, lambda _, key=id(c): _BASE.pop(key, None)), base)
+        _BASE[id(c)] = (weakref.ref(c, lambda _, key=id(c): _BASE.pop(key, None)), base)  # noqa: B008 (bound now)
 
 
 def base_of(module) -> str:

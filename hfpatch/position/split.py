@@ -124,7 +124,7 @@ def _far(query, key, value, attention_mask, scaling, D):
             continue
         rows = slice(g - first, e - first)
 
-        def mask(lo, hi):
+        def mask(lo, hi, rows=rows):
             return None if attention_mask is None else additive(attention_mask[:, :, rows, lo:hi], query.dtype)
 
         # top-left causal over keys g - D .. e - D - 1: query slot p sees keys <= p - D
