@@ -140,3 +140,17 @@ def pytest_sessionstart(session):
     if reporter is not None:
         reporter.write_line(f"hfpatch {hfpatch.__version__}, transformers {transformers.__version__}, "
                             f"torch {torch.__version__}")
+
+
+# The fast tier (`pytest -m "not slow"`) leaves out these files: each loads SmolLM2, launches recipes under
+# accelerate, or sweeps many real-size cases, and together they take most of the suite's time (measured with
+# `pytest --durations=0`). Tests marked @pytest.mark.slow elsewhere (torch.compile) are left out too.
+SLOW_FILES = {"test_rope.py", "test_io.py", "test_recipes.py", "test_smollm2.py", "test_eval_harness.py",
+              "test_eval_faults.py", "test_recipe_faults.py", "test_long_training.py", "test_recipe_guards.py",
+              "test_eval_perplexity.py", "test_eval_passkey.py", "test_self_extend.py", "test_gguf_llamacpp.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)

@@ -11,6 +11,7 @@ from conftest import assert_same_fingerprint, fingerprint, logits, max_diff, tin
 
 import hfpatch
 import hfpatch.spec
+from hfpatch.apply import PatchRefused
 
 
 def _train(model, seed=0):
@@ -98,7 +99,7 @@ def test_failure_while_applying_puts_back_the_previous_objects(monkeypatch):
         raise RuntimeError("disk full")
 
     monkeypatch.setitem(SCHEMES, "interpolate", dataclasses.replace(SCHEMES["interpolate"], apply=half_then_fail))
-    with pytest.raises(RuntimeError, match="disk full"):
+    with pytest.raises(PatchRefused, match=r"gpt2 model \(RuntimeError: disk full\)"):
         hfpatch.patch(model, position="interpolate", factor=3.0)
     assert max_diff(logits(model, x), ref) == 0.0
     assert all(p is params[n] for n, p in _params(model).items())
