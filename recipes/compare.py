@@ -29,7 +29,7 @@ import hfpatch
 from hfpatch.evaluate.evaluations import passkey, ppl
 from hfpatch.evaluate.common import versions
 from hfpatch.models import load
-from hfpatch.train import data, loop, measure, setup, study_report
+from hfpatch.train import data, init, loop, measure, setup, study_report
 from hfpatch.train.study import claim, load_study, newest_checkpoint_step, plan
 from hfpatch.train.config import ConfigError
 
@@ -61,6 +61,7 @@ def evaluate(run, study, held_out) -> dict:
     ev, cfg, final = study["evaluate"], run.cfg, run.out / "final"
     t0 = time.perf_counter()
     model, _ = load(str(final))
+    init.restore(model)  # init=paper's embedding scale (its config records it)
     model.eval()
     info = hfpatch.describe(model)
     limit = hfpatch.apply.table_limit(model)  # a learned table fails past its rows: lengths past it are not run
@@ -99,8 +100,11 @@ def evaluate(run, study, held_out) -> dict:
                           max(1, sum(1 for c in cells if c["length"] == n)) for n in p["lengths"]}
         out["passkey_answers"] = [t["answer"] for c in cells for t in c["trials"]][:6]
     if ev["grad_norms"]:
+        # per block at the first step (before any update: the gradients at initialisation); the total at every
+        # step (the per-block rows of every step stay in the run's grad_norms.jsonl)
         rows = measure.read_jsonl(run.out / "grad_norms.jsonl")
-        steps = [{**row, "total": sum(v * v for k, v in row.items() if k != "step") ** 0.5} for row in rows]
+        steps = [{"step": row["step"], "total": sum(v * v for k, v in row.items() if k != "step") ** 0.5}
+                 for row in rows]
         out["grad_norms"] = {"init": {k: v for k, v in rows[0].items() if k != "step"} if rows else {},
                              "steps": steps}
     out["eval_seconds"] = round(time.perf_counter() - t0, 1)

@@ -23,6 +23,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import CONFIG_MAPPING
 
 from .. import spec
+from .init import INITS
 
 
 class ConfigError(ValueError):
@@ -67,6 +68,7 @@ COMMON = {
     "grad_accum": (int, 1),
     "lr": (float, 1e-4),
     "weight_decay": (float, 0.0),
+    "adam_beta2": (float, 0.999),  # AdamW's second-moment decay (torch's default; Xiong et al. 2020 use 0.98)
     "warmup_steps": (int, 10),
     "max_steps": (int, 100),
     "clip": ((float, type(None)), 1.0),
@@ -115,7 +117,10 @@ DISTILL = {
 }
 
 # model built from a config: {model_type: llama, hidden_size: ...}
-PRETRAIN: dict[str, tuple] = {"model_config": (dict, {})}
+PRETRAIN: dict[str, tuple] = {
+    "model_config": (dict, {}),
+    "init": (str, "hf"),  # the first weights (train/init.py): hf (transformers' own) | paper (Xiong et al. 2020)
+}
 
 POSE = {
     "pose": {  # positional skip-wise training (pose.py): seq_len tokens, positions spread over target_len
@@ -299,6 +304,8 @@ def _validate(cfg: Config, recipe: str) -> None:
         raise ConfigError("pretrain builds its model from model_config; remove model (or use context_extension/heal)")
     if recipe == "pretrain":
         check_model_config(cfg.model_config)
+        if cfg.init not in INITS:
+            raise ConfigError(f"init must be one of {', '.join(INITS)}; got {cfg.init!r}")
     files = cfg.data.text_files  # neither files nor a dataset: the default corpus (Python stdlib sources)
     for f in [files] if isinstance(files, str) else (files or []):
         if not Path(f).exists():
@@ -333,6 +340,8 @@ def _check_numbers(cfg: Config) -> None:
     trained to inf weights and wrote them into checkpoints)."""
     if not (math.isfinite(cfg.lr) and 0 < cfg.lr <= 1):
         raise ConfigError(f"lr must be a finite number in (0, 1], got {cfg.lr}")
+    if not (math.isfinite(cfg.adam_beta2) and 0 <= cfg.adam_beta2 < 1):
+        raise ConfigError(f"adam_beta2 must be a number in [0, 1), got {cfg.adam_beta2}")
     if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
         raise ConfigError(f"weight_decay must be a finite number >= 0, got {cfg.weight_decay}")
     if cfg.lr * cfg.weight_decay >= 1:  # AdamW multiplies every weight by 1 - lr * weight_decay each step

@@ -176,7 +176,7 @@ def prepare(cfg, model, teacher=None) -> Run:
                                temperature=distill.temperature if distill else 1.0, fused=cfg.fused_loss)
     fused: dict[str, Any] = {"fused": True} if cfg.fused_optimizer else {}
     optimizer = torch.optim.AdamW([p for p in loss_module.parameters() if p.requires_grad], lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay, **fused)
+                                  betas=(0.9, cfg.adam_beta2), weight_decay=cfg.weight_decay, **fused)
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
     loss_module, optimizer = accelerator.prepare(loss_module, optimizer)
     params = [p for p in loss_module.parameters() if p.requires_grad]  # after prepare: FSDP2 replaces them

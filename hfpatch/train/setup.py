@@ -13,7 +13,7 @@ import hfpatch
 from ..models import load as load_model
 from ..position.schemes import SCHEMES
 from ..text import load_tokenizer
-from . import memory, parallel
+from . import init, memory, parallel
 from .config import ConfigError
 
 
@@ -53,7 +53,8 @@ def load(cfg):
 
 def from_config(cfg, tok):
     """A model built from cfg.model_config (a transformers config: model_type and sizes), its vocabulary and special
-    tokens taken from the tokenizer unless given, in cfg.dtype (weights drawn from the RNG as seeded)."""
+    tokens taken from the tokenizer unless given, in cfg.dtype (weights drawn from the RNG as seeded, the way
+    cfg.init names: init.py)."""
     options = dict(cfg.model_config)
     options.setdefault("vocab_size", len(tok))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -66,7 +67,7 @@ def from_config(cfg, tok):
         raise ConfigError(f"model_config: {' '.join(str(e).split())}") from None
     model = AutoModelForCausalLM.from_config(config, dtype=dtype_of(cfg))
     check_causal(model)
-    return model
+    return init.apply(model, cfg.get("init", "hf"))
 
 
 def check_causal(model):

@@ -9,6 +9,7 @@ pretrain config is checked like any pretrain config, before anything trains.
 from __future__ import annotations
 
 import json
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,10 @@ from .config import REQUIRED, ConfigError
 STUDY = {
     "study": (str, REQUIRED),  # the study's name: output_dir/compare_<study>.{json,md,png}
     "pretrain": (dict, REQUIRED),  # a recipes/pretrain.py config shared by every arm
-    "arms": (dict, REQUIRED),  # arm name -> overrides of `pretrain` (dotted keys allowed): the one axis that differs
+    "arms": (dict, {}),  # arm name -> overrides of `pretrain` (dotted keys allowed): the one axis that differs
+    # axis -> {label: overrides}: one arm per combination of labels (named label-label-..., after `arms`), its
+    # overrides those of its labels together (two axes may not set the same key)
+    "grid": (dict, {}),
     "seeds": (list, [0], int),  # every arm runs once per seed (init and data order)
     "tokenizer_vocab": (int, 2048),  # vocabulary of the BPE trained on the training text if the tokenizer is absent
     "output_dir": (str, "runs/compare"),
@@ -40,8 +44,9 @@ STUDY = {
 def load_study(path: str | None, overrides: list[str]) -> dict:
     """The study config (YAML + key=value overrides with dotted keys, e.g. pretrain.max_steps=20), checked."""
     study = config.check(STUDY, config.read(path, overrides))
+    study["arms"] = {**study["arms"], **{name: arm for name, (_, arm) in grid_arms(study["grid"]).items()}}
     if not study["arms"]:
-        raise ConfigError("arms must name at least one arm")
+        raise ConfigError("arms (or grid) must name at least one arm")
     if not study["seeds"]:
         raise ConfigError(f"seeds must be a non-empty list of integers, got {study['seeds']!r}")
     for name, arm in study["arms"].items():
@@ -57,6 +62,25 @@ def load_study(path: str | None, overrides: list[str]) -> dict:
             if unknown:
                 raise ConfigError(f"evaluate.{key}.arms names unknown arms {unknown}; arms: {', '.join(study['arms'])}")
     return study
+
+
+def grid_arms(grid: dict) -> dict[str, tuple[dict, dict]]:
+    """{arm name: ({axis: label}, overrides)} for every combination of the grid's labels, the first axis varying
+    slowest; {} for no grid."""
+    for axis, values in grid.items():
+        if not isinstance(values, dict) or not values or not all(isinstance(v, dict) for v in values.values()):
+            raise ConfigError(f"grid.{axis} must map each label to a mapping of pretrain overrides, got {values!r}")
+    out: dict[str, tuple[dict, dict]] = {}
+    for combo in itertools.product(*(list(values.items()) for values in grid.values())):
+        labels = {axis: str(label) for axis, (label, _) in zip(grid, combo)}
+        merged: dict = {}
+        for axis, (label, arm) in zip(grid, combo):
+            twice = sorted(set(merged) & set(arm))
+            if twice:
+                raise ConfigError(f"grid.{axis}.{label} sets {', '.join(twice)}, which another axis sets too")
+            merged.update(arm)
+        out["-".join(labels.values()) if grid else ""] = (labels, merged)
+    return out if grid else {}
 
 
 def _flatten(overrides: dict, prefix: str = "") -> list[str]:
@@ -120,8 +144,18 @@ def plan(study: dict) -> list[Run]:
                 cfg = config.load("pretrain", None, [*overrides, "resume=true"])
             except ConfigError as e:
                 raise ConfigError(f"arm {arm!r}: {e}") from None
+            _check_reloadable(arm, cfg, study["evaluate"])
             runs.append(Run(arm, seed, out, overrides, cfg))
     return runs
+
+
+def _check_reloadable(arm: str, cfg: dict, ev: dict) -> None:
+    """The perplexity and passkey evaluations load the saved model in `hfpatch eval`, which does not know the
+    embedding scale of init=paper (init.py): refused rather than scored as another model."""
+    if cfg.get("init") == "paper" and (ev["text_files"] or ev["passkey"] is not None):
+        raise ConfigError(f"arm {arm!r}: init=paper scales the embedding output at run time, which the model that "
+                          "`hfpatch eval` loads does not do; leave evaluate.text_files and evaluate.passkey out "
+                          "(the run's own held-out loss is measured in training)")
 
 
 def newest_checkpoint_step(out: Path) -> int:

@@ -139,9 +139,10 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def _json_safe(x):
-    """JSON has no NaN or infinity: they are written as null."""
+    """JSON has no NaN or infinity: they are written as null. Floats keep 6 significant digits (the runs' loss and
+    gradient curves would otherwise fill megabytes with noise digits)."""
     if isinstance(x, float):
-        return x if math.isfinite(x) else None
+        return float(f"{x:.6g}") if math.isfinite(x) else None
     if isinstance(x, dict):
         return {str(k): _json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
