@@ -26,12 +26,12 @@ from accelerate import PartialState
 from accelerate.utils import set_seed
 
 import hfpatch
-from hfpatch.evaluate.evaluations import passkey, ppl
 from hfpatch.evaluate.common import versions
+from hfpatch.evaluate.evaluations import passkey, ppl
 from hfpatch.models import load
 from hfpatch.train import data, init, loop, measure, setup, study_report
-from hfpatch.train.study import claim, load_study, newest_checkpoint_step, plan
 from hfpatch.train.config import ConfigError
+from hfpatch.train.study import claim, load_study, newest_checkpoint_step, plan
 
 
 def train(run, study, tok) -> None:
@@ -130,6 +130,8 @@ def main(study) -> None:
                "lengths": study["evaluate"]["lengths"], "trained_length": runs[0].cfg.seq_len, "runs": [],
                "versions": versions(), "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                "argv": sys.argv[1:]}
+    # what a model that learnt only the token frequencies would reach (the training split of the first arm's data)
+    summary["unigram_loss"] = measure.unigram_loss(data.packed(runs[0].cfg, tok)[0])
     out = Path(study["output_dir"])
     for run in runs:
         claim(run)  # a folder trained with other settings is refused, not reused

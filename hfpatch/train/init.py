@@ -18,9 +18,11 @@ config.json, and `restore(model)` puts it back after loading.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from ..edits import Edits
 
@@ -34,10 +36,10 @@ class ScaledEmbedding:
     hfpatch_embedding_scale: float = 1.0
 
     def forward(self, *args, **kwargs):
-        return super().forward(*args, **kwargs) * self.hfpatch_embedding_scale  # type: ignore[misc]
+        return super().forward(*args, **kwargs) * self.hfpatch_embedding_scale
 
 
-def xavier_linears(model: nn.Module) -> int:
+def xavier_linears(model: PreTrainedModel) -> int:
     """Every nn.Linear weight Xavier-uniform (std sqrt(2 / (fan_in + fan_out))), its bias 0; returns how many. A
     tied output head shares the embedding's tensor and is left to the embedding's init."""
     tied = model.get_input_embeddings().weight
@@ -51,21 +53,22 @@ def xavier_linears(model: nn.Module) -> int:
     return count
 
 
-def scaled_embedding(model: nn.Module, edits: Edits | None = None) -> float:
+def scaled_embedding(model: PreTrainedModel, edits: Edits | None = None) -> float:
     """The embedding redrawn from N(0, d^-1/2) (padding row 0) and its output multiplied by sqrt(d): the embedded
     tokens start at RMS ~1. Returns the factor sqrt(d)."""
-    emb = model.get_input_embeddings()
-    d = emb.weight.shape[-1]
+    weight = cast(torch.Tensor, model.get_input_embeddings().weight)
+    pad = getattr(model.get_input_embeddings(), "padding_idx", None)
+    d = weight.shape[-1]
     with torch.no_grad():
-        nn.init.normal_(emb.weight, mean=0.0, std=d ** -0.5)
-        if getattr(emb, "padding_idx", None) is not None:
-            emb.weight[emb.padding_idx].zero_()
+        nn.init.normal_(weight, mean=0.0, std=d ** -0.5)
+        if pad is not None:
+            weight[pad].zero_()
     factor = math.sqrt(d)
     set_embedding_scale(model, factor, edits)
     return factor
 
 
-def set_embedding_scale(model: nn.Module, factor: float, edits: Edits | None = None) -> None:
+def set_embedding_scale(model: PreTrainedModel, factor: float, edits: Edits | None = None) -> None:
     """Multiply the input embedding's output by `factor` (recorded in the config, so a saved model says so)."""
     edits = edits if edits is not None else Edits()
     emb = model.get_input_embeddings()
@@ -75,7 +78,7 @@ def set_embedding_scale(model: nn.Module, factor: float, edits: Edits | None = N
     setattr(model.config, SCALE_CONFIG_KEY, float(factor))
 
 
-def restore(model: nn.Module) -> nn.Module:
+def restore(model: PreTrainedModel) -> PreTrainedModel:
     """After loading a model trained with init="paper": its embedding scale back from its config (no-op otherwise)."""
     factor = getattr(model.config, SCALE_CONFIG_KEY, None)
     if factor is not None:
@@ -83,11 +86,11 @@ def restore(model: nn.Module) -> nn.Module:
     return model
 
 
-def hf(model: nn.Module) -> None:
+def hf(model: PreTrainedModel) -> None:
     """transformers' initialisation: what from_config already drew."""
 
 
-def paper(model: nn.Module) -> None:
+def paper(model: PreTrainedModel) -> None:
     """Xiong et al. 2020's conditions (the optimizer's beta2 aside): scaled embedding, Xavier linears."""
     scaled_embedding(model)  # first: the RNG draws the embedding, then the linears in module order
     xavier_linears(model)
@@ -96,7 +99,7 @@ def paper(model: nn.Module) -> None:
 INITS = {"hf": hf, "paper": paper}  # what the `init:` key accepts
 
 
-def apply(model: nn.Module, init: str) -> nn.Module:
+def apply(model: PreTrainedModel, init: str) -> PreTrainedModel:
     """Initialise `model` (freshly built, weights drawn as the RNG was seeded) the way `init` names."""
     if init not in INITS:
         raise ValueError(f"init must be one of {', '.join(INITS)}; got {init!r}")

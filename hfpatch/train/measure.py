@@ -157,6 +157,15 @@ def step_times(models: dict, batch: torch.Tensor, rounds: int) -> dict:
     return medians({name: (lambda m=model: step(m)) for name, model in models.items()}, rounds, warmup=1)
 
 
+def unigram_loss(seqs: torch.Tensor) -> float:
+    """The entropy (nats) of the token frequencies of `seqs`, counting every token after the first of each sequence
+    (the ones a model predicts): the loss of a model that has learnt only how often each token occurs, and nothing
+    of the context."""
+    counts = torch.bincount(seqs[:, 1:].reshape(-1)).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
 def training_summary(out: Path) -> dict:
     """From the run's log: loss curve, held-out losses, seconds per step, divergence."""
     rows = read_jsonl(out / "log.jsonl")

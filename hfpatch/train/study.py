@@ -8,8 +8,8 @@ pretrain config is checked like any pretrain config, before anything trains.
 
 from __future__ import annotations
 
-import json
 import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +46,7 @@ def load_study(path: str | None, overrides: list[str]) -> dict:
     study = config.check(STUDY, config.read(path, overrides))
     study["arms"] = {**study["arms"], **{name: arm for name, (_, arm) in grid_arms(study["grid"]).items()}}
     if not study["arms"]:
-        raise ConfigError("arms (or grid) must name at least one arm")
+        raise ConfigError("arms must name at least one arm (or grid at least one combination)")
     if not study["seeds"]:
         raise ConfigError(f"seeds must be a non-empty list of integers, got {study['seeds']!r}")
     for name, arm in study["arms"].items():

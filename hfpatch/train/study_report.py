@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..evaluate.report import colors, figure, markdown_table
 from ..evaluate.stats import mean
+from .study import grid_arms
 
 
 def _f(x, digits=2):
@@ -74,15 +75,120 @@ def table(summary: dict) -> str:
             rows.append([a, f"{sum(r['training'].get('diverged', False) for r in rs)}/{len(rs)}",
                          _f(mean(r["training"].get("final_loss") for r in rs), 3), _f(first, 3), _f(last, 3),
                          _f(None if not first or not last else last / first, 2)])
-        parts.append("**placement** (gradient norms at the first step, before clipping; diverged: loss not finite or "
-                     "ending 0.5 nats above its best)\n\n" + markdown_table(
-                         ["arm", "diverged", "final loss", "grad first block", "grad last block", "last / first"],
-                         rows))
+        if not grid_of(summary):  # a grid study has its own tables (below), one row per arm would be too many
+            parts.append("**placement** (gradient norms at the first step, before clipping; diverged: loss not finite "
+                         "or ending 0.5 nats above its best)\n\n" + markdown_table(
+                             ["arm", "diverged", "final loss", "grad first block", "grad last block", "last / first"],
+                             rows))
+    if grid_of(summary):
+        parts = [sweep_table(summary)] + ([init_grad_table(summary)] if any("grad_norms" in r for r in runs) else [])
     return "\n\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------ grid studies
+
+def grid_of(summary: dict) -> dict:
+    """{arm: {axis: label}} of a study whose arms come from a grid (study.grid_arms); {} otherwise."""
+    return {arm: labels for arm, (labels, _) in grid_arms(summary.get("config", {}).get("grid") or {}).items()}
+
+
+def _runs_by_arm(summary: dict) -> dict:
+    out: dict = {}
+    for r in summary["runs"]:
+        out.setdefault(r["arm"], []).append(r)
+    return out
+
+
+def sweep_table(summary: dict) -> str:
+    """Final training loss (10-step mean, mean over seeds) with the grid's last axis as columns and every
+    combination of the other axes as a row; † marks a diverged run (loss not finite, or ending 0.5 nats above its
+    best 10-step mean)."""
+    grid, by_arm = grid_of(summary), _runs_by_arm(summary)
+    axes = list(summary["config"]["grid"])
+    *row_axes, col_axis = axes
+    columns = list(dict.fromkeys(labels[col_axis] for labels in grid.values()))
+    rows: dict[tuple, list] = {}
+    for arm, labels in grid.items():
+        key = tuple(labels[a] for a in row_axes)
+        cells = rows.setdefault(key, [""] * len(columns))
+        rs = by_arm.get(arm, [])
+        if not rs:
+            cells[columns.index(labels[col_axis])] = "…"  # not run yet
+            continue
+        final = mean(r["training"].get("final_loss") for r in rs)
+        diverged = sum(bool(r["training"].get("diverged")) for r in rs)
+        mark = "" if not diverged else " †" if len(rs) == 1 else f" †{diverged}/{len(rs)}"
+        cells[columns.index(labels[col_axis])] = ("nan" if final is None else f"{final:.3f}") + mark
+    head = f"**final training loss by {col_axis}** (mean of the last 10 steps; † diverged"
+    head += f"; unigram loss of the training text: {summary['unigram_loss']:.3f})" if summary.get("unigram_loss") \
+        else ")"
+    return head + "\n\n" + markdown_table([*row_axes, *(f"{col_axis} {c}" for c in columns)],
+                                           [[*key, *cells] for key, cells in rows.items()])
+
+
+def step1_axes(summary: dict) -> list[str]:
+    """The grid axes that change the gradients at the first step: an axis does not when every two runs that differ
+    in it alone (same seed) have the same first-step gradient norms (the learning rate and the warm-up, whose first
+    step comes after the gradient is taken)."""
+    grid = grid_of(summary)
+    runs = [r for r in summary["runs"] if r.get("grad_norms", {}).get("init")]
+    keep = []
+    for axis in summary["config"]["grid"]:
+        def rest(r, axis=axis):
+            return (r["seed"], *(v for a, v in grid[r["arm"]].items() if a != axis))
+        groups: dict = {}
+        for r in runs:
+            groups.setdefault(rest(r), []).append(r["grad_norms"]["init"])
+        paired = any(len(g) > 1 for g in groups.values())  # without a pair, nothing shows that it does not
+        same = paired and all(math.isclose(g[0].get(k, 0.0), x.get(k, 0.0), rel_tol=1e-4, abs_tol=1e-12)
+                   for g in groups.values() for x in g[1:] for k in set(g[0]) | set(x))
+        if not same:
+            keep.append(axis)
+    return keep
+
+
+def _blocks(init: dict) -> list[float]:
+    layers = sorted((k for k in init if k.startswith("layer.")), key=lambda k: int(k.split(".")[1]))
+    return [init[k] for k in layers]
+
+
+def init_grad_groups(summary: dict) -> dict[tuple, list[dict]]:
+    """{labels of the axes that change the first step: [first-step gradient norms of its runs]}."""
+    grid, axes = grid_of(summary), step1_axes(summary)
+    out: dict = {}
+    seen = set()
+    for r in summary["runs"]:
+        init = r.get("grad_norms", {}).get("init")
+        key = tuple(grid[r["arm"]][a] for a in axes)
+        if init and (key, r["seed"]) not in seen:  # one run per seed: the others have the same first step
+            seen.add((key, r["seed"]))
+            out.setdefault(key, []).append(init)
+    return out
+
+
+def init_grad_table(summary: dict) -> str:
+    """Gradient norm per block at the first step, before any update (means over seeds)."""
+    axes = step1_axes(summary)
+    rows = []
+    for key, inits in init_grad_groups(summary).items():
+        blocks = [_blocks(i) for i in inits]
+        n = len(blocks[0])
+        first, mid, last = (mean(b[j] for b in blocks) for j in (0, n // 2, n - 1))
+        rows.append([*key, _f(mean(i.get("embedding") for i in inits), 3), _f(first, 3), _f(mid, 3), _f(last, 3),
+                     _f(None if not first or not last else last / first, 2),
+                     _f(mean(i.get("final") for i in inits), 3)])
+    other = [a for a in summary["config"]["grid"] if a not in axes]
+    return (f"**gradient norms at initialisation** (the first step, before clipping; the same for every "
+            f"{' and '.join(other) or 'arm'}; blocks: the first, the middle (n/2, from 0) and the last; final: the "
+            "final norm; embedding: the tied table, input and output)\n\n"
+            + markdown_table([*axes, "embedding", "first block", "middle block", "last block", "last / first",
+                              "final"], rows))
 
 
 def plot(summary: dict, path: Path) -> None:
     """One figure per study, a panel per measurement present."""
+    if grid_of(summary):
+        return plot_grid(summary, path)
     runs, arms = summary["runs"], list(summary["arms"])
     panels = ["loss"]
     if summary.get("lengths"):
@@ -136,6 +242,92 @@ def plot(summary: dict, path: Path) -> None:
     fig.suptitle(f"compare: {summary['study']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot_grid(summary: dict, path: Path) -> None:
+    """A grid study (axes A, B, ..., last axis X): row 1, the gradient norm per block at the first step, a panel
+    per label of A, a line per combination of the other axes that change it; row 2, the final loss against X, a
+    panel per (A, B), a line per combination of the rest, × where a run diverged; row 3, the loss curves at X's
+    largest value, panels as row 2."""
+    grid, by_arm = grid_of(summary), _runs_by_arm(summary)
+    axes = list(summary["config"]["grid"])
+    panel_axes, x_axis = axes[:2], axes[-1]
+    line_axes = [a for a in axes if a not in panel_axes and a != x_axis]
+    xs = list(dict.fromkeys(labels[x_axis] for labels in grid.values()))
+    panels = list(dict.fromkeys(tuple(labels[a] for a in panel_axes) for labels in grid.values()))
+    lines = list(dict.fromkeys(tuple(labels[a] for a in line_axes) for labels in grid.values()))
+    palette = colors() * 4
+    fig = figure(figsize=(4.6 * len(panels), 12.5))
+    axs = fig.subplots(3, len(panels), squeeze=False)
+    # row 1: gradients at initialisation
+    groups = init_grad_groups(summary)
+    s1 = step1_axes(summary)
+    firsts = list(dict.fromkeys(k[0] for k in groups)) if s1 and s1[0] == axes[0] else [None]
+    kinds = list(dict.fromkeys(k[1:] if firsts != [None] else k for k in groups))
+    for ax, first in zip(axs[0], firsts):
+        for key, inits in groups.items():
+            if first is not None and key[0] != first:
+                continue
+            rest = key[1:] if first is not None else key
+            blocks = [_blocks(i) for i in inits]
+            ys = [mean(b[j] for b in blocks) for j in range(len(blocks[0]))]
+            ax.plot(range(len(ys)), ys, marker=".", color=palette[kinds.index(rest)], label=" ".join(rest))
+        ax.set_title(f"gradient norm per block at init{f', {axes[0]} {first}' if first else ''}")
+        ax.set_xlabel("block (0 = next to the embedding)")
+        ax.set_ylabel("norm (before clipping)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    for ax in axs[0][len(firsts):]:
+        ax.set_visible(False)
+    # rows 2 and 3: final loss against the last axis, loss curves at its largest value
+    top = max(xs, key=float) if all(_is_number(x) for x in xs) else xs[-1]
+    for col, panel in enumerate(panels):
+        for k, line in enumerate(lines):
+            pts, bad = [], []
+            for x in xs:
+                labels = dict(zip(panel_axes, panel)) | dict(zip(line_axes, line)) | {x_axis: x}
+                arm = next((a for a, lab in grid.items() if lab == labels), None)
+                for r in by_arm.get(arm, []):
+                    final = r["training"].get("final_loss")
+                    xv = float(x) if _is_number(x) else xs.index(x)
+                    if final is not None:
+                        pts.append((xv, final))
+                    if r["training"].get("diverged"):
+                        bad.append((xv, final if final is not None else r["training"].get("best_loss") or 0))
+                    if x == top:
+                        axs[2][col].plot(range(1, len(r["training"]["loss"]) + 1), r["training"]["loss"],
+                                         color=palette[k], lw=0.8, label=" ".join(line))
+            if pts:
+                axs[1][col].plot(*zip(*sorted(pts)), marker="o", color=palette[k], label=" ".join(line))
+            if bad:
+                axs[1][col].scatter(*zip(*bad), marker="x", s=80, color="black", zorder=3)
+        name = ", ".join(f"{a} {v}" for a, v in zip(panel_axes, panel))
+        for row, (title, xl) in ((1, (f"final loss, {name}", x_axis)), (2, (f"loss at {x_axis} {top}, {name}",
+                                                                             "step"))):
+            ax = axs[row][col]
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel(xl)
+            ax.set_ylabel("training loss")
+            ax.grid(alpha=0.3)
+            if summary.get("unigram_loss"):
+                ax.axhline(summary["unigram_loss"], color="gray", ls=":", lw=1)
+            if ax.lines:
+                ax.legend(fontsize=7)
+        if all(_is_number(x) for x in xs):
+            axs[1][col].set_xscale("log")
+    fig.suptitle(f"compare: {summary['study']} (dotted: unigram loss of the training text; ×: diverged)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _json_safe(x):
