@@ -5,6 +5,7 @@ init="paper" is checked against the formulas it claims (Glorot's std sqrt(2 / (f
 sqrt(6 / (fan_in + fan_out)), the embedding's N(0, d^-1/2) and its output times sqrt(d)), each of which
 transformers' own init (N(0, 0.02), unscaled) fails."""
 
+import json
 import math
 
 import pytest
@@ -165,7 +166,7 @@ def fake_run(arm, grads, final, diverged=False):
             "grad_norms": {"init": grads, "steps": []}}
 
 
-def test_the_sweep_tables_group_by_what_changes_the_first_step():
+def test_the_sweep_tables_group_by_what_changes_the_first_step(tmp_path):
     """lr does not change the first step's gradients (they are taken before the first update): the first-step table
     has one row per init; the sweep table has lr as columns and marks the diverged run."""
     hf, paper = {"layer.0": 1.0, "layer.1": 0.5}, {"layer.0": 0.2, "layer.1": 0.8}
@@ -178,6 +179,10 @@ def test_the_sweep_tables_group_by_what_changes_the_first_step():
     assert "| hf | 6.000 | 6.500 † |" in text and "| paper | 5.000 | 4.500 |" in text
     assert "unigram loss of the training text: 6.250" in text
     assert "| paper | — | 0.200 | 0.800 | 0.800 | 4.00 | — |" in text
+    runs[0]["training"]["loss"] = [7.123456789, 6.0]
+    path = study_report.write(summary, tmp_path)  # JSON (floats to 6 significant digits), table and plot
+    assert json.loads(path.read_text())["runs"][0]["training"]["loss"] == [7.12346, 6.0]
+    assert path.with_suffix(".png").stat().st_size > 0
     runs[1]["grad_norms"]["init"]["layer.0"] = 2.0  # now lr seems to change the first step: it gets a column
     assert study_report.step1_axes(summary) == ["init", "lr"]
 

@@ -251,7 +251,7 @@ def plot_grid(summary: dict, path: Path) -> None:
     largest value, panels as row 2."""
     grid, by_arm = grid_of(summary), _runs_by_arm(summary)
     axes = list(summary["config"]["grid"])
-    panel_axes, x_axis = axes[:2], axes[-1]
+    panel_axes, x_axis = axes[:min(2, len(axes) - 1)], axes[-1]
     line_axes = [a for a in axes if a not in panel_axes and a != x_axis]
     xs = list(dict.fromkeys(labels[x_axis] for labels in grid.values()))
     panels = list(dict.fromkeys(tuple(labels[a] for a in panel_axes) for labels in grid.values()))
@@ -271,13 +271,13 @@ def plot_grid(summary: dict, path: Path) -> None:
             rest = key[1:] if first is not None else key
             blocks = [_blocks(i) for i in inits]
             ys = [mean(b[j] for b in blocks) for j in range(len(blocks[0]))]
-            ax.plot(range(len(ys)), ys, marker=".", color=palette[kinds.index(rest)], label=" ".join(rest))
+            ax.plot(range(len(ys)), ys, marker=".", color=palette[kinds.index(rest)], label=" ".join(rest) or "_")
         ax.set_title(f"gradient norm per block at init{f', {axes[0]} {first}' if first else ''}")
         ax.set_xlabel("block (0 = next to the embedding)")
         ax.set_ylabel("norm (before clipping)")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        if ax.lines:
+        if any(not lab.startswith("_") for lab in ax.get_legend_handles_labels()[1]):
             ax.legend(fontsize=7)
     for ax in axs[0][len(firsts):]:
         ax.set_visible(False)
@@ -298,9 +298,9 @@ def plot_grid(summary: dict, path: Path) -> None:
                         bad.append((xv, final if final is not None else r["training"].get("best_loss") or 0))
                     if x == top:
                         axs[2][col].plot(range(1, len(r["training"]["loss"]) + 1), r["training"]["loss"],
-                                         color=palette[k], lw=0.8, label=" ".join(line))
+                                         color=palette[k], lw=0.8, label=" ".join(line) or "_")
             if pts:
-                axs[1][col].plot(*zip(*sorted(pts)), marker="o", color=palette[k], label=" ".join(line))
+                axs[1][col].plot(*zip(*sorted(pts)), marker="o", color=palette[k], label=" ".join(line) or "_")
             if bad:
                 axs[1][col].scatter(*zip(*bad), marker="x", s=80, color="black", zorder=3)
         name = ", ".join(f"{a} {v}" for a, v in zip(panel_axes, panel))
@@ -313,7 +313,7 @@ def plot_grid(summary: dict, path: Path) -> None:
             ax.grid(alpha=0.3)
             if summary.get("unigram_loss"):
                 ax.axhline(summary["unigram_loss"], color="gray", ls=":", lw=1)
-            if ax.lines:
+            if any(not lab.startswith("_") for lab in ax.get_legend_handles_labels()[1]):
                 ax.legend(fontsize=7)
         if all(_is_number(x) for x in xs):
             axs[1][col].set_xscale("log")
