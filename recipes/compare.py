@@ -56,7 +56,17 @@ def train(run, study, tok) -> None:
             grads.close()
 
 
-def evaluate(run, study, held_out) -> dict:
+def first_step(run, tok, train_seqs) -> dict:
+    """The run's model as it started (the same seed, init and patch as train()) and the gradient of each of its
+    block's parameters on its first batch: the first step's gradients, parameter by parameter."""
+    cfg = run.cfg
+    set_seed(cfg.seed)
+    model = setup.apply_patch(setup.from_config(cfg, tok), cfg)
+    ids = train_seqs[data.batch_indices(len(train_seqs), cfg.batch_size, 0, cfg.seed)]
+    return measure.first_step_gradients(model, ids)
+
+
+def evaluate(run, study, held_out, tok=None, train_seqs=None) -> dict:
     """Everything the study measures on this run's final model (saved and reloaded, as a user would get it)."""
     ev, cfg, final = study["evaluate"], run.cfg, run.out / "final"
     t0 = time.perf_counter()
@@ -107,6 +117,8 @@ def evaluate(run, study, held_out) -> dict:
                  for row in rows]
         out["grad_norms"] = {"init": {k: v for k, v in rows[0].items() if k != "step"} if rows else {},
                              "steps": steps}
+        if train_seqs is not None:
+            out["grad_norms"]["init_parameters"] = first_step(run, tok, train_seqs)
     out["eval_seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -130,15 +142,19 @@ def main(study) -> None:
                "lengths": study["evaluate"]["lengths"], "trained_length": runs[0].cfg.seq_len, "runs": [],
                "versions": versions(), "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                "argv": sys.argv[1:]}
+    # every arm trains on the same packed data unless an arm changes the data or seq_len
+    same_data = all(r.cfg.data == runs[0].cfg.data and r.cfg.seq_len == runs[0].cfg.seq_len for r in runs)
+    train_seqs = data.packed(runs[0].cfg, tok)[0]
     # what a model that learnt only the token frequencies would reach (the training split of the first arm's data)
-    summary["unigram_loss"] = measure.unigram_loss(data.packed(runs[0].cfg, tok)[0])
+    summary["unigram_loss"] = measure.unigram_loss(train_seqs)
     out = Path(study["output_dir"])
     for run in runs:
         claim(run)  # a folder trained with other settings is refused, not reused
     for run in runs:
         t0 = time.perf_counter()
         train(run, study, tok)
-        summary["runs"].append({**evaluate(run, study, held_out), "wall_seconds": round(time.perf_counter() - t0, 1)})
+        summary["runs"].append({**evaluate(run, study, held_out, tok, train_seqs if same_data else None),
+                                "wall_seconds": round(time.perf_counter() - t0, 1)})
         study_report.write(summary, out, plot_it=False)
     rounds = study["evaluate"]["step_time_rounds"]
     if rounds:  # the runs' own s/step come from different moments of a shared machine: this compares them fairly

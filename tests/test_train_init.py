@@ -179,6 +179,11 @@ def test_the_sweep_tables_group_by_what_changes_the_first_step(tmp_path):
     assert "| hf | 6.000 | 6.500 † |" in text and "| paper | 5.000 | 4.500 |" in text
     assert "unigram loss of the training text: 6.250" in text
     assert "| paper | — | 0.200 | 0.800 | 0.800 | 4.00 | — |" in text
+    for r, (a, b) in zip(runs, [(0.1, 0.3)] * 2 + [(0.2, 0.2)] * 2):  # the feed-forward output weight's norms
+        r["grad_norms"]["init_parameters"] = {"layer.0": {"mlp.down_proj.weight": a},
+                                              "layer.1": {"mlp.down_proj.weight": b}}
+    text = study_report.table(summary)
+    assert "| hf | 0.1000 | 0.3000 | 0.3000 | 3.00 |" in text and "| paper | 0.2000 | 0.2000 | 0.2000 | 1.00 |" in text
     runs[0]["training"]["loss"] = [7.123456789, 6.0]
     path = study_report.write(summary, tmp_path)  # JSON (floats to 6 significant digits), table and plot
     assert json.loads(path.read_text())["runs"][0]["training"]["loss"] == [7.12346, 6.0]
@@ -191,3 +196,21 @@ def test_unigram_loss_is_the_entropy_of_the_predicted_tokens():
     seqs = torch.tensor([[9, 1, 1, 2], [9, 2, 2, 2]])  # predicted: 1 1 2 2 2 2 (the first of each row is not)
     p = torch.tensor([2 / 6, 4 / 6], dtype=torch.float64)
     assert measure.unigram_loss(seqs) == pytest.approx(float(-(p * p.log()).sum()), rel=1e-12)
+
+
+def test_first_step_gradients_are_each_parameters_gradient_of_the_models_own_loss():
+    """Against transformers' own loss (labels = the input): the same per-parameter gradient norms, by block."""
+    model = build("paper", seed=3)
+    ids = torch.randint(1, SIZES["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    got = measure.first_step_gradients(model, ids)
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    want: dict = {}
+    for name, p in model.named_parameters():
+        if name.startswith("model.layers."):
+            block, _, inner = name[len("model.layers."):].partition(".")
+            want.setdefault(f"layer.{block}", {})[inner] = p.grad.norm().item()
+    assert list(got) == ["layer.0", "layer.1"] and set(got["layer.0"]) == set(want["layer.0"])
+    for block, params in want.items():
+        for inner, norm in params.items():
+            assert got[block][inner] == pytest.approx(norm, rel=1e-4), (block, inner)

@@ -21,6 +21,7 @@ from ..norm.batchnorm import batch_statistics
 from ..text import documents, tokenize
 from ..timing import medians
 from .config import ConfigError
+from .loop import CausalLMLoss
 
 # ------------------------------------------------------------------------------------------------ gradient norms
 
@@ -65,6 +66,26 @@ class GradNorms:
     def close(self):
         for h in self.handles:
             h.remove()
+
+
+def first_step_gradients(model, ids: torch.Tensor) -> dict[str, dict[str, float]]:
+    """The gradient norm of every parameter of every block for one batch at the model's current weights (at
+    initialisation: the gradients of the first step, before clipping), as the training loop takes it (its loss
+    module): {"layer.i": {name inside the block: norm}}. Finer than GradNorms' per-block rows: Xiong et al. 2020's
+    analysis is of one weight per block (the feed-forward output, W^FC2)."""
+    target = unwrap(model)
+    prefix = "" if target.base_model is target else target.base_model_prefix + "."
+    layers = prefix + cast(str, adapter_for(target).layers) + "."
+    target.train()
+    target.zero_grad(set_to_none=True)
+    CausalLMLoss(target)(ids)[0].backward()
+    out: dict[str, dict[str, float]] = {}
+    for name, p in target.named_parameters():
+        if name.startswith(layers) and p.grad is not None:
+            block, _, inner = name[len(layers):].partition(".")
+            out.setdefault(f"layer.{block}", {})[inner] = float(p.grad.detach().float().norm())
+    target.zero_grad(set_to_none=True)
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0].split(".")[1])))
 
 
 def _group_order(item):

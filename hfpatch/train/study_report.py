@@ -166,8 +166,34 @@ def init_grad_groups(summary: dict) -> dict[tuple, list[dict]]:
     return out
 
 
+FFN_OUT = "mlp.down_proj.weight"  # Llama's feed-forward output weight: W^FC2, the weight of Xiong et al.'s analysis
+
+
+def _ffn_out(r: dict) -> list[float] | None:
+    """The feed-forward output weight's first-step gradient norm per block, where the run recorded it."""
+    per = r.get("grad_norms", {}).get("init_parameters")
+    if not per or any(FFN_OUT not in v for v in per.values()):
+        return None
+    return [v[FFN_OUT] for v in per.values()]
+
+
+def init_ffn_groups(summary: dict) -> dict[tuple, list[list[float]]]:
+    """As init_grad_groups, the feed-forward output weight's norms per block."""
+    grid, axes = grid_of(summary), step1_axes(summary)
+    out: dict = {}
+    seen = set()
+    for r in summary["runs"]:
+        ffn = _ffn_out(r)
+        key = tuple(grid[r["arm"]][a] for a in axes)
+        if ffn and (key, r["seed"]) not in seen:
+            seen.add((key, r["seed"]))
+            out.setdefault(key, []).append(ffn)
+    return out
+
+
 def init_grad_table(summary: dict) -> str:
-    """Gradient norm per block at the first step, before any update (means over seeds)."""
+    """Gradient norm per block at the first step, before any update (means over seeds); and of the feed-forward
+    output weight alone, where recorded."""
     axes = step1_axes(summary)
     rows = []
     for key, inits in init_grad_groups(summary).items():
@@ -182,7 +208,22 @@ def init_grad_table(summary: dict) -> str:
             f"{' and '.join(other) or 'arm'}; blocks: the first, the middle (n/2, from 0) and the last; final: the "
             "final norm; embedding: the tied table, input and output)\n\n"
             + markdown_table([*axes, "embedding", "first block", "middle block", "last block", "last / first",
-                              "final"], rows))
+                              "final"], rows) + _ffn_table(summary, axes))
+
+
+def _ffn_table(summary: dict, axes: list[str]) -> str:
+    groups = init_ffn_groups(summary)
+    if not groups:
+        return ""
+    rows = []
+    for key, per in groups.items():
+        n = len(per[0])
+        first, mid, last = (mean(p[j] for p in per) for j in (0, n // 2, n - 1))
+        rows.append([*key, _f(first, 4), _f(mid, 4), _f(last, 4), _f(None if not first or not last else last / first,
+                                                                          2)])
+    return (f"\n\n**gradient norm of the feed-forward output weight at initialisation** (`{FFN_OUT}`, W^FC2 in "
+            "Xiong et al. 2020; the first step, before clipping)\n\n"
+            + markdown_table([*axes, "first block", "middle block", "last block", "last / first"], rows))
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -260,7 +301,7 @@ def plot_grid(summary: dict, path: Path) -> None:
     fig = figure(figsize=(4.6 * len(panels), 12.5))
     axs = fig.subplots(3, len(panels), squeeze=False)
     # row 1: gradients at initialisation
-    groups = init_grad_groups(summary)
+    groups, ffn_groups = init_grad_groups(summary), init_ffn_groups(summary)
     s1 = step1_axes(summary)
     firsts = list(dict.fromkeys(k[0] for k in groups)) if s1 and s1[0] == axes[0] else [None]
     kinds = list(dict.fromkeys(k[1:] if firsts != [None] else k for k in groups))
@@ -272,7 +313,12 @@ def plot_grid(summary: dict, path: Path) -> None:
             blocks = [_blocks(i) for i in inits]
             ys = [mean(b[j] for b in blocks) for j in range(len(blocks[0]))]
             ax.plot(range(len(ys)), ys, marker=".", color=palette[kinds.index(rest)], label=" ".join(rest) or "_")
-        ax.set_title(f"gradient norm per block at init{f', {axes[0]} {first}' if first else ''}")
+            ffn = ffn_groups.get(key)
+            if ffn:  # the feed-forward output weight alone (W^FC2)
+                ax.plot(range(len(ffn[0])), [mean(p[j] for p in ffn) for j in range(len(ffn[0]))], ls="--",
+                        lw=0.9, color=palette[kinds.index(rest)])
+        ax.set_title(f"gradient norm per block at init{f', {axes[0]} {first}' if first else ''}"
+                     f"{' (dashed: FFN output weight)' if ffn_groups else ''}", fontsize=9)
         ax.set_xlabel("block (0 = next to the embedding)")
         ax.set_ylabel("norm (before clipping)")
         ax.set_yscale("log")
