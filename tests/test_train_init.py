@@ -184,6 +184,10 @@ def test_the_sweep_tables_group_by_what_changes_the_first_step(tmp_path):
                                               "layer.1": {"mlp.down_proj.weight": b}}
     text = study_report.table(summary)
     assert "| hf | 0.1000 | 0.3000 | 0.3000 | 3.00 |" in text and "| paper | 0.2000 | 0.2000 | 0.2000 | 1.00 |" in text
+    summary["arms"].append("longer")  # an arm outside the grid: in a table of its own
+    runs.append({**fake_run("longer", hf, 5.5), "name": "longer", "parameters": 1e6})
+    assert "**per arm (outside the grid)**" in study_report.table(summary) and "| longer | 1.00 M | 5.500 |" in \
+        study_report.table(summary)
     runs[0]["training"]["loss"] = [7.123456789, 6.0]
     path = study_report.write(summary, tmp_path)  # JSON (floats to 6 significant digits), table and plot
     assert json.loads(path.read_text())["runs"][0]["training"]["loss"] == [7.12346, 6.0]

@@ -20,7 +20,8 @@ def table(summary: dict) -> str:
     """Markdown tables of a study summary: per arm (means over seeds)."""
 
     runs = summary["runs"]
-    arms = [a for a in summary["arms"] if any(r["arm"] == a for r in runs)]  # the arms done so far
+    grid = grid_of(summary)  # a grid's arms have tables of their own (below); these are the other arms
+    arms = [a for a in summary["arms"] if a not in grid and any(r["arm"] == a for r in runs)]  # the arms done so far
     by_arm = {a: [r for r in runs if r["arm"] == a] for a in arms}
     parts = []
     lengths = summary.get("lengths") or []
@@ -37,8 +38,10 @@ def table(summary: dict) -> str:
         if summary.get("seeds", [0])[1:]:
             row.insert(1, str(len(rs)))
         rows.append(row)
-    parts.append("**per arm** (held-out loss: the run's own eval split; ppl: the evaluation text, chunks of each "
-                 "length; means over seeds)\n\n" + markdown_table(header, rows))
+    if rows:
+        parts.append(f"**per arm{' (outside the grid)' if grid else ''}** (held-out loss: the run's own eval split; "
+                     "ppl: the evaluation text, chunks of each length; means over seeds)\n\n"
+                     + markdown_table(header, rows))
     if summary.get("step_time"):
         st = summary["step_time"]
         first = next(iter(st["seconds"].values()))
@@ -63,7 +66,7 @@ def table(summary: dict) -> str:
             for n, acc in r.get("passkey", {}).items():
                 rows.append([r["name"], n, _f(acc, 2)])
         parts.append("**passkey accuracy** (all depths)\n\n" + markdown_table(["run", "length", "accuracy"], rows))
-    if any("grad_norms" in r for r in runs):
+    if any("grad_norms" in r for a in arms for r in by_arm[a]):
         rows = []
         for a in arms:
             rs = by_arm[a]
@@ -75,13 +78,13 @@ def table(summary: dict) -> str:
             rows.append([a, f"{sum(r['training'].get('diverged', False) for r in rs)}/{len(rs)}",
                          _f(mean(r["training"].get("final_loss") for r in rs), 3), _f(first, 3), _f(last, 3),
                          _f(None if not first or not last else last / first, 2)])
-        if not grid_of(summary):  # a grid study has its own tables (below), one row per arm would be too many
-            parts.append("**placement** (gradient norms at the first step, before clipping; diverged: loss not finite "
-                         "or ending 0.5 nats above its best)\n\n" + markdown_table(
-                             ["arm", "diverged", "final loss", "grad first block", "grad last block", "last / first"],
-                             rows))
-    if grid_of(summary):
-        parts = [sweep_table(summary)] + ([init_grad_table(summary)] if any("grad_norms" in r for r in runs) else [])
+        parts.append("**placement** (gradient norms at the first step, before clipping; diverged: loss not finite "
+                     "or ending 0.5 nats above its best)\n\n" + markdown_table(
+                         ["arm", "diverged", "final loss", "grad first block", "grad last block", "last / first"],
+                         rows))
+    if grid:
+        parts = [sweep_table(summary), *([init_grad_table(summary)] if any("grad_norms" in r for r in runs) else []),
+                 *parts]
     return "\n\n".join(parts)
 
 
@@ -131,7 +134,7 @@ def step1_axes(summary: dict) -> list[str]:
     in it alone (same seed) have the same first-step gradient norms (the learning rate and the warm-up, whose first
     step comes after the gradient is taken)."""
     grid = grid_of(summary)
-    runs = [r for r in summary["runs"] if r.get("grad_norms", {}).get("init")]
+    runs = [r for r in summary["runs"] if r["arm"] in grid and r.get("grad_norms", {}).get("init")]
     keep = []
     for axis in summary["config"]["grid"]:
         def rest(r, axis=axis):
@@ -157,7 +160,7 @@ def init_grad_groups(summary: dict) -> dict[tuple, list[dict]]:
     grid, axes = grid_of(summary), step1_axes(summary)
     out: dict = {}
     seen = set()
-    for r in summary["runs"]:
+    for r in (r for r in summary["runs"] if r["arm"] in grid):
         init = r.get("grad_norms", {}).get("init")
         key = tuple(grid[r["arm"]][a] for a in axes)
         if init and (key, r["seed"]) not in seen:  # one run per seed: the others have the same first step
@@ -182,7 +185,7 @@ def init_ffn_groups(summary: dict) -> dict[tuple, list[list[float]]]:
     grid, axes = grid_of(summary), step1_axes(summary)
     out: dict = {}
     seen = set()
-    for r in summary["runs"]:
+    for r in (r for r in summary["runs"] if r["arm"] in grid):
         ffn = _ffn_out(r)
         key = tuple(grid[r["arm"]][a] for a in axes)
         if ffn and (key, r["seed"]) not in seen:
@@ -325,7 +328,20 @@ def plot_grid(summary: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         if any(not lab.startswith("_") for lab in ax.get_legend_handles_labels()[1]):
             ax.legend(fontsize=7)
-    for ax in axs[0][len(firsts):]:
+    others = [r for r in summary["runs"] if r["arm"] not in grid]
+    if others and len(firsts) < len(panels):  # the arms outside the grid: their loss curves
+        ax = axs[0][len(firsts)]
+        for k, r in enumerate(others):
+            ax.plot(range(1, len(r["training"]["loss"]) + 1), r["training"]["loss"], color=palette[k], lw=0.8,
+                    label=r["name"])
+        if summary.get("unigram_loss"):
+            ax.axhline(summary["unigram_loss"], color="gray", ls=":", lw=1)
+        ax.set_title("training loss, arms outside the grid", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axs[0][len(firsts) + bool(others):]:
         ax.set_visible(False)
     # rows 2 and 3: final loss against the last axis, loss curves at its largest value
     top = max(xs, key=float) if all(_is_number(x) for x in xs) else xs[-1]
