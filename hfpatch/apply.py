@@ -102,8 +102,7 @@ def _apply_axis(model: PreTrainedModel, adapter: Adapter, axis: str, req: dict, 
     reason = schemes.unavailable(req["scheme"], adapter, req)
     if reason:
         raise ValueError(reason)
-    scheme.apply(model, adapter, req, scheme, edits)
-    return None
+    return scheme.apply(model, adapter, req, scheme, edits)  # None, or the values it chose for options left out
 
 
 def apply_axes(model: PreTrainedModel, adapter: Adapter, spec: dict, layers: dict, axes=AXES) -> dict:
@@ -309,7 +308,8 @@ def _position(model, adapter: Adapter, state: PatchState | None) -> dict:
     if "position" in applied:
         req = applied["position"]
         if SCHEMES[req["scheme"]].rope is None:  # a bigger table is still a plain checkpoint; the others are not
-            return {**req, "native": SCHEMES[req["scheme"]].native, **paths.describe(model, req["scheme"])}
+            chosen = {**state.baked_facts, **state.facts}.get("position", {}) if state else {}
+            return {**req, **chosen, "native": SCHEMES[req["scheme"]].native, **paths.describe(model, req["scheme"])}
         rotary = get_path(model.base_model, adapter.rotary)
         return {**req, "rope_parameters": copy.deepcopy(rotary.config.rope_parameters),
                 "native": rotary.config is config}

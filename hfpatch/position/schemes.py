@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from . import rope
 from .alibi import apply_alibi
+from .dual_chunk import apply_dual_chunk
 from .learned import apply_learned
 from .patch import apply_interpolate, apply_nope, apply_rope, apply_sinusoidal
 from .relative import apply_t5, apply_xl, check_t5
@@ -263,6 +264,13 @@ SCHEMES: dict[str, Scheme] = {
         "Self-Extend (Jin et al. 2024): exact RoPE positions within W tokens, positions grouped by G beyond; no "
         "training", options={"group_size": positive_int, "window": positive_int}, check=_self_extend, native=False,
         split=_own_attention("tells neighbour keys from grouped ones")),
+    # Dual Chunk Attention (dual_chunk.py): positions inside chunks, the query moved for keys in earlier chunks
+    "dual-chunk": Scheme(
+        apply_dual_chunk, ("rope", "attention_interface", "causal"),
+        "Dual Chunk Attention (An et al. 2024): keys at their position inside chunks of chunk_size - local_window "
+        "tokens, queries at intra-, successive- and inter-chunk positions below chunk_size (defaults 3/4 and 1/16 of "
+        "the trained window); no training", options={"chunk_size": positive_int, "local_window": positive_int},
+        native=False, limit=None, split=_own_attention("tells chunks apart")),
 }
 
 
