@@ -431,3 +431,22 @@ def test_the_implementation_the_model_was_loaded_with_is_remembered():
     edits.undo()
     assert model.config._attn_implementation == "flash_attention_2"
     assert paths.base_of(patched("alibi").model.layers[0].self_attn) == "sdpa"
+
+
+def test_merging_parts_by_lse_is_the_softmax_of_their_union_with_finite_gradients():
+    """Row 0 sees keys in both parts, row 1 in the second only, row 2 in none (a padded row): the merge weighs each
+    part by exp(lse), and no gradient becomes NaN (a padded row's upstream gradient is 0, and 0 * NaN is NaN)."""
+    inf = float("inf")
+    o1, o2 = torch.randn(1, 1, 3, 4, dtype=torch.float64), torch.randn(1, 1, 3, 4, dtype=torch.float64)
+    o1[0, 0, 1:] = 0  # flex/flash give 0 for a row without keys
+    o2[0, 0, 2] = 0
+    l1 = torch.tensor([[[0.3, -inf, inf]]], dtype=torch.float64)  # +inf: flash-attn's empty row
+    l2 = torch.tensor([[[1.1, 0.2, -inf]]], dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (o1, l1, o2, l2)]
+    out, _ = kernels.merge_parts([(leaves[0], leaves[1]), (leaves[2], leaves[3])])
+    w = torch.softmax(torch.tensor([0.3, 1.1], dtype=torch.float64), 0)
+    assert torch.allclose(out[0, 0, 0].double(), w[0] * o1[0, 0, 0] + w[1] * o2[0, 0, 0], atol=1e-6)
+    assert torch.allclose(out[0, 0, 1].double(), o2[0, 0, 1], atol=1e-6)
+    assert (out[0, 0, 2] == 0).all()
+    (out[:, :, :2].sum() + 0 * out[:, :, 2].sum()).backward()
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
