@@ -9,7 +9,7 @@ optional packages, and, for compiled paths, whether the call is big enough to pa
 `refusal(path, call)` says why a path does not take a call.
 
 Every call is counted per attention module and path: hfpatch.describe(model)["position"]["attention_path"]
-(`describe`) and the evaluations' results (`ran`) say which paths ran.
+(`describe`) says which paths ran, and the evaluations record it per results cell.
 """
 
 from __future__ import annotations
@@ -203,17 +203,6 @@ def ran(model) -> dict[str, int]:
     for m in model.modules():
         total.update(_RAN.get(m, {}))
     return dict(total)
-
-
-def add_since(record: dict, before: dict, model) -> None:
-    """Add to record["attention_path"] the calls per path the model ran since `before` (a `ran` result): what an
-    evaluation's results say about the attention that produced them. Nothing for models without path tables."""
-    now = ran(model)
-    new = {k: n - before.get(k, 0) for k, n in now.items() if n > before.get(k, 0)}
-    if new:
-        total = Counter(record.get("attention_path", {}))
-        total.update(new)
-        record["attention_path"] = dict(total)
 
 
 def reset(model) -> None:
