@@ -33,7 +33,7 @@ THETA = 1e5
 SCHEMES = {
     "alibi": ({}, ["factorised", "flex", "written-out"]),
     "t5": ({}, ["pieces", "flex", "written-out"]),
-    "xl": ({}, ["written-out"]),
+    "xl": ({}, ["widened", "written-out"]),
     "self-extend": ({"group_size": 8, "window": 1024}, ["pieces", "written-out"]),
 }
 TRAINED = 8192  # the model's trained window (Self-Extend's W must be inside it)

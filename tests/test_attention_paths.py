@@ -104,7 +104,7 @@ CASES = [  # (q_len, kv_len, pad): no cache, a KV cache (queries are the last q_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("q_len,kv_len,pad", CASES)
 @pytest.mark.parametrize("scheme,fast", [("alibi", "factorised"), ("alibi", "flex"), ("t5", "pieces"),
-                                         ("t5", "flex"), ("self-extend", "pieces")])
+                                         ("t5", "flex"), ("xl", "widened"), ("self-extend", "pieces")])
 def test_fast_path_equals_the_written_out_path(scheme, fast, q_len, kv_len, pad, dtype, reference_flex):
     model = patched(scheme, dtype)
     attn = model.model.layers[0].self_attn
@@ -178,8 +178,9 @@ def test_generate_and_cached_decoding_match_the_written_out_path(scheme, fast, r
 
 
 def test_describe_and_the_default_choice_on_this_cpu():
-    """Inference takes the fast path, training the written-out one; describe() reports both."""
-    for scheme, fast in (("alibi", "factorised"), ("t5", "pieces"), ("self-extend", "pieces"), ("xl", "written-out")):
+    """Inference takes the fast path; training the written-out one, except ALiBi and XL, whose sdpa-based paths
+    pass gradients; describe() reports both."""
+    for scheme, fast in (("alibi", "factorised"), ("t5", "pieces"), ("self-extend", "pieces"), ("xl", "widened")):
         model = patched(scheme)
         x = tokens(40, batch=2)
         paths.reset(model)
@@ -190,8 +191,7 @@ def test_describe_and_the_default_choice_on_this_cpu():
         assert info["order"][-1] == "written-out"
         model.train()
         model(x, labels=x).loss.backward()
-        want = {fast: 2, "written-out": 2} if scheme != "alibi" else {fast: 4}  # factorised runs training too
-        assert paths.ran(model) == (want if scheme != "xl" else {"written-out": 4}), scheme
+        assert paths.ran(model) == ({fast: 4} if scheme in ("alibi", "xl") else {fast: 2, "written-out": 2}), scheme
     assert "attention_path" not in hfpatch.describe(hfpatch.patch(tiny_model("llama"), position="nope"))["position"]
 
 
@@ -237,7 +237,9 @@ SELECTION = [
     ("t5", call("cuda", torch.float16), "flex"),
     ("t5", call("cuda", torch.float16, grad=True), "flex"),
     ("t5", call("cuda", torch.float16, q_len=1), "pieces"),
-    ("xl", call(), "written-out"),
+    ("xl", call(), "widened"),
+    ("xl", call(grad=True, dropout=True, causal=False, mask="float"), "widened"),
+    ("xl", call(softcap=True), "written-out"),
     ("xl", call("cuda", torch.bfloat16, base="flash_attention_2"), "written-out"),
     ("self-extend", call(), "pieces"),
     ("self-extend", call(grad=True), "written-out"),

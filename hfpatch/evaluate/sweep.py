@@ -412,10 +412,12 @@ def _paths_ran(model) -> dict:
 
 def _add_paths_since(cell: dict, before: dict, model) -> None:
     """The cell records the attention paths its units ran (added to what an earlier, resumed run recorded)."""
-    new = {k: n - before.get(k, 0) for k, n in _paths_ran(model).items() if n > before.get(k, 0)}
-    if new:
-        cell["attention_path"] = {k: cell.get("attention_path", {}).get(k, 0) + new.get(k, 0)
-                                  for k in {**cell.get("attention_path", {}), **new}}
+    total = dict(cell.get("attention_path", {}))
+    for path, calls in _paths_ran(model).items():
+        if calls > before.get(path, 0):
+            total[path] = total.get(path, 0) + calls - before.get(path, 0)
+    if total:
+        cell["attention_path"] = total
 
 
 def _label(key: str, value) -> str:

@@ -33,6 +33,7 @@ import math
 import torch
 from torch import nn
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from ..adapters import Adapter
@@ -108,6 +109,30 @@ class XLPositions(nn.Module):
         index = (q_pos[:, None] - k_pos[None, :] - lo).clamp(0, hi - lo)  # clamped entries are masked
         position = torch.gather(by_distance, -1, index.expand(*by_distance.shape[:2], *index.shape))
         return (content + position) * scaling
+
+    def widened(self, query, key, value, q_pos, k_pos):
+        """(q', k', v') whose plain dot products are the four terms: q'·k' = (q_i + u)·k_j + (q_i + v)·W_R R_{i-j}.
+        R_{i-j} is sinusoidal: each frequency w contributes g_s·sin((i-j)w) + g_c·cos((i-j)w), with (g_s, g_c) the
+        entries of g = W_Rᵀ(q_i + v) that meet sin and cos, and by the addition formulas that is
+        (g_s sin iw + g_c cos iw)·cos jw + (g_c sin iw - g_s cos iw)·sin jw: a query side that depends on i and a
+        key side that depends on j. So q' = [q + u, those two per frequency], k' = [k, cos jw, sin jw], and v' is v
+        padded with zeros to the same width (the kernels want one width). Angles are computed in float64."""
+        heads, d = self.u.shape
+        D = self.d_model
+        g = torch.einsum("bhqd,hdn->bhqn", query + self.v[:, None].to(query.dtype),
+                         self.r_net.weight.view(heads, d, D).to(query.dtype))
+        g_s, g_c = g[..., 0::2], g[..., 1::2]
+        if g_c.shape[-1] < g_s.shape[-1]:  # odd d_model: the last frequency has a sine only
+            g_c = torch.nn.functional.pad(g_c, (0, 1))
+        w = 1.0 / 10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64, device=query.device) / D)
+        qa, ka = q_pos.to(torch.float64)[:, None] * w, k_pos.to(torch.float64)[:, None] * w
+        sin_i, cos_i = qa.sin().to(query.dtype), qa.cos().to(query.dtype)
+        q_wide = torch.cat([query + self.u[:, None].to(query.dtype), g_s * sin_i + g_c * cos_i,
+                            g_c * sin_i - g_s * cos_i], -1)
+        j = torch.cat([ka.cos(), ka.sin()], -1).to(key.dtype)  # [kv, 2 * frequencies], the same for every head
+        k_wide = torch.cat([key, j.expand(*key.shape[:2], *j.shape)], -1)
+        v_wide = torch.nn.functional.pad(value, (0, q_wide.shape[-1] - value.shape[-1]))
+        return q_wide, k_wide, v_wide
 
 
 # ------------------------------------------------------------------------------------------ attention functions
@@ -211,10 +236,22 @@ T5_PATHS = (
     paths.Path("written-out", _written_out(_t5_terms), "scores and bias written out, a block of queries at a time",
                dropout=True, softcap=True, bidirectional=True),
 )
+def _xl_widened(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+    kv_len, q_len, d = key.shape[2], query.shape[2], value.shape[-1]
+    k_pos = torch.arange(kv_len, device=query.device)
+    q, k, v = getattr(module, XL_ATTR).widened(query, key, value, k_pos[kv_len - q_len:], k_pos)
+    out, _ = sdpa_attention_forward(module, q, k, v, attention_mask, dropout=dropout, scaling=scaling,
+                                    is_causal=causal, **kwargs)
+    return out[..., :d].contiguous()
+
+
 # Transformer-XL's position term (q_i + v)·W_R R_{i-j} depends on the query vector and the distance together, so
-# it is no score_mod of (head, i, j); its exact factorisation by the sinusoids' addition theorem widens queries and
-# keys to head_dim + d_model channels (measured: ~10x the kernel's time), so it stays written out.
+# it is no score_mod of (head, i, j). By the sinusoids' addition formulas it is still one dot product, of queries
+# and keys widened to head_dim + d_model channels (XLPositions.widened): one sdpa call, O(L) memory, gradients too,
+# at the cost of the wider kernel. On CUDA the kernels' head-size limits (256 for flash) rule it out.
 XL_PATHS = (
+    paths.Path("widened", _xl_widened, "one sdpa call on queries and keys widened by the position term's "
+               "sinusoid features", devices=frozenset({"cpu"}), dropout=True, bidirectional=True),
     paths.Path("written-out", _written_out(_xl_terms), "content and position scores written out, a block of "
                "queries at a time", dropout=True, softcap=True, bidirectional=True),
 )
