@@ -27,7 +27,8 @@ FLASH = pytest.mark.skipif(kernels.flash_attn_missing() is not None,
 # the relative error, max |a - b| / max |b|, each dtype's fast path keeps to the written-out path of the same dtype.
 # fp32: the kernels' own rounding (measured <= 2e-6). bf16/fp16: both sides round scores and weights to 8/11 bits, in
 # different places (the written-out path rounds the bias to the dtype before adding it, the kernels add it in
-# float32); measured up to 1.7e-2 (bf16, T5) and 1.3e-3 (fp16).
+# float32); measured up to 2.6e-2 (bf16) and 1.9e-3 (fp16), both Transformer-XL, where the written-out side is the
+# less accurate one (bf16 against float32: widened 6.4e-3, written-out 3.0e-2).
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 # a whole tiny model in bf16/fp16 against the same model in fp32, relative to the largest logit (measured up to
 # 7.2e-3 and 1.0e-3 over every scheme)
