@@ -54,11 +54,12 @@ def compiled_fn():
     return _compiled
 
 
-def worth_it(q_len: int, kv_len: int) -> str | None:
+def worth_it(call) -> str | None:
     """Why a flex path should not take this call (too small to pay for compiling, or for the kernel; or flex failed
     to compile in this process), or None."""
     if _failed:
         return f"flex_attention failed to compile in this process ({_failed['compile']})"
+    q_len, kv_len = call.q_len, call.kv_len
     scores = q_len * kv_len
     need = FLEX_MIN_SCORES if "first call" in _timings else COMPILE_MIN_SCORES
     if scores < need:

@@ -5,7 +5,8 @@ Each scheme lists its paths as data, fastest first (`register(scheme, [Path, ...
 takes everything, comes last. Per call the first path whose conditions hold runs: the device, the dtype, whether
 gradients are needed, dropout, softcapping, causal or bidirectional attention, a padding mask, the attention
 implementation the model was loaded with (flash-attn paths only for attn_implementation="flash_attention_2"),
-optional packages, and, for compiled paths, whether the call is big enough to pay for compiling (flex.worth_it).
+optional packages, and, for paths whose cost depends on the size, whether the call is big enough (flex.worth_it:
+to pay for compiling).
 `refusal(path, call)` says why a path does not take a call.
 
 Every call is counted per attention module and path: hfpatch.describe(model)["position"]["attention_path"]
@@ -60,7 +61,7 @@ class Path:
     masks: frozenset = frozenset({"none", "bool", "float"})
     base: frozenset | None = None  # only for models loaded with one of these implementations
     missing: Callable[[], str | None] | None = None  # why it cannot run on this machine at all
-    worth: Callable[[int, int], str | None] | None = None  # why this call is too small for it (compiled paths)
+    worth: Callable[[Call], str | None] | None = None  # why this call is too small for it (size-dependent paths)
 
 
 def refusal(path: Path, call: Call, *, size: bool = True) -> str | None:
@@ -86,7 +87,7 @@ def refusal(path: Path, call: Call, *, size: bool = True) -> str | None:
         return f"no {call.mask} attention mask"
     if path.missing is not None and (why := path.missing()):
         return why
-    if size and path.worth is not None and (why := path.worth(call.q_len, call.kv_len)):
+    if size and path.worth is not None and (why := path.worth(call)):
         return why
     return None
 

@@ -237,6 +237,17 @@ T5_PATHS = (
     paths.Path("written-out", _written_out(_t5_terms), "scores and bias written out, a block of queries at a time",
                dropout=True, softcap=True, bidirectional=True),
 )
+XL_WIDE_MIN_SCORES = 3072 * 3072  # inference: below this the written-out path is faster (measured, see below)
+
+
+def _xl_worth(call) -> str | None:
+    """Training always takes the widened path (its memory is O(L), the written-out path's O(L²)); inference from
+    XL_WIDE_MIN_SCORES query x key pairs up."""
+    if call.grad or call.q_len * call.kv_len >= XL_WIDE_MIN_SCORES:
+        return None
+    return f"{call.q_len} x {call.kv_len} scores: below {XL_WIDE_MIN_SCORES:,} the written-out path is faster"
+
+
 def _xl_widened(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
     kv_len, q_len, d = key.shape[2], query.shape[2], value.shape[-1]
     k_pos = torch.arange(kv_len, device=query.device)
@@ -250,12 +261,13 @@ def _xl_widened(module, query, key, value, attention_mask, *, scaling, dropout, 
 # it is no score_mod of (head, i, j). By the sinusoids' addition formulas it is still one dot product, of queries
 # and keys widened to head_dim + d_model channels (XLPositions.widened): one sdpa call, O(L) memory, gradients too,
 # at the cost of the wider kernel (SmolLM2's shape: 64 -> 640 channels). Measured on the CPU (one thread, one
-# layer): inference at 8k 14.4 s vs 19 s written out; training at 4k 14.0 s and 1.25 GB vs 10.3 s and 2.05 GB, the
-# written-out path keeping every block's weights for the backward pass ([L, L] per layer). Taken for training too,
-# for that memory. On CUDA the kernels' head-size limits (256 for flash) rule it out.
+# layer, 9 heads): inference 0.93 vs 0.82 s written out at 2k, 2.9 vs 3.3 s at 4k, 14.4 vs 19 s at 8k; training at
+# 4k 9 s and 1.25 GB vs 6.3 s and 2.05 GB, the written-out path keeping every block's weights for the backward pass
+# ([L, L] per layer). So: inference from about 3k tokens, training always (for that memory). On CUDA the kernels'
+# head-size limits (256 for flash) rule it out.
 XL_PATHS = (
     paths.Path("widened", _xl_widened, "one sdpa call on queries and keys widened by the position term's "
-               "sinusoid features", devices=frozenset({"cpu"}), dropout=True, bidirectional=True),
+               "sinusoid features", devices=frozenset({"cpu"}), dropout=True, bidirectional=True, worth=_xl_worth),
     paths.Path("written-out", _written_out(_xl_terms), "content and position scores written out, a block of "
                "queries at a time", dropout=True, softcap=True, bidirectional=True),
 )
