@@ -316,7 +316,8 @@ def test_every_scheme_runs_finite_in_low_precision_and_close_to_fp32(scheme, dty
     def build():
         if scheme in SCHEME_KW:
             return patched(scheme)
-        return hfpatch.patch(tiny_model("llama"), position=scheme, **({"table_size": 160} if scheme == "learned" else {}))
+        size = {"table_size": 160} if scheme == "learned" else {}
+        return hfpatch.patch(tiny_model("llama"), position=scheme, **size)
 
     reference, low = build(), build()
     low.load_state_dict(reference.state_dict())

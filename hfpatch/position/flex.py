@@ -163,13 +163,13 @@ def block_mask(region: Region, q_len: int, kv_len: int, device, mask: torch.Tens
                                     mask_mod=region.mask_mod(offset, dense), seq_lengths=(q_len, kv_len))
 
 
-def softcapped(score_mod, cap: float | None):
+def softcapped(score_mod, cap: float | None, device):
     """score_mod applied after Gemma-2-style softcapping of the scaled logits: cap * tanh(score / cap)."""
     if cap is None:
         return score_mod
     # a tensor, not a float: compiled with dynamic shapes, a captured Python float becomes a symbolic scalar that
     # the CPU kernel cannot lower
-    cap = torch.tensor(float(cap))
+    cap = torch.tensor(float(cap), device=device)
     if score_mod is None:
         return lambda score, b, h, q_idx, kv_idx: torch.tanh(score / cap) * cap
     return lambda score, b, h, q_idx, kv_idx: score_mod(torch.tanh(score / cap) * cap, b, h, q_idx, kv_idx)

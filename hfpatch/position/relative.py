@@ -222,7 +222,7 @@ def t5_score_mod(bias: T5Bias, q_len: int, kv_len: int, bidirectional: bool, dev
 def _t5_flex(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
     q_len, kv_len = query.shape[2], key.shape[2]
     mods = flex.softcapped(t5_score_mod(getattr(module, T5_ATTR), q_len, kv_len, not causal, query.device),
-                           softcap)
+                           softcap, query.device)
     mask = flex.block_mask(flex.CAUSAL if causal else flex.EVERYTHING, q_len, kv_len, query.device, attention_mask)
     return flex.attention(query, key, value, scaling, mods, mask).transpose(1, 2).contiguous()
 
