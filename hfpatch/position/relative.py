@@ -29,10 +29,13 @@ shift, same result).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
@@ -49,6 +52,11 @@ XL_NAME, XL_EAGER = "hfpatch_xl", "hfpatch_xl_eager"
 T5_TABLE = "hfpatch_t5_bias"  # on the base model: nn.Embedding(num_buckets, heads)
 T5_ATTR = "hfpatch_t5"  # on each attention module: a T5Bias pointing to that table
 XL_ATTR = "hfpatch_xl"  # on each attention module: its XLPositions
+
+# terms(query block [b, H, q, d], key [b, H, kv, d], q_pos [q], k_pos [kv]) -> (scaled logits, bias or None)
+Terms = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]
+# an attention function as transformers calls it: (module, query, key, value, attention_mask, **options)
+AttentionFunction = Callable[..., tuple[Tensor, Tensor | None]]
 
 
 def t5_buckets(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int = 32,
@@ -85,7 +93,8 @@ class T5Bias:
 class XLPositions(nn.Module):
     """One layer's Transformer-XL position parameters: W_R (r_net), u and v."""
 
-    def __init__(self, d_model: int, heads: int, head_dim: int, dtype=None, device=None):
+    def __init__(self, d_model: int, heads: int, head_dim: int, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None):
         super().__init__()
         self.d_model = d_model
         self.r_net = nn.Linear(d_model, heads * head_dim, bias=False, dtype=dtype, device=device)
@@ -93,7 +102,7 @@ class XLPositions(nn.Module):
         self.v = nn.Parameter(torch.zeros(heads, head_dim, dtype=dtype, device=device))
         nn.init.zeros_(self.r_net.weight)
 
-    def scores(self, q, k, q_pos, k_pos, scaling: float, causal: bool) -> torch.Tensor:
+    def scores(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scaling: float, causal: bool) -> Tensor:
         """[b, H, q, k] scores of a block of queries q [b, H, q, d] against keys k [b, H, k, d]."""
         heads, d = self.u.shape
         if q.shape[1] != heads or q.shape[-1] != d:
@@ -111,7 +120,8 @@ class XLPositions(nn.Module):
         position = torch.gather(by_distance, -1, index.expand(*by_distance.shape[:2], *index.shape))
         return (content + position) * scaling
 
-    def widened(self, query, key, value, q_pos, k_pos):
+    def widened(self, query: Tensor, key: Tensor, value: Tensor, q_pos: Tensor,
+                k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(q', k', v') whose plain dot products are the four terms: q'·k' = (q_i + u)·k_j + (q_i + v)·W_R R_{i-j}.
         R_{i-j} is sinusoidal: each frequency w contributes g_s·sin((i-j)w) + g_c·cos((i-j)w), with (g_s, g_c) the
         entries of g = W_Rᵀ(q_i + v) that meet sin and cos, and by the addition formulas that is
@@ -138,18 +148,22 @@ class XLPositions(nn.Module):
 
 # ------------------------------------------------------------------------------------------ attention functions
 
-def _attention(scheme):
+def _attention(scheme: str) -> AttentionFunction:
     """The function for the sdpa name: the scheme's path table picks the path."""
-    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    def forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                **kwargs: Any) -> tuple[Tensor, None]:
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         return paths.run(scheme, module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                          causal=causal_of(module, is_causal), kwargs=kwargs)
     return forward
 
 
-def _eager(terms_of):
+def _eager(terms_of: Callable[[nn.Module, float, bool], Terms]) -> AttentionFunction:
     """The function for the eager name: all queries at once, returning the weights."""
-    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    def forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         causal = causal_of(module, is_causal)
         paths.record(module, "eager")
@@ -158,21 +172,22 @@ def _eager(terms_of):
     return forward
 
 
-def _written_out(terms_of):
-    def run(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _written_out(terms_of: Callable[[nn.Module, float, bool], Terms]) -> paths.Runner:
+    def run(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
+            scaling: float, dropout: float, causal: bool, softcap: float | None, kwargs: dict[str, Any]) -> Tensor:
         out, _ = biased_attention(module, query, key, value, attention_mask, terms_of(module, scaling, causal),
                                   dropout, causal, True, softcap)
         return out
     return run
 
 
-def _t5_terms(module, scaling, causal):
+def _t5_terms(module: nn.Module, scaling: float, causal: bool) -> Terms:
     bias = getattr(module, T5_ATTR)
     return lambda q, k, q_pos, k_pos: (torch.matmul(q, k.transpose(2, 3)) * scaling,
                                        bias(q_pos, k_pos, bidirectional=not causal))
 
 
-def _xl_terms(module, scaling, causal):
+def _xl_terms(module: nn.Module, scaling: float, causal: bool) -> Terms:
     xl = getattr(module, XL_ATTR)
     return lambda q, k, q_pos, k_pos: (xl.scores(q, k, q_pos, k_pos, scaling, causal), None)
 
@@ -192,7 +207,8 @@ def t5_band(bias: T5Bias, bidirectional: bool = False) -> int:
     return D
 
 
-def _t5_pieces(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _t5_pieces(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
+               scaling: float, dropout: float, causal: bool, softcap: float | None, kwargs: dict[str, Any]) -> Tensor:
     bias = getattr(module, T5_ATTR)
     D = t5_band(bias)
     distances = torch.arange(D, device=query.device)
@@ -202,7 +218,7 @@ def _t5_pieces(module, query, key, value, attention_mask, *, scaling, dropout, c
     return out.transpose(1, 2).contiguous()
 
 
-def t5_score_mod(bias: T5Bias, q_len: int, kv_len: int, bidirectional: bool, device):
+def t5_score_mod(bias: T5Bias, q_len: int, kv_len: int, bidirectional: bool, device: torch.device) -> flex.ScoreMod:
     """T5's bias as a flex_attention score_mod: a lookup by distance d = query slot - key slot in the bias of the
     distances -D .. D ([heads, 2D + 1]; every farther distance shares the bucket of ±D). The table does not depend
     on the sequence length (a buffer sized by the length did not compile with dynamic shapes on the CPU). Gradients
@@ -214,12 +230,13 @@ def t5_score_mod(bias: T5Bias, q_len: int, kv_len: int, bidirectional: bool, dev
     # captured as tensors: with dynamic shapes a captured Python int becomes a symbol the CPU kernel cannot lower
     top, bottom = torch.tensor(D, device=device), torch.tensor(-D, device=device)
 
-    def mod(score, b, h, q_idx, kv_idx):
+    def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return score + by_distance[h, torch.minimum(torch.maximum(q_idx + shift - kv_idx, bottom), top) + top]
     return mod
 
 
-def _t5_flex(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _t5_flex(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
+             scaling: float, dropout: float, causal: bool, softcap: float | None, kwargs: dict[str, Any]) -> Tensor:
     q_len, kv_len = query.shape[2], key.shape[2]
     mods = flex.softcapped(t5_score_mod(getattr(module, T5_ATTR), q_len, kv_len, not causal, query.device),
                            softcap, query.device)
@@ -227,20 +244,21 @@ def _t5_flex(module, query, key, value, attention_mask, *, scaling, dropout, cau
     return flex.attention(query, key, value, scaling, mods, mask).transpose(1, 2).contiguous()
 
 
-_FLEX = dict(summary="compiled flex_attention with a score_mod reading the bias of each distance, and a block mask",
-             softcap=True, bidirectional=True, masks=frozenset({"none", "bool"}), worth=flex.worth_it)
+_T5_FLEX = paths.Path("flex", _t5_flex, "compiled flex_attention with a score_mod reading the bias of each "
+                      "distance, and a block mask", devices=frozenset({"cuda"}), softcap=True, bidirectional=True,
+                      masks=frozenset({"none", "bool"}), worth=flex.worth_it)
 T5_PATHS = (
-    paths.Path("flex", _t5_flex, devices=frozenset({"cuda"}), **_FLEX),
+    _T5_FLEX,
     paths.Path("pieces", _t5_pieces, "kernel calls merged by log-sum-exp: the bias band (distances < D) as an "
                "additive mask, the farther keys plain causal with T5's last-bucket bias", grad_devices=frozenset()),
-    paths.Path("flex", _t5_flex, devices=frozenset({"cpu"}), grad_devices=frozenset(), **_FLEX),
+    dataclasses.replace(_T5_FLEX, devices=frozenset({"cpu"}), grad_devices=frozenset()),  # after pieces on the CPU
     paths.Path("written-out", _written_out(_t5_terms), "scores and bias written out, a block of queries at a time",
                dropout=True, softcap=True, bidirectional=True),
 )
 XL_WIDE_MIN_SCORES = 3072 * 3072  # inference: below this the written-out path is faster (measured, see below)
 
 
-def _xl_worth(call) -> str | None:
+def _xl_worth(call: paths.Call) -> str | None:
     """Training always takes the widened path (its memory is O(L), the written-out path's O(L²)); inference from
     XL_WIDE_MIN_SCORES query x key pairs up."""
     if call.grad or call.q_len * call.kv_len >= XL_WIDE_MIN_SCORES:
@@ -248,7 +266,9 @@ def _xl_worth(call) -> str | None:
     return f"{call.q_len} x {call.kv_len} scores: below {XL_WIDE_MIN_SCORES:,} the written-out path is faster"
 
 
-def _xl_widened(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _xl_widened(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
+                scaling: float, dropout: float, causal: bool, softcap: float | None,
+                kwargs: dict[str, Any]) -> Tensor:
     kv_len, q_len, d = key.shape[2], query.shape[2], value.shape[-1]
     k_pos = torch.arange(kv_len, device=query.device)
     q, k, v = getattr(module, XL_ATTR).widened(query, key, value, k_pos[kv_len - q_len:], k_pos)
