@@ -457,3 +457,19 @@ def test_merging_parts_by_lse_is_the_softmax_of_their_union_with_finite_gradient
     assert (out[0, 0, 2] == 0).all()
     (out[:, :, :2].sum() + 0 * out[:, :, 2].sum()).backward()
     assert all(torch.isfinite(t.grad).all() for t in leaves)
+
+
+def test_path_counts_start_at_each_position_patch():
+    """describe()'s counts are those of the scheme patched now: not its patch's own checks (Self-Extend runs a
+    forward), not the calls of a scheme patched before on the same modules."""
+    model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=2, window=8)
+    assert hfpatch.describe(model)["position"]["attention_path"]["ran"] == {}
+    x = tokens(40, batch=2)
+    with torch.no_grad():
+        model(x)
+    assert hfpatch.describe(model)["position"]["attention_path"]["ran"] == {"pieces": 2}
+    hfpatch.unpatch(model)
+    hfpatch.patch(model, position="alibi")
+    with torch.no_grad():
+        model(x)
+    assert hfpatch.describe(model)["position"]["attention_path"]["ran"] == {"factorised": 2}
