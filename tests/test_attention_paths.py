@@ -292,9 +292,9 @@ def test_forcing_a_path_that_cannot_take_the_call_says_why():
     q, k, v, mask, _ = inputs(10, 10, torch.float32)
     with pytest.raises(ValueError, match="'flash-attn' of position='alibi' cannot take this call: runs on cuda"):
         run_path("alibi", "flash-attn", attn, q, k, v, mask)
-    with pytest.raises(ValueError, match="has no attention path 'fast'; it has flash-attn, factorised, flex"):
-        with paths.forcing("alibi", "fast"):
-            pass
+    with pytest.raises(ValueError, match="has no attention path 'fast'; it has flash-attn, factorised, flex"), \
+            paths.forcing("alibi", "fast"):
+        pass
 
 
 def test_every_table_ends_with_a_path_that_takes_every_call():

@@ -141,7 +141,7 @@ def cycles() -> list[list[str]]:
         stack.append(m)
         for t in sorted(graph[m]):
             if state.get(t) == "open":
-                found.append(stack[stack.index(t):] + [t])
+                found.append([*stack[stack.index(t):], t])
             elif t not in state:
                 visit(t)
         stack.pop()
