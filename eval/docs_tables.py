@@ -159,6 +159,27 @@ def self_extend_bench():
     return bench_self_extend.tables(load("self_extend/bench.json"))
 
 
+# ---------------------------------------------------------------------------------------------- attention paths
+
+@table("eval/results/attention/bench.json", "eval/results/attention/bench_8k_cells.json")
+def attention_bench():
+    import bench_attention
+
+    parts = []
+    for name in ("bench.json", "bench_8k_cells.json"):
+        d = load(f"attention/{name}")
+        cells = {(key.rpartition("@")[0], int(key.rpartition("@")[2])): r for key, r in d["cells"].items()}
+        parts.append(bench_attention.tables(cells, argparse.Namespace(**d["args"])))
+    return "\n\n".join(parts)
+
+
+@table("eval/results/attention/smollm2_paths.json")
+def attention_paths_smollm2():
+    import attention_paths_smollm2
+
+    return attention_paths_smollm2.tables(load("attention/smollm2_paths.json"))
+
+
 # --------------------------------------------------------------------------------------------------- serving
 
 @table("hfpatch/serving.py")

@@ -225,6 +225,8 @@ def _replace(target: PreTrainedModel, adapter: Adapter, old: PatchState, new_spe
         new.facts.update(apply_axes(target, adapter, new_spec, new.layers, redo))
         _write_record(target, new, new.record)
         object.__setattr__(target, _STATE, new)
+        if "position" in redo:  # describe()'s calls per attention path count from this patch on, its checks not
+            paths.reset(target)
     except BaseException as e:
         _set_state(target, previous)
         new.record.undo()

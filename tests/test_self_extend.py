@@ -122,7 +122,11 @@ def test_describe_unpatch_and_limits():
     path = info["position"].pop("attention_path")
     assert info["position"] == {"scheme": "self-extend", "group_size": 4, "window": 16, "native": False}
     assert path["order"] == ["flash-attn", "flex", "pieces", "written-out"]
-    assert set(path["ran"]) == {"pieces"}  # the patch's own check ran a forward; on this CPU, without gradients
+    assert path["ran"] == {}  # counted from the patch on: its own check's forward is not
+    with torch.no_grad():
+        model(tokens(20))
+    ran = hfpatch.describe(model)["position"]["attention_path"]["ran"]
+    assert set(ran) == {"pieces"}  # on this CPU, without gradients
     assert info["position_limit"] == info["max_position_embeddings"] == (WINDOW - 16) * 4 + 16
     assert "self-extend" in info["patches"]["position"]
     hfpatch.patch(model, position="yarn", factor=2.0)  # replaces it
