@@ -385,11 +385,21 @@ def describe(model) -> dict:
         "attention": target.config._attn_implementation,
         "max_position_embeddings": target.config.get_text_config().max_position_embeddings,
         "position_limit": position_limit(target),
-        "applied": copy.deepcopy(applied),
+        "applied": _applied(applied, facts),
         "baked": sorted(state.baked) if state else [],
         "adapter": {"source": adapter.source, "notes": dict(adapter.notes)},
         "patches": available(target, adapter),
     }
+
+
+def _applied(applied: dict, facts: dict) -> dict:
+    """The applied spec as describe() reports it: a norm swap's `exact` is whether the conversion was exact (the
+    fact, also in describe()["norm"]), not whether it was asked for: exact=True on a model where the math allows no
+    exact conversion gives a plain swap."""
+    out = copy.deepcopy(applied)
+    if "norm" in out and "exact" in facts.get("norm", {}):
+        out["norm"]["exact"] = facts["norm"]["exact"]
+    return out
 
 
 def available(model, adapter: Adapter) -> dict:
