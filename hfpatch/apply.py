@@ -10,10 +10,12 @@ the undone ones are put back (the same objects): the model is left exactly as it
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import cast
 
+import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from . import spec as specs
@@ -202,9 +204,20 @@ def patch(model, position=None, factor=None, norm=None, placement=None, exact=No
             warn_caller(f"{a}={specs.describe_string({a: old.spec[a]})!r} is applied again from the weights it "
                         f"replaced, because {AXES[first]} (applied before it) changed: training done since on the "
                         "weights it created is lost")
-    with deferred_interrupts():
+    with deferred_interrupts(), _outside_inference_mode(target):
         _replace(target, adapter, old, new_spec, redo)
     return model
+
+
+def _outside_inference_mode(model) -> contextlib.AbstractContextManager:
+    """Under torch.inference_mode(), tensors created are inference tensors, which autograd refuses for good (and
+    in-place updates refuse outside inference mode): parameters and buffers a patch creates there would make the
+    model fail as soon as it trains. So a patch made under inference mode creates them outside it, unless the
+    model's own parameters are inference tensors already (a model built under inference mode, for inference).
+    Buffers do not tell: a rotary module run under inference mode recomputes its own."""
+    if not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    return torch.inference_mode(any(p.is_inference() for p in model.parameters()))
 
 
 def _replace(target: PreTrainedModel, adapter: Adapter, old: PatchState, new_spec: dict, redo: tuple) -> None:
