@@ -151,8 +151,9 @@ def _write_record(model, state: PatchState, record: Edits) -> None:
     live = touched_config(model.config, [state.layers[a] for a in AXES if a in state.layers])
     touched = {**live, **state.baked_config}  # the values before the baked stages are the originals
     stages = state.baked_stages + ([state.spec] if state.spec else [])
-    record.set(model.config, "hfpatch", _record(state.applied, touched, {**state.baked_facts, **state.facts},
-                                                stages, adapter_for(model).to_dict(model.config)))
+    facts = {**state.baked_facts, **state.facts}
+    record.set(model.config, "hfpatch", _record(_applied(state.applied, facts), touched, facts, stages,
+                                                adapter_for(model).to_dict(model.config)))
     for owner, names in block_names(model).items():
         record.set(owner, "_no_split_modules", names)
 
@@ -308,7 +309,7 @@ def bake(model, stages: list, facts: dict, original_config: dict) -> None:
     """Declare the specs `stages` (applied in that order) part of the model as it is now (used by from_pretrained
     after loading weights that already carry those patches)."""
     state = PatchState(spec={}, baked_stages=copy.deepcopy(stages), baked_facts=facts, baked_config=original_config)
-    model.config.hfpatch = _record(state.baked, original_config, facts, stages,
+    model.config.hfpatch = _record(_applied(state.baked, facts), original_config, facts, stages,
                                    adapter_for(model).to_dict(model.config))
     object.__setattr__(model, _STATE, state)
 

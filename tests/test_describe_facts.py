@@ -3,6 +3,7 @@ describe()["norm"], whether the exact conversion was made or the math allowed on
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -38,3 +39,15 @@ def test_an_asked_for_plain_swap_is_inexact_in_both():
     info = _patched("gpt2", norm="rmsnorm", exact=False)
     assert info["norm"]["exact"] is False
     assert info["applied"]["norm"] == {"kind": "rmsnorm", "exact": False}
+
+
+def test_the_saved_record_states_the_same_fact_and_reloads_it(tmp_path):
+    model = tiny.build_tiny("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hfpatch.patch(model, norm="layernorm")
+        hfpatch.save_pretrained(model, tmp_path)
+        loaded = hfpatch.from_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["hfpatch"]
+    assert saved["spec"]["norm"]["exact"] is False and saved["facts"]["norm"]["exact"] is False
+    assert hfpatch.describe(loaded)["applied"] == hfpatch.describe(model)["applied"] == saved["spec"]
