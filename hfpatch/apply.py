@@ -23,6 +23,7 @@ from .adapters import Adapter, InferenceError, adapter_for, get_path
 from .edits import MISSING, Edits, deferred_interrupts
 from .norm import convert as norms
 from .norm import kinds as norm_kinds
+from .norm.batchnorm import calibrate as calibrate_batchnorm
 from .norm.kinds import NORMS
 from .norm.placement import apply_placement, placement_forms
 from .position import paths, schemes
@@ -303,6 +304,13 @@ def unpatch(model):
             object.__setattr__(target, _STATE, state)
             raise
     return model
+
+
+def calibrate(model, batches=None) -> int:
+    """Running statistics for the BatchNorms a norm="batchnorm" patch put in `model`, from `batches` (token ids
+    [batch, seq], a tokenizer's output, or a list of those; None: a seeded batch of random tokens): see
+    norm/batchnorm.calibrate. Returns the number of norms calibrated."""
+    return calibrate_batchnorm(unwrap(model), batches)  # (peft's adapters sit inside the base model)
 
 
 def bake(model, stages: list, facts: dict, original_config: dict) -> None:

@@ -95,7 +95,15 @@ def apply_norm(model, adapter: Adapter, req: dict, norm, placement: str | None, 
     attributes = norm.prepare(model, edits) if norm.prepare is not None else {}
     for path, module in sites:
         _plain_swap(model, path, module, norm, adapter, edits, attributes)
+    problem = None if norm.check is None or _on_meta(model) else norm.check(model)
+    if problem:
+        warn_caller(f"hfpatch: {problem}")
     return {"exact": False, "reason": reason}
+
+
+def _on_meta(model) -> bool:
+    """Built without weights (transformers builds on the meta device while a saved patch is reloaded)."""
+    return any(p.device.type == "meta" for p in model.parameters())
 
 
 def _plain_swap(model, path, module, norm, adapter, edits, attributes):
@@ -186,7 +194,7 @@ def _exact_verified(model, adapter: Adapter, edits: Edits) -> str | None:
     stream's readers and writers were read off the model: this checks the reading). None, or why it was undone.
     A model without weights yet (built on the meta device while a saved conversion is reloaded) is converted
     unchecked: the check was made when the conversion was saved."""
-    if any(p.device.type == "meta" for p in model.parameters()):
+    if _on_meta(model):
         _exact_to_rmsnorm(model, adapter, edits)
         return None
     ids, modes = _probe_ids(model), [(m, m.training) for m in model.modules()]
