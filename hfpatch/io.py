@@ -123,7 +123,7 @@ def _marked(model, unexpressed: list):
     if unexpressed and getattr(config, "quantization_config", None) is None:
         edits.set(config, "quantization_config", {"quant_method": NEEDS_HFPATCH})
     state = state_of(model)
-    if any(axis == "position" for axis, _, _ in unexpressed) and "position" in state.layers:
+    if state is not None and any(axis == "position" for axis, _, _ in unexpressed) and "position" in state.layers:
         for key, value in touched_config(config, [state.layers["position"]]).items():
             owner, name = _config_path(config, key)
             if not name.startswith("_") and value is not MISSING:

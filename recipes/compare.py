@@ -26,12 +26,12 @@ from accelerate import PartialState
 from accelerate.utils import set_seed
 
 import hfpatch
-from hfpatch.evaluate.evaluations import passkey, ppl
 from hfpatch.evaluate.common import versions
+from hfpatch.evaluate.evaluations import passkey, ppl
 from hfpatch.models import load
 from hfpatch.train import checkpoint, data, loop, measure, setup, study_report
-from hfpatch.train.study import claim, load_study, newest_checkpoint, plan
 from hfpatch.train.config import ConfigError
+from hfpatch.train.study import claim, load_study, newest_checkpoint, plan
 
 
 def train(run, study, tok) -> None:

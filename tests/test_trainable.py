@@ -7,7 +7,6 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 from peft import LoraConfig, get_peft_model
 
 import hfpatch

@@ -151,10 +151,10 @@ def _batches(model, batches) -> list[dict]:
         if not (isinstance(item, torch.Tensor) or hasattr(item, "keys")):
             raise TypeError(f"calibrate: batches must be {accepted}; got a list holding {type(item).__name__}")
         batch = {"input_ids": item} if isinstance(item, torch.Tensor) else dict(item)
-        ids = batch.get("input_ids")
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] * ids.shape[1] < 2:
+        given = batch.get("input_ids")
+        if not isinstance(given, torch.Tensor) or given.dim() != 2 or given.shape[0] * given.shape[1] < 2:
             raise ValueError("calibrate: each batch needs input_ids of shape [batch, seq] holding at least 2 tokens, "
-                             f"got {tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+                             f"got {tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__}")
         out.append({k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")})
     if not out:
         raise ValueError("calibrate: no batches given")
@@ -173,8 +173,8 @@ def fresh_statistics_problem(model) -> str | None:
         return None
     finally:
         restore_modes(modes)
-    logits = out.logits if getattr(out, "logits", None) is not None else out[0]
-    if not isinstance(logits, torch.Tensor) or bool(torch.isfinite(logits).all()):
+    found = out.logits if getattr(out, "logits", None) is not None else out[0]
+    if not isinstance(found, torch.Tensor) or bool(torch.isfinite(found).all()):
         return None
     return ("norm='batchnorm': with fresh running statistics (mean 0, variance 1) the model's logits in eval() are "
             "not finite on a probe batch: the running statistics normalise nothing. Calibrate them before "

@@ -194,8 +194,8 @@ def _self_extend(req):
     missing = [k for k in ("group_size", "window") if k not in req]
     if missing:
         raise ValueError(f"position='self-extend' needs {' and '.join(missing)}: group_size= (G, an integer >= 1: "
-                         f"far keys are grouped by G positions, at most {MAX_FACTOR:g}) and window= (W, the neighbour window in "
-                         "tokens, at most the trained window)")
+                         f"far keys are grouped by G positions, at most {MAX_FACTOR:g}) and window= (W, the neighbour "
+                         "window in tokens, at most the trained window)")
 
 
 # ------------------------------------------------------------------------------------------------------ schemes
@@ -262,7 +262,8 @@ SCHEMES: dict[str, Scheme] = {
     "nope": Scheme(apply_nope, _REPLACE, "no position signal at all (causal attention only)", limit=None,
                    native=False),
     "sinusoidal": Scheme(apply_sinusoidal, _REPLACE, "the fixed sinusoidal table added to the input, times "
-                         "pe_scale (default 1: the paper's ±1 amplitude)", options={"pe_scale": at_most(1e3, "the amplitude of the table added to the embeddings")},
+                         "pe_scale (default 1: the paper's ±1 amplitude)",
+                         options={"pe_scale": at_most(1e3, "the amplitude of the table added to the embeddings")},
                          limit=None, native=False),
     "interpolate": Scheme(apply_interpolate, ("table",), "a learned table stretched by linear interpolation",
                           factor="required", limit="table", changes_weights=True),
@@ -289,7 +290,8 @@ SCHEMES: dict[str, Scheme] = {
     "self-extend": Scheme(
         apply_self_extend, ("rope", "attention_interface", "causal"),
         "Self-Extend (Jin et al. 2024): exact RoPE positions within W tokens, positions grouped by G beyond; no "
-        "training", options={"group_size": at_most(MAX_FACTOR, "it extends the window about G times, like factor", integer=True),
+        "training",
+        options={"group_size": at_most(MAX_FACTOR, "it extends the window about G times, like factor", integer=True),
                  "window": positive_int}, check=_self_extend, native=False,
         split=_own_attention("tells neighbour keys from grouped ones")),
 }
