@@ -25,7 +25,7 @@ LAYERS: dict[str, set[str]] = {
     "norm": {"adapters", "edits", "warn"},  # the NORMS registry, norm modules, swaps, placement
     "spec": {"position", "norm"},  # the patch spec, validated against the registries
     "apply": {"spec", "adapters", "norm", "position", "edits", "warn"},  # patch / unpatch / describe
-    "io": {"apply", "spec", "adapters"},  # save / reload
+    "io": {"apply", "spec", "adapters", "edits"},  # save / reload
     "lm": {"apply", "adapters"},  # a causal LM as body + head
     "gguf": {"spec", "apply", "adapters", "position", "edits"},  # GGUF in, GGUF out: llama.cpp's RoPE metadata
     "models": {"io", "files", "gguf"},  # load by name
