@@ -8,7 +8,7 @@ left out. For the compiled flex paths the first call (compilation included) is r
 come after it. torch keeps compiled kernels in an on-disk cache, so a first call is slower on a fresh machine than
 on one that compiled them before (--cold-compile disables that cache for the flex cells).
 
-    python eval/bench_attention.py                                  # 2k, 8k, 16k; every path; ~1 h on 2 cores
+    python eval/bench_attention.py --threads 1                      # 2k, 8k, 16k; every path; 1-2 h
     python eval/bench_attention.py --lengths 2048 --repeats 1       # a quick check
     python eval/bench_attention.py --lengths 8192 --cells alibi/factorised,t5/pieces
 
@@ -33,7 +33,7 @@ THETA = 1e5
 SCHEMES = {
     "alibi": ({}, ["factorised", "flex", "written-out"]),
     "t5": ({}, ["pieces", "flex", "written-out"]),
-    "xl": ({}, ["written-out"]),
+    "xl": ({}, ["widened", "written-out"]),
     "self-extend": ({"group_size": 8, "window": 1024}, ["pieces", "written-out"]),
 }
 TRAINED = 8192  # the model's trained window (Self-Extend's W must be inside it)

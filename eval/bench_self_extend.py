@@ -1,6 +1,8 @@
-"""What Self-Extend costs: forward time and peak memory of a SmolLM2-shaped model (d=576, 9 query heads, 3 KV heads,
-head_dim 64, RoPE theta 1e5; fewer layers, random weights) at long lengths, unpatched (sdpa) vs
-position="self-extend" (the piece path: log-sum-exp merge of CPU flash-attention pieces), and optionally the
+"""What Self-Extend and Dual Chunk Attention cost: forward time and peak memory of a SmolLM2-shaped model (d=576, 9
+query heads, 3 KV heads, head_dim 64, RoPE theta 1e5; fewer layers, random weights) at long lengths, unpatched (sdpa)
+vs position="self-extend" and position="dual-chunk" (default chunk_size and local_window: 3/4 and 1/16 of the
+trained window), both on their piece paths (log-sum-exp merge of CPU flash-attention pieces), and optionally the
+Self-Extend
 explicit path (scores written out a block of queries at a time: what gradients, dropout and softcapping use). Each
 (variant, length) runs in its own fresh process, so its peak memory is its own; the ratios come from one run.
 
@@ -49,7 +51,9 @@ def worker(args):
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(config(args.layers, args.trained)).eval()
-    if args.worker != "unpatched":
+    if args.worker == "dual-chunk":
+        hfpatch.patch(model, position="dual-chunk")
+    elif args.worker != "unpatched":
         hfpatch.patch(model, position="self-extend", group_size=args.group_size, window=args.window)
     if args.worker == "explicit":  # the path the sdpa name takes for gradients, dropout or softcapping
         model.config._attn_implementation_internal = "hfpatch_self_extend_explicit"
@@ -133,7 +137,7 @@ def main(argv=None):
     p.add_argument("--trained", type=int, default=8192, help="the model's trained window (max_position_embeddings)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json")
-    p.add_argument("--worker", choices=["unpatched", "self-extend", "explicit"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["unpatched", "self-extend", "dual-chunk", "explicit"], help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -144,7 +148,7 @@ def main(argv=None):
     shape = ["--layers", str(args.layers), "--group-size", str(args.group_size), "--window", str(args.window),
              "--trained", str(args.trained), "--repeats", str(args.repeats)]
     results = worker_grid(me, args.lengths,
-                          lambda L: ["unpatched", "self-extend"] + (["explicit"] if L in args.explicit_lengths else []),
+                          lambda L: ["unpatched", "self-extend", "dual-chunk"] + (["explicit"] if L in args.explicit_lengths else []),
                           shape)
     acc = accuracy(args.lengths, args.group_size, args.window)
     result = {"args": vars(args), "accuracy": acc, "results": {f"{v}@{L}": r for (v, L), r in results.items()}}
@@ -170,7 +174,8 @@ def tables(result: dict) -> str:
     lengths = args["lengths"]
     return "\n".join([
         f"SmolLM2-shaped Llama (d=576, 9/3 heads, head_dim 64), {args['layers']} layers, random weights; "
-        f"G={args['group_size']}, W={args['window']}; forward of the base model, batch 1, median of "
+        f"self-extend G={args['group_size']}, W={args['window']}; dual-chunk chunk_size="
+        f"{args['trained'] * 3 // 4}, local_window={args['trained'] // 16} (the defaults); forward of the base model, batch 1, median of "
         f"{args['repeats']}; peak = process peak RSS during the forwards",
         markdown_table(["L", "variant", "forward (s)", "peak RSS (GB)", "peak above steady state (GB)",
                         "time / unpatched", "peak / unpatched"], rows),

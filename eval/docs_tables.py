@@ -31,6 +31,7 @@ sys.path.insert(0, str(HERE))  # the bench scripts' tables() (eval/ is not a pac
 from hfpatch.evaluate import evaluation  # noqa: E402
 from hfpatch.evaluate.common import length_label  # noqa: E402
 from hfpatch.evaluate.report import markdown_table  # noqa: E402
+from hfpatch.evaluate.stats import wilson  # noqa: E402
 from hfpatch.evaluate.sweep import covering, report  # noqa: E402
 
 # plots the runs drew: docs/generated/img/<name> <- eval/results/<path>
@@ -157,6 +158,84 @@ def self_extend_bench():
     import bench_self_extend
 
     return bench_self_extend.tables(load("self_extend/bench.json"))
+
+
+# -------------------------------------------------------------------------------- Self-Extend's G x W grid, DCA
+
+def passkey_cells(*paths: str) -> list[dict]:
+    return [c for f in paths for c in load(f)["cells"] if c.get("complete")]
+
+
+def found_rate(trials: list[dict]) -> str:
+    """k/n found, with the 95 % Wilson interval."""
+    n, k = len(trials), sum(t["correct"] for t in trials)
+    low, high = wilson(k / n, n)
+    return f"{k}/{n} ({low:.0%}–{high:.0%})"
+
+
+@table("eval/results/self_extend/grid_16k.json")
+def self_extend_grid():
+    cells = passkey_cells("self_extend/grid_16k.json")
+    by = {}
+    for c in cells:
+        kw = c["patch_kwargs"]
+        by.setdefault((kw["group_size"], kw["window"]), []).extend(c["trials"])
+    groups, windows = sorted({g for g, _ in by}), sorted({w for _, w in by})
+    depths = sorted({c["depth"] for c in cells})
+    rows = [[f"G = {g}"] + [found_rate(by[(g, w)]) if (g, w) in by else "—" for w in windows] for g in groups]
+    return (f"Keys found at 16k (prompts of {min(t['prompt_tokens'] for c in cells for t in c['trials']):,}–"
+            f"{max(t['prompt_tokens'] for c in cells for t in c['trials']):,} tokens), one key at each depth "
+            f"{', '.join(f'{d:g}' for d in depths)}, the same keys in every cell; 95 % Wilson intervals.\n\n"
+            + markdown_table(["", *[f"W = {w}" for w in windows]], rows))
+
+
+DCA = "dual-chunk"
+DCA_SPECS = ["none", "yarn:4", "dynamic", SE, DCA]
+
+
+@table("eval/results/self_extend/ppl.json", "eval/results/self_extend/ppl_32k.json",
+       "eval/results/dual_chunk/ppl.json", "eval/results/dual_chunk/ppl_32k.json")
+def dual_chunk_ppl():
+    old = load("self_extend/ppl.json")["cells"] + load("self_extend/ppl_32k.json")["cells"]
+    new = load("dual_chunk/ppl.json")["cells"] + load("dual_chunk/ppl_32k.json")["cells"]
+    cells = [c for c in old if c["patch"] != DCA] + [c for c in new if c["patch"] == DCA]
+    return ("SmolLM2-135M on *Moby-Dick*; 32k scores twice the text of 4k-16k (compare specs within that column "
+            "only); — : not run.\n\n" + ppl_tables(cells, DCA_SPECS, [4096, 8192, 16384, 32768], ["chunks"]))
+
+
+@table("eval/results/self_extend/passkey.json", "eval/results/self_extend/passkey_32k.json",
+       "eval/results/dual_chunk/passkey.json", "eval/results/dual_chunk/passkey_32k.json")
+def dual_chunk_passkey():
+    cells = passkey_cells("self_extend/passkey.json", "self_extend/passkey_32k.json", "dual_chunk/passkey.json",
+                          "dual_chunk/passkey_32k.json")
+    lengths = [16384, 32768]
+    done = {(c["patch"], c["length"]): c for c in cells}
+    keys = {n: sorted({t["key"] for c in cells if c["length"] == n for t in c["trials"]}) for n in lengths}
+    header = ["patch"] + [f"{length_label(n)} (key {', '.join(keys[n])})" for n in lengths]
+    rows = [[p] + [("found" if done[(p, n)]["accuracy"] else "missed") if (p, n) in done else "—" for n in lengths]
+            for p in DCA_SPECS]
+    return "One random key per cell, at depth 0.5, greedy decoding.\n\n" + markdown_table(header, rows)
+
+
+# ---------------------------------------------------------------------------------------------- attention paths
+
+@table("eval/results/attention/bench.json", "eval/results/attention/bench_8k_cells.json")
+def attention_bench():
+    import bench_attention
+
+    parts = []
+    for name in ("bench.json", "bench_8k_cells.json"):
+        d = load(f"attention/{name}")
+        cells = {(key.rpartition("@")[0], int(key.rpartition("@")[2])): r for key, r in d["cells"].items()}
+        parts.append(bench_attention.tables(cells, argparse.Namespace(**d["args"])))
+    return "\n\n".join(parts)
+
+
+@table("eval/results/attention/smollm2_paths.json")
+def attention_paths_smollm2():
+    import attention_paths_smollm2
+
+    return attention_paths_smollm2.tables(load("attention/smollm2_paths.json"))
 
 
 # --------------------------------------------------------------------------------------------------- serving

@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING
 __version__ = "0.3.0"
 
 # public name -> the module that defines it
-_API = {"patch": "apply", "unpatch": "apply", "describe": "apply", "supported": "families",
-        "save_pretrained": "io", "from_pretrained": "io"}
-__all__ = ["spec", "patch", "unpatch", "describe", "supported", "save_pretrained", "from_pretrained", "__version__"]
+_API = {"patch": "apply", "unpatch": "apply", "describe": "apply", "calibrate": "apply",
+        "supported": "families", "save_pretrained": "io", "from_pretrained": "io"}
+__all__ = ["spec", "patch", "unpatch", "describe", "calibrate", "supported", "save_pretrained", "from_pretrained",
+           "__version__"]
 
 if TYPE_CHECKING:
     from . import spec
-    from .apply import describe, patch, unpatch
+    from .apply import calibrate, describe, patch, unpatch
     from .families import supported
     from .io import from_pretrained, save_pretrained
 

@@ -10,10 +10,12 @@ the undone ones are put back (the same objects): the model is left exactly as it
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import cast
 
+import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from . import spec as specs
@@ -21,6 +23,7 @@ from .adapters import Adapter, InferenceError, adapter_for, get_path
 from .edits import MISSING, Edits, deferred_interrupts
 from .norm import convert as norms
 from .norm import kinds as norm_kinds
+from .norm.batchnorm import calibrate as calibrate_batchnorm
 from .norm.kinds import NORMS
 from .norm.placement import apply_placement, placement_forms
 from .position import paths, schemes
@@ -102,8 +105,7 @@ def _apply_axis(model: PreTrainedModel, adapter: Adapter, axis: str, req: dict, 
     reason = schemes.unavailable(req["scheme"], adapter, req)
     if reason:
         raise ValueError(reason)
-    scheme.apply(model, adapter, req, scheme, edits)
-    return None
+    return scheme.apply(model, adapter, req, scheme, edits)  # None, or the values it chose for options left out
 
 
 def apply_axes(model: PreTrainedModel, adapter: Adapter, spec: dict, layers: dict, axes=AXES) -> dict:
@@ -149,8 +151,9 @@ def _write_record(model, state: PatchState, record: Edits) -> None:
     live = touched_config(model.config, [state.layers[a] for a in AXES if a in state.layers])
     touched = {**live, **state.baked_config}  # the values before the baked stages are the originals
     stages = state.baked_stages + ([state.spec] if state.spec else [])
-    record.set(model.config, "hfpatch", _record(state.applied, touched, {**state.baked_facts, **state.facts},
-                                                stages, adapter_for(model).to_dict(model.config)))
+    facts = {**state.baked_facts, **state.facts}
+    record.set(model.config, "hfpatch", _record(_applied(state.applied, facts), touched, facts, stages,
+                                                adapter_for(model).to_dict(model.config)))
     for owner, names in block_names(model).items():
         record.set(owner, "_no_split_modules", names)
 
@@ -202,9 +205,20 @@ def patch(model, position=None, factor=None, norm=None, placement=None, exact=No
             warn_caller(f"{a}={specs.describe_string({a: old.spec[a]})!r} is applied again from the weights it "
                         f"replaced, because {AXES[first]} (applied before it) changed: training done since on the "
                         "weights it created is lost")
-    with deferred_interrupts():
+    with deferred_interrupts(), _outside_inference_mode(target):
         _replace(target, adapter, old, new_spec, redo)
     return model
+
+
+def _outside_inference_mode(model) -> contextlib.AbstractContextManager:
+    """Under torch.inference_mode(), tensors created are inference tensors, which autograd refuses for good (and
+    in-place updates refuse outside inference mode): parameters and buffers a patch creates there would make the
+    model fail as soon as it trains. So a patch made under inference mode creates them outside it, unless the
+    model's own parameters are inference tensors already (a model built under inference mode, for inference).
+    Buffers do not tell: a rotary module run under inference mode recomputes its own."""
+    if not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    return torch.inference_mode(any(p.is_inference() for p in model.parameters()))
 
 
 def _replace(target: PreTrainedModel, adapter: Adapter, old: PatchState, new_spec: dict, redo: tuple) -> None:
@@ -226,6 +240,8 @@ def _replace(target: PreTrainedModel, adapter: Adapter, old: PatchState, new_spe
         new.facts.update(apply_axes(target, adapter, new_spec, new.layers, redo))
         _write_record(target, new, new.record)
         object.__setattr__(target, _STATE, new)
+        if "position" in redo:  # describe()'s calls per attention path count from this patch on, its checks not
+            paths.reset(target)
     except BaseException as e:
         _set_state(target, previous)
         new.record.undo()
@@ -291,11 +307,18 @@ def unpatch(model):
     return model
 
 
+def calibrate(model, batches=None) -> int:
+    """Running statistics for the BatchNorms a norm="batchnorm" patch put in `model`, from `batches` (token ids
+    [batch, seq], a tokenizer's output, or a list of those; None: a seeded batch of random tokens): see
+    norm/batchnorm.calibrate. Returns the number of norms calibrated."""
+    return calibrate_batchnorm(unwrap(model), batches)  # (peft's adapters sit inside the base model)
+
+
 def bake(model, stages: list, facts: dict, original_config: dict) -> None:
     """Declare the specs `stages` (applied in that order) part of the model as it is now (used by from_pretrained
     after loading weights that already carry those patches)."""
     state = PatchState(spec={}, baked_stages=copy.deepcopy(stages), baked_facts=facts, baked_config=original_config)
-    model.config.hfpatch = _record(state.baked, original_config, facts, stages,
+    model.config.hfpatch = _record(_applied(state.baked, facts), original_config, facts, stages,
                                    adapter_for(model).to_dict(model.config))
     object.__setattr__(model, _STATE, state)
 
@@ -309,7 +332,8 @@ def _position(model, adapter: Adapter, state: PatchState | None) -> dict:
     if "position" in applied:
         req = applied["position"]
         if SCHEMES[req["scheme"]].rope is None:  # a bigger table is still a plain checkpoint; the others are not
-            return {**req, "native": SCHEMES[req["scheme"]].native, **paths.describe(model, req["scheme"])}
+            chosen = {**state.baked_facts, **state.facts}.get("position", {}) if state else {}
+            return {**req, **chosen, "native": SCHEMES[req["scheme"]].native, **paths.describe(model, req["scheme"])}
         rotary = get_path(model.base_model, adapter.rotary)
         return {**req, "rope_parameters": copy.deepcopy(rotary.config.rope_parameters),
                 "native": rotary.config is config}
@@ -385,11 +409,21 @@ def describe(model) -> dict:
         "attention": target.config._attn_implementation,
         "max_position_embeddings": target.config.get_text_config().max_position_embeddings,
         "position_limit": position_limit(target),
-        "applied": copy.deepcopy(applied),
+        "applied": _applied(applied, facts),
         "baked": sorted(state.baked) if state else [],
         "adapter": {"source": adapter.source, "notes": dict(adapter.notes)},
         "patches": available(target, adapter),
     }
+
+
+def _applied(applied: dict, facts: dict) -> dict:
+    """The applied spec as describe() reports it: a norm swap's `exact` is whether the conversion was exact (the
+    fact, also in describe()["norm"]), not whether it was asked for: exact=True on a model where the math allows no
+    exact conversion gives a plain swap."""
+    out = copy.deepcopy(applied)
+    if "norm" in out and "exact" in facts.get("norm", {}):
+        out["norm"]["exact"] = facts["norm"]["exact"]
+    return out
 
 
 def available(model, adapter: Adapter) -> dict:

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from . import spec as specs
 from .adapters import Adapter, adapter_for, set_adapter
 from .apply import AXES, apply_axes, bake, changes_weights, describe, patch, state_of, touched_config, unwrap
+from .edits import MISSING, Edits
 
 
 @contextlib.contextmanager
@@ -67,24 +68,76 @@ def save_pretrained(model, path, tokenizer=None, **kwargs):
             "(model = model.merge_and_unload(), then hfpatch.save_pretrained), or save the adapters alone with "
             "peft's model.save_pretrained"
         )
-    state = state_of(target)
-    if state and "position" in state.spec and not _native(target):
+    unexpressed = _unexpressed(target)
+    if unexpressed:
         warnings.warn(
-            f"position={state.spec['position']['scheme']!r} has no form that {type(target.config).__name__} "
-            "can express: "
-            "hfpatch.from_pretrained reloads the patch, plain transformers loads the model's original position "
-            "encoding.",
+            f"{' and '.join(f'{axis}={name!r}' for axis, name, _ in unexpressed)} "
+            f"{'has' if len(unexpressed) == 1 else 'have'} no form that {type(target.config).__name__} can express: "
+            "hfpatch.from_pretrained reloads the patch, plain transformers loads the model's original "
+            f"{' and '.join(what for _, _, what in unexpressed)}, and warns that it does (config.json names "
+            "hfpatch as its quantization method, which transformers does not know)",
             stacklevel=2,
         )
-    with _serializable(target):
+    with _serializable(target), _marked(target, unexpressed):
         target.save_pretrained(path, **kwargs)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path
 
 
-def _native(model) -> bool:
-    return describe(model)["position"].get("native", True)
+def _unexpressed(model) -> list[tuple[str, str, str]]:
+    """(axis, what was applied, what plain transformers builds instead) for each patch of `model` that its config
+    class cannot express: a norm swap or a placement change (the family's class builds its own norms, where they
+    were), a position scheme without a native form."""
+    state = state_of(model)
+    if state is None:
+        return []
+    info, adapter = describe(model), adapter_for(model)
+    applied, out = info["applied"], []
+    if "norm" in applied and info["norm"]["kind"] != adapter.norm:
+        out.append(("norm", applied["norm"]["kind"], "norms"))
+    if "placement" in applied and applied["placement"]["kind"] != adapter.placement_of(model.config):
+        out.append(("placement", applied["placement"]["kind"], "norm placement"))
+    if "position" in applied and not info["position"].get("native", True):
+        out.append(("position", applied["position"]["scheme"], "position encoding"))
+    return out
+
+
+# What config.json carries when plain transformers cannot express the patch it was saved with: a quantization
+# config whose method is this sentence. transformers knows no such method, so its from_pretrained logs "Unknown
+# quantization type, got <this sentence>" and loads the original architecture (it has no hook that would let a
+# config refuse to load without running the folder's code); engines that read quantization_config refuse the
+# folder. hfpatch.from_pretrained removes it before loading.
+NEEDS_HFPATCH = ("hfpatch (saved patched by hfpatch, in a form this config class cannot express: load it with "
+                 "hfpatch.from_pretrained; plain transformers builds the original, unpatched architecture)")
+
+
+@contextlib.contextmanager
+def _marked(model, unexpressed: list):
+    """While saving a model with patches plain transformers cannot express: config.json names NEEDS_HFPATCH as its
+    quantization method (where the model has no quantization config of its own), and holds the original values of
+    the config fields a non-native position scheme changed (the record keeps the patched ones), so that a plain
+    reload builds the original model consistently: its own window, not the patched one's."""
+    edits = Edits()
+    config = model.config
+    if unexpressed and getattr(config, "quantization_config", None) is None:
+        edits.set(config, "quantization_config", {"quant_method": NEEDS_HFPATCH})
+    state = state_of(model)
+    if state is not None and any(axis == "position" for axis, _, _ in unexpressed) and "position" in state.layers:
+        for key, value in touched_config(config, [state.layers["position"]]).items():
+            owner, name = _config_path(config, key)
+            if not name.startswith("_") and value is not MISSING:
+                edits.set(owner, name, value)
+    try:
+        yield
+    finally:
+        edits.undo()
+
+
+def _drop_mark(config) -> None:
+    qc = getattr(config, "quantization_config", None)
+    if isinstance(qc, dict) and qc.get("quant_method") == NEEDS_HFPATCH:
+        del config.quantization_config
 
 
 def _model_class(config):
@@ -121,6 +174,7 @@ def from_pretrained(path, **kwargs):
         if "trust_remote_code" not in str(e) or kwargs["trust_remote_code"]:
             raise
         raise ValueError(remote_code_refused(path, "from_pretrained(..., trust_remote_code=True)")) from None
+    _drop_mark(config)
     record = getattr(config, "hfpatch", None)
     if record is None:
         return _model_class(config).from_pretrained(path, config=config, **kwargs)

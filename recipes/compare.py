@@ -29,9 +29,9 @@ import hfpatch
 from hfpatch.evaluate.common import versions
 from hfpatch.evaluate.evaluations import passkey, ppl
 from hfpatch.models import load
-from hfpatch.train import data, init, loop, measure, setup, study_report
+from hfpatch.train import checkpoint, data, init, loop, measure, setup, study_report
 from hfpatch.train.config import ConfigError
-from hfpatch.train.study import claim, load_study, newest_checkpoint_step, plan
+from hfpatch.train.study import claim, load_study, newest_checkpoint, plan
 
 
 def train(run, study, tok) -> None:
@@ -39,8 +39,11 @@ def train(run, study, tok) -> None:
     if (run.out / "final").is_dir():
         return
     cfg = run.cfg
-    start = newest_checkpoint_step(run.out)
-    cfg["resume"] = bool(start)  # an interrupted run goes on from its newest checkpoint
+    # An interrupted run goes on from its newest complete checkpoint, named, so that training and the gradient-norm
+    # rows (numbered from `start`) resume from the same step.
+    resume_from = newest_checkpoint(run.out)
+    cfg["resume"] = str(resume_from) if resume_from else False
+    start = checkpoint.step_of(resume_from) if resume_from else 0
     set_seed(cfg.seed)  # as pretrain.py: the same initial weights for every arm that has the same shapes
     model = setup.from_config(cfg, tok)
     setup.apply_patch(model, cfg)  # new parameters (t5, xl, learned) are drawn after the model's own

@@ -25,7 +25,7 @@ LAYERS: dict[str, set[str]] = {
     "norm": {"adapters", "edits", "warn"},  # the NORMS registry, norm modules, swaps, placement
     "spec": {"position", "norm"},  # the patch spec, validated against the registries
     "apply": {"spec", "adapters", "norm", "position", "edits", "warn"},  # patch / unpatch / describe
-    "io": {"apply", "spec", "adapters"},  # save / reload
+    "io": {"apply", "spec", "adapters", "edits"},  # save / reload
     "lm": {"apply", "adapters"},  # a causal LM as body + head
     "gguf": {"spec", "apply", "adapters", "position", "edits"},  # GGUF in, GGUF out: llama.cpp's RoPE metadata
     "models": {"io", "files", "gguf"},  # load by name
@@ -33,8 +33,8 @@ LAYERS: dict[str, set[str]] = {
     "text": {"lm", "models", "files"},  # documents and tokenizers
     "families": {"apply", "adapters", "position", "tiny"},  # supported(): every family measured
     "hfpatch": {"spec", "apply", "families", "io"},  # the public API
-    "evaluate": {"hfpatch", "apply", "spec", "adapters", "position", "lm", "models", "text", "command", "timing",
-                 "files", "gguf"},
+    "evaluate": {"hfpatch", "apply", "spec", "adapters", "lm", "models", "text", "command", "timing", "files",
+                 "gguf"},
     "train": {"hfpatch", "evaluate", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models",
               "text", "timing", "command", "files"},
     "cli": {"hfpatch", "command", "evaluate", "norm", "spec", "models", "families", "apply", "files", "gguf",
@@ -141,7 +141,7 @@ def cycles() -> list[list[str]]:
         stack.append(m)
         for t in sorted(graph[m]):
             if state.get(t) == "open":
-                found.append(stack[stack.index(t):] + [t])
+                found.append([*stack[stack.index(t):], t])
             elif t not in state:
                 visit(t)
         stack.pop()

@@ -7,9 +7,8 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import (ROPE_FAMILIES, WINDOW, assert_same_fingerprint, fingerprint, logits, max_diff, tiny_model,
-                      tokens)
+from conftest import ROPE_FAMILIES, WINDOW, assert_same_fingerprint, fingerprint, logits, max_diff, tiny_model, tokens
+from handref import by_hand, padded, rope
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb  # noqa: F401 (the attention below rotates with it)
 
 import hfpatch
@@ -20,81 +19,16 @@ from hfpatch.position.self_extend import EAGER_NAME, SDPA_NAME
 # ------------------------------------------------------------------------------------------------ hand reference
 
 
-def rope(x, pos, theta):
-    """RoPE from its definition (rotate-half layout), float64. x [b, h, L, d], pos [b, L]."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    angle = pos[..., None].double() * inv
-    cos, sin = torch.cat([angle.cos()] * 2, -1)[:, None], torch.cat([angle.sin()] * 2, -1)[:, None]
-    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
-
-
-def self_extend_attention(q, k, v, pos, G, W, theta, scale, keep, softcap=None, sliding=None):
+def self_extend_scores(G, W):
     """Jin et al. 2024: for i - j < W the scores of RoPE at the true positions, else of the query at
-    floor(p_i / G) + W - floor(W / G) and the key at floor(p_j / G); one softmax. Un-rotated q/k/v, float64."""
-    H, KV, L = q.shape[1], k.shape[1], q.shape[2]
-    k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
-    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
-    near = rope(q, pos, theta) @ rope(k, pos, theta).transpose(-1, -2)
-    far = rope(q, pos // G + W - W // G, theta) @ rope(k, pos // G, theta).transpose(-1, -2)
-    s = torch.where(i - j < W, near, far) * scale
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    allowed = (j <= i)[None] & keep[:, None, :].bool()
-    if sliding is not None:
-        allowed = allowed & (i - j < sliding)
-    s = s.masked_fill(~allowed[:, None], -1e30)
-    return torch.softmax(s, -1) @ v
-
-
-def rms(x, norm, offset=0.0):
-    eps = getattr(norm, "variance_epsilon", None) or norm.eps
-    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + norm.weight.double())
-
-
-def by_hand(model, ids, keep, pos, G, W):
-    """llama / qwen3 (q and k norms) / gemma2 (scaled embeddings, 1 + w norms, sandwich norms, softcapping, sliding
-    layers, query_pre_attn_scalar) written from their weights, float64."""
-    cfg, m = model.config, model.model
-    fam, gemma = cfg.model_type, cfg.model_type == "gemma2"
-    H, KV, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    b, L = ids.shape
-    off = 1.0 if gemma else 0.0
-    lin = lambda t, layer: t @ layer.weight.double().T  # noqa: E731
-    x = m.embed_tokens.weight.double()[ids] * (cfg.hidden_size ** 0.5 if gemma else 1.0)
-    for idx, layer in enumerate(m.layers):
-        a = layer.self_attn
-        h = rms(x, layer.input_layernorm, off)
-        q, k, v = (lin(h, p).view(b, L, -1, d) for p in (a.q_proj, a.k_proj, a.v_proj))
-        if fam == "qwen3":
-            q, k = rms(q, a.q_norm), rms(k, a.k_norm)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        sliding = cfg.sliding_window if gemma and cfg.layer_types[idx] == "sliding_attention" else None
-        o = self_extend_attention(q, k, v, pos, G, W, cfg.rope_parameters["rope_theta"],
-                                  (cfg.query_pre_attn_scalar if gemma else d) ** -0.5, keep,
-                                  cfg.attn_logit_softcapping if gemma else None, sliding)
-        o = lin(o.transpose(1, 2).reshape(b, L, H * d), a.o_proj)
-        x = x + (rms(o, layer.post_attention_layernorm, off) if gemma else o)
-        h = rms(x, layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm, off)
-        act = (lambda t: F.gelu(t, approximate="tanh")) if gemma else F.silu
-        f = lin(act(lin(h, layer.mlp.gate_proj)) * lin(h, layer.mlp.up_proj), layer.mlp.down_proj)
-        x = x + (rms(f, layer.post_feedforward_layernorm, off) if gemma else f)
-    out = lin(rms(x, m.norm, off), model.lm_head)
-    if gemma:
-        out = torch.tanh(out / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
-    return out
-
-
-def padded(batch_len, padding):
-    """(ids, attention mask, position ids as generate() makes them: counting real tokens only)."""
-    ids = tokens(batch_len, batch=2)
-    keep = torch.ones(2, batch_len, dtype=torch.long)
-    if padding == "left":
-        keep[1, :13] = 0
-    elif padding == "right":
-        keep[1, -13:] = 0
-    pos = (keep.cumsum(-1) - 1).clamp(min=0)
-    return ids, keep, pos
+    floor(p_i / G) + W - floor(W / G) and the key at floor(p_j / G)."""
+    def scores(q, k, pos, theta):
+        L = q.shape[2]
+        i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+        near = rope(q, pos, theta) @ rope(k, pos, theta).transpose(-1, -2)
+        far = rope(q, pos // G + W - W // G, theta) @ rope(k, pos // G, theta).transpose(-1, -2)
+        return torch.where(i - j < W, near, far)
+    return scores
 
 
 @pytest.mark.parametrize("family,attn,padding,G,W", [
@@ -116,7 +50,7 @@ def test_equals_the_hand_computation(family, attn, padding, G, W):
     assert model.config._attn_implementation == (EAGER_NAME if attn == "eager" else SDPA_NAME)
     with torch.no_grad():
         out = model(ids, attention_mask=keep, position_ids=pos).logits
-    expected = by_hand(model, ids, keep, pos, G, W)
+    expected = by_hand(model, ids, keep, pos, self_extend_scores(G, W))
     real = keep.bool()
     assert max_diff(out[real].double(), expected[real]) <= 1e-4
     unpatched = hfpatch.unpatch(model)(ids, attention_mask=keep, position_ids=pos).logits
@@ -188,7 +122,11 @@ def test_describe_unpatch_and_limits():
     path = info["position"].pop("attention_path")
     assert info["position"] == {"scheme": "self-extend", "group_size": 4, "window": 16, "native": False}
     assert path["order"] == ["flash-attn", "flex", "pieces", "written-out"]
-    assert set(path["ran"]) == {"pieces"}  # the patch's own check ran a forward; on this CPU, without gradients
+    assert path["ran"] == {}  # counted from the patch on: its own check's forward is not
+    with torch.no_grad():
+        model(tokens(20))
+    ran = hfpatch.describe(model)["position"]["attention_path"]["ran"]
+    assert set(ran) == {"pieces"}  # on this CPU, without gradients
     assert info["position_limit"] == info["max_position_embeddings"] == (WINDOW - 16) * 4 + 16
     assert "self-extend" in info["patches"]["position"]
     hfpatch.patch(model, position="yarn", factor=2.0)  # replaces it
@@ -283,7 +221,7 @@ def test_a_deep_copy_rotates_with_its_own_rotary_module():
     x = tokens(80)
     patched = logits(model, x)
     twin = copy.deepcopy(model)
-    assert getattr(twin.model.layers[0].self_attn, self_extend.STATE_ATTR).rotary is twin.model.rotary_emb
+    assert getattr(twin.model.layers[0].self_attn, self_extend.STATE_ATTR).rotation.rotary is twin.model.rotary_emb
     assert max_diff(logits(twin, x), patched) == 0.0
     hfpatch.unpatch(twin)
     assert max_diff(logits(twin, x), logits(tiny_model("llama"), x)) == 0.0

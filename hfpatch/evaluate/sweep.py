@@ -32,10 +32,9 @@ from tqdm.auto import tqdm
 
 from .. import command
 from ..adapters.positions import trained_window
-from ..apply import table_limit, unwrap
+from ..apply import describe, table_limit, unwrap
 from ..lm import causal_lm_parts
 from ..models import model_fingerprint
-from ..position import paths
 from ..text import load_tokenizer
 from . import budget
 from .common import applied, length_label, load_model, parse_lengths, parse_patches, versions
@@ -362,7 +361,7 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
                                         lambda: {"patch": spec, **c.key, **c.fields,  # noqa: B023 - see above
                                                  "patch_kwargs": kwargs,  # noqa: B023 - see above
                                                  ev.records: [], "complete": False})
-                    paths_before = paths.ran(run.model)
+                    paths_before = _paths_ran(run.model)
                     for unit in left:
                         done = [0]
 
@@ -377,7 +376,7 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
                         cell[ev.records].append(record)
                         results.save()
                         bar.update(unit.tokens - done[0])
-                    paths.add_since(cell, paths_before, run.model)
+                    _add_paths_since(cell, paths_before, run.model)
                     results.finish(cell)
                     results.save()
     finally:
@@ -404,6 +403,21 @@ class TransformersEngine:
 # estimate, applied
 ENGINES: dict[str, Callable[[argparse.Namespace], Any]] = {"transformers": TransformersEngine,
                                                             "llama.cpp": LlamaCppEngine}
+
+
+def _paths_ran(model) -> dict:
+    """Calls per attention path so far, for schemes with their own attention function (describe())."""
+    return describe(model)["position"].get("attention_path", {}).get("ran", {})
+
+
+def _add_paths_since(cell: dict, before: dict, model) -> None:
+    """The cell records the attention paths its units ran (added to what an earlier, resumed run recorded)."""
+    total = dict(cell.get("attention_path", {}))
+    for path, calls in _paths_ran(model).items():
+        if calls > before.get(path, 0):
+            total[path] = total.get(path, 0) + calls - before.get(path, 0)
+    if total:
+        cell["attention_path"] = total
 
 
 def _label(key: str, value) -> str:

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Iterable
 
 import torch
 
+from ..adapters.probe import restore_modes
 from ..edits import Edits
+from ..warn import warn_caller
 from .modules import BatchNorm
 
 PADDING_ATTR = "hfpatch_padding"
@@ -88,3 +91,92 @@ def batch_statistics(model):
     finally:
         for m, b in zip(norms, before):
             m.use_batch_statistics = b
+
+
+PROBE_BATCH = (4, 64)  # [batch, tokens] of the seeded random batch calibrate() uses when given none
+
+
+@torch.no_grad()
+def calibrate(model, batches=None) -> int:
+    """Set the running statistics of every BatchNorm of `model` to the mean and variance of its input over
+    `batches` (the model's inputs: a tensor of token ids [batch, seq], a dict such as a tokenizer's output with
+    input_ids and attention_mask, or a list of those; None: one seeded batch of random tokens). Each norm normalises
+    with the statistics of the batch while this runs, as in training, so each one sees the input the norms before it
+    give; the running statistics are the exact average over the batches (not a moving one). Nothing else changes:
+    no gradient, no dropout. Returns the number of norms calibrated.
+
+    Fresh running statistics (mean 0, variance 1) normalise nothing: a pretrained model whose norms were swapped
+    for BatchNorm gives non-finite or meaningless logits in eval() until they are calibrated or trained."""
+    norms = [m for m in model.modules() if isinstance(m, BatchNorm)]
+    if not norms:
+        raise ValueError("calibrate: the model has no BatchNorm (patch it with norm='batchnorm' first)")
+    inputs = _batches(model, batches)
+    modes = [(m, m.training) for m in model.modules()]
+    momenta = [m.momentum for m in norms]
+    model.eval()
+    try:
+        for m in norms:
+            m.train()
+        for i, batch in enumerate(inputs):
+            for m in norms:
+                m.momentum = 1.0 / (i + 1)  # the running statistics become the average over the batches so far
+            model(**batch, use_cache=False)
+        for m in norms:
+            m.eval()
+        out = model(**inputs[0], use_cache=False)
+    finally:
+        for m, momentum in zip(norms, momenta):
+            m.momentum = momentum
+        restore_modes(modes)
+    logits = out.logits if getattr(out, "logits", None) is not None else out[0]
+    if not bool(torch.isfinite(logits).all()):
+        warn_caller("hfpatch: calibrate: with the new running statistics the model's logits in eval() are still not "
+                    "finite on the first batch: calibrate on more text, real text rather than a probe batch, or train "
+                    "the model")
+    return len(norms)
+
+
+def _batches(model, batches) -> list[dict]:
+    if batches is None:
+        embeddings = model.get_input_embeddings()
+        g = torch.Generator().manual_seed(1234)
+        ids = torch.randint(0, embeddings.num_embeddings, PROBE_BATCH, generator=g)
+        return [{"input_ids": ids.to(embeddings.weight.device)}]
+    items = [batches] if isinstance(batches, torch.Tensor) or hasattr(batches, "keys") else batches
+    accepted = "token ids [batch, seq], a dict of model inputs (a tokenizer's output) or a list of those"
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise TypeError(f"calibrate: batches must be {accepted}; got {type(batches).__name__}")
+    out = []
+    for item in items:
+        if not (isinstance(item, torch.Tensor) or hasattr(item, "keys")):
+            raise TypeError(f"calibrate: batches must be {accepted}; got a list holding {type(item).__name__}")
+        batch = {"input_ids": item} if isinstance(item, torch.Tensor) else dict(item)
+        given = batch.get("input_ids")
+        if not isinstance(given, torch.Tensor) or given.dim() != 2 or given.shape[0] * given.shape[1] < 2:
+            raise ValueError("calibrate: each batch needs input_ids of shape [batch, seq] holding at least 2 tokens, "
+                             f"got {tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__}")
+        out.append({k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")})
+    if not out:
+        raise ValueError("calibrate: no batches given")
+    return out
+
+
+@torch.no_grad()
+def fresh_statistics_problem(model) -> str | None:
+    """Why the model, just given BatchNorms with fresh running statistics, cannot be used in eval() as it is: its
+    logits on a probe batch are not finite (None: they are)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        out = model(**_batches(model, None)[0])
+    except Exception:  # a model that does not run on token ids alone (an encoder-decoder, ...): nothing to tell
+        return None
+    finally:
+        restore_modes(modes)
+    found = out.logits if getattr(out, "logits", None) is not None else out[0]
+    if not isinstance(found, torch.Tensor) or bool(torch.isfinite(found).all()):
+        return None
+    return ("norm='batchnorm': with fresh running statistics (mean 0, variance 1) the model's logits in eval() are "
+            "not finite on a probe batch: the running statistics normalise nothing. Calibrate them before "
+            "evaluating (hfpatch.calibrate(model, batches): running statistics from your text, or from a probe "
+            "batch) or train the model first")

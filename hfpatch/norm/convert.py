@@ -18,7 +18,7 @@ from ..adapters.probe import restore_modes
 from ..edits import Edits
 from ..warn import warn_caller
 from . import exact as ex
-from .modules import NormModule, RMSNorm, build, read
+from .modules import NormModule, NormParams, RMSNorm, build, read
 
 
 def _parent(root, path: str):
@@ -95,7 +95,15 @@ def apply_norm(model, adapter: Adapter, req: dict, norm, placement: str | None, 
     attributes = norm.prepare(model, edits) if norm.prepare is not None else {}
     for path, module in sites:
         _plain_swap(model, path, module, norm, adapter, edits, attributes)
+    problem = None if norm.check is None or _on_meta(model) else norm.check(model)
+    if problem:
+        warn_caller(f"hfpatch: {problem}")
     return {"exact": False, "reason": reason}
+
+
+def _on_meta(model) -> bool:
+    """Built without weights (transformers builds on the meta device while a saved patch is reloaded)."""
+    return any(p.device.type == "meta" for p in model.parameters())
 
 
 def _plain_swap(model, path, module, norm, adapter, edits, attributes):
@@ -110,6 +118,7 @@ def _plain_swap(model, path, module, norm, adapter, edits, attributes):
     shape = p.weight.shape if affine else tuple(getattr(module, "normalized_shape", None) or
                                                 (getattr(module, "hidden_size", None) or module.dim,))
     new = build(norm.module, shape, p.eps, p.offset, p.weight, bias, like).train(module.training)
+    keep_trainable(new, p)
     for name, value in attributes.items():
         setattr(new, name, value)
     parent, name = _parent(model, path)
@@ -134,7 +143,19 @@ def _linear(module):
     raise ValueError(f"the exact norm conversion folds weights into linear layers; got {type(module).__name__}")
 
 
+def keep_trainable(new: nn.Module, old: NormParams) -> None:
+    """The new norm's parameters are trainable exactly where the ones they replace were: a frozen model stays
+    frozen and a LoRA model keeps its set of trainable tensors. A bias the old norm did not have follows its weight.
+    (A parameter a swap creates would otherwise be trainable, as every new nn.Parameter is.)"""
+    weight = old.weight if old.weight is not None else old.bias
+    for name, was in (("weight", weight), ("bias", old.bias if old.bias is not None else weight)):
+        param = getattr(new, name, None)
+        if isinstance(param, nn.Parameter) and was is not None:
+            param.requires_grad_(was.requires_grad)
+
+
 def _param(t: torch.Tensor, like: nn.Parameter | None) -> nn.Parameter:
+    """A converted parameter, trainable if the one it replaces (`like`) was; a new one (None) is trainable."""
     return nn.Parameter(t, requires_grad=True if like is None else like.requires_grad)
 
 
@@ -173,7 +194,7 @@ def _exact_verified(model, adapter: Adapter, edits: Edits) -> str | None:
     stream's readers and writers were read off the model: this checks the reading). None, or why it was undone.
     A model without weights yet (built on the meta device while a saved conversion is reloaded) is converted
     unchecked: the check was made when the conversion was saved."""
-    if any(p.device.type == "meta" for p in model.parameters()):
+    if _on_meta(model):
         _exact_to_rmsnorm(model, adapter, edits)
         return None
     ids, modes = _probe_ids(model), [(m, m.training) for m in model.modules()]
@@ -247,10 +268,12 @@ def _fold_norm(model, path, readers, adapter, edits):
             w, b, conv = _linear(r)
             w2, b2 = ex.fold_affine(w, b, gamma, beta, conv)
             edits.set(r, "weight", _param(w2, r.weight))
-            edits.set(r, "bias", _param(b2, r.bias))
+            # a reader without a bias gets one (it carries β): trainable as the reader's weight is
+            edits.set(r, "bias", _param(b2, r.bias if r.bias is not None else r.weight))
         unit = None if p.weight is None else torch.ones(shape)
         new = build(RMSNorm, shape, p.eps, 0.0, unit, None, like)
     else:  # nothing to fold into (a bare base model): the RMSNorm keeps γ and β, exact on the centred stream
         new = build(RMSNorm, shape, p.eps, 0.0, gamma, beta, like)
+    keep_trainable(new, p)
     parent, name = _parent(model.base_model, path)
     edits.set(parent, name, new)

@@ -12,7 +12,9 @@ A record says:
 - `bias`: whether the kind's form always has a bias (a zero one where the replaced norm had none; RMSNorm keeps
   whatever bias the replaced norm had);
 - `prepare(model, edits)`: what the model needs before its norms are swapped, returning {attribute: value} for
-  every new norm module (BatchNorm: the record of which tokens are padding).
+  every new norm module (BatchNorm: the record of which tokens are padding);
+- `check(model)`: after the swap, why the model cannot be used as it is (a warning), or None (BatchNorm: fresh
+  running statistics that give non-finite logits).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .batchnorm import attach
+from .batchnorm import attach, fresh_statistics_problem
 from .convert import exact_rmsnorm, norm_sites
 from .modules import BatchNorm, LayerNorm, RMSNorm
 
@@ -52,6 +54,7 @@ class Norm:
     inexact: str = ""  # why a swap into this kind cannot preserve the function (when `exact` is None)
     bias: bool = True
     prepare: Callable | None = None  # (model, edits) -> {attribute: value} set on every new norm module
+    check: Callable | None = None  # (model) -> why the swapped model cannot be used as it is (None: it can)
 
 
 def _padding(model, edits) -> dict:
@@ -66,7 +69,7 @@ NORMS: dict[str, Norm] = {
     "batchnorm": Norm(BatchNorm, "each channel normalised over the batch and the sequence (its real tokens)",
                       inexact="BatchNorm is never function-preserving: it normalises each channel over the batch and "
                               "the sequence, a per-token norm over the channels",
-                      prepare=_padding),
+                      prepare=_padding, check=fresh_statistics_problem),
 }
 
 

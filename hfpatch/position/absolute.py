@@ -28,6 +28,30 @@ def sinusoidal_table(positions: torch.Tensor, dim: int, base: float = 10000.0) -
     return pe.float()
 
 
+def check_table_fits(rows: int, dim: int, like: torch.Tensor, what: str, working: int = 0) -> None:
+    """Refuse, before allocating it, a position table of rows x dim (in `like`'s dtype, on its device) that the
+    device has no room for, `working` float64 copies of it included (what building it needs on the way); an
+    allocator error from deep inside torch would not say which option asked for it."""
+    need = rows * dim * (like.element_size() + 8 * working)
+    free = free_bytes(like.device)
+    if free is not None and need > free:
+        raise ValueError(f"{what} makes a position table of {rows:,} rows x {dim}, which needs {need / 2**30:.3g} GiB "
+                         f"while {like.device} has {free / 2**30:.3g} GiB free: ask for a smaller table")
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes free on `device` (a CUDA device, or the host's available memory); None when it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device.index or 0)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def interpolate_rows(table: torch.Tensor, factor: float, keep: int = 0) -> torch.Tensor:
     """Position interpolation for a learned table (Chen et al., 2023, applied to the table instead of RoPE): row p'
     of the new table, p' < ceil(factor·N), is the old table at p'/factor, linearly interpolated (clamped at the last

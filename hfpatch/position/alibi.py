@@ -164,7 +164,7 @@ def score_mod(slopes: torch.Tensor, offset: torch.Tensor, bidirectional: bool):
 def _flex(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
     q_len, kv_len = query.shape[2], key.shape[2]
     offset = torch.tensor(kv_len - q_len, device=query.device)
-    mods = flex.softcapped(score_mod(_slopes(module, query), offset, bidirectional=not causal), softcap)
+    mods = flex.softcapped(score_mod(_slopes(module, query), offset, bidirectional=not causal), softcap, query.device)
     mask = flex.block_mask(flex.CAUSAL if causal else flex.EVERYTHING, q_len, kv_len, query.device, attention_mask)
     with no_denormals(query.device):
         out = flex.attention(query, key, value, scaling, mods, mask)

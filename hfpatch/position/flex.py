@@ -24,14 +24,20 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal, overload
 
 import torch
 from torch._dynamo.exc import TorchDynamoException
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, flex_attention
 
 from . import paths
 
+# flex_attention's element-wise rules: score_mod(score, b, h, q_idx, kv_idx) -> score, mask_mod(b, h, q_idx, kv_idx)
+# -> keep (each argument a tensor: traced, then compiled)
+ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 BLOCK = 128  # flex's default block size, on the CPU also the kernel's split sizes
 # Measured on the CPU (one thread; batch 2, 9 heads, head_dim 64; ALiBi with softcapping), per call, compiled flex
 # vs written-out: 64 x 64 scores 1.7 vs 1.0 ms; 128 x 128 8 vs 11 ms; 1 x 4096 (a decoding step) 9 vs 17 ms;
@@ -42,23 +48,30 @@ BLOCK = 128  # flex's default block size, on the CPU also the kernel's split siz
 COMPILE_MIN_SCORES = 2048 * 2048
 FLEX_MIN_SCORES = 8192
 
-_compiled = None
+_compiled: Callable[..., torch.Tensor | tuple[torch.Tensor, AuxOutput]] | None = None
 _timings: dict[str, float] = {}  # "first call": seconds of the first compiled call (compilation included)
 _failed: dict[str, str] = {}  # "compile": why compiling failed in this process (flex paths then step aside)
 
 
-def compiled_fn():
+def compiled_fn() -> Callable[..., torch.Tensor | tuple[torch.Tensor, AuxOutput]]:
     global _compiled
     if _compiled is None:
         _compiled = torch.compile(flex_attention, dynamic=True, fullgraph=True)
     return _compiled
 
 
-def worth_it(q_len: int, kv_len: int) -> str | None:
+def _uncompiled(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                **options: Any) -> torch.Tensor | tuple[torch.Tensor, AuxOutput]:
+    """flex_attention as torch defines it, uncompiled (its reference implementation writes the scores out)."""
+    return flex_attention(query, key, value, **options)
+
+
+def worth_it(call: paths.Call) -> str | None:
     """Why a flex path should not take this call (too small to pay for compiling, or for the kernel; or flex failed
     to compile in this process), or None."""
     if _failed:
         return f"flex_attention failed to compile in this process ({_failed['compile']})"
+    q_len, kv_len = call.q_len, call.kv_len
     scores = q_len * kv_len
     need = FLEX_MIN_SCORES if "first call" in _timings else COMPILE_MIN_SCORES
     if scores < need:
@@ -68,7 +81,7 @@ def worth_it(q_len: int, kv_len: int) -> str | None:
     return None
 
 
-def timings() -> dict:
+def timings() -> dict[str, float]:
     """{"first call": seconds} once the compiled function has run in this process (compilation included)."""
     return dict(_timings)
 
@@ -80,7 +93,7 @@ class Region:
     lo: int | None = 0
     hi: int | None = None
 
-    def of_blocks(self, q_len: int, kv_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def of_blocks(self, q_len: int, kv_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(any, all) [q blocks, kv blocks]: whether some / every (query, key) pair of a block is in the region."""
         offset = kv_len - q_len
         qs = torch.arange(0, q_len, BLOCK, device=device)
@@ -93,12 +106,12 @@ class Region:
         hi = math.inf if self.hi is None else self.hi
         return (d_max >= lo) & (d_min <= hi), (d_min >= lo) & (d_max <= hi)
 
-    def mask_mod(self, offset: torch.Tensor, dense: torch.Tensor | None):
+    def mask_mod(self, offset: torch.Tensor, dense: torch.Tensor | None) -> MaskMod:
         """The element-wise rule for the kernel: region, and the padding mask [b, q, kv] (or [q, kv]) if given."""
         lo = None if self.lo is None else torch.tensor(self.lo, device=offset.device)
         hi = None if self.hi is None else torch.tensor(self.hi, device=offset.device)
 
-        def inside(q_idx, kv_idx):
+        def inside(q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             d = q_idx + offset - kv_idx
             keep = d >= lo if lo is not None else d == d
             return keep & (d <= hi) if hi is not None else keep
@@ -142,7 +155,8 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts.contiguous(), order.contiguous()
 
 
-def block_mask(region: Region, q_len: int, kv_len: int, device, mask: torch.Tensor | None = None) -> BlockMask:
+def block_mask(region: Region, q_len: int, kv_len: int, device: torch.device,
+               mask: torch.Tensor | None = None) -> BlockMask:
     """The BlockMask of `region` intersected with the model's bool mask [b, 1, q, kv] (True = attend) or None."""
     offset = torch.tensor(kv_len - q_len, device=device)
     r_any, r_all = region.of_blocks(q_len, kv_len, device)
@@ -162,31 +176,41 @@ def block_mask(region: Region, q_len: int, kv_len: int, device, mask: torch.Tens
                                     mask_mod=region.mask_mod(offset, dense), seq_lengths=(q_len, kv_len))
 
 
-def softcapped(score_mod, cap: float | None):
+def softcapped(score_mod: ScoreMod | None, cap: float | None, device: torch.device) -> ScoreMod | None:
     """score_mod applied after Gemma-2-style softcapping of the scaled logits: cap * tanh(score / cap)."""
     if cap is None:
         return score_mod
     # a tensor, not a float: compiled with dynamic shapes, a captured Python float becomes a symbolic scalar that
     # the CPU kernel cannot lower
-    cap = torch.tensor(float(cap))
+    limit = torch.tensor(float(cap), device=device)
     if score_mod is None:
-        return lambda score, b, h, q_idx, kv_idx: torch.tanh(score / cap) * cap
-    return lambda score, b, h, q_idx, kv_idx: score_mod(torch.tanh(score / cap) * cap, b, h, q_idx, kv_idx)
+        return lambda score, b, h, q_idx, kv_idx: torch.tanh(score / limit) * limit
+    return lambda score, b, h, q_idx, kv_idx: score_mod(torch.tanh(score / limit) * limit, b, h, q_idx, kv_idx)
 
 
-def attention(query, key, value, scale: float, score_mod=None, mask: BlockMask | None = None, *, lse: bool = False,
-              compiled: bool = True):
+@overload
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+              score_mod: ScoreMod | None = None, mask: BlockMask | None = None, *, lse: Literal[False] = False,
+              compiled: bool = True) -> torch.Tensor: ...
+@overload
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+              score_mod: ScoreMod | None = None, mask: BlockMask | None = None, *, lse: Literal[True],
+              compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]: ...
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+              score_mod: ScoreMod | None = None, mask: BlockMask | None = None, *, lse: bool = False,
+              compiled: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flex_attention on [b, H, n, d] tensors (grouped keys as they are). Returns the output [b, H, q, d] in the
     query's dtype, and with `lse` the log-sum-exp [b, H, q] (float32; -inf where a row sees no key)."""
-    fn = compiled_fn() if compiled else flex_attention
+    fn = compiled_fn() if compiled else _uncompiled
     if compiled and _failed:
         raise paths.PathUnavailable(_failed["compile"])
     gqa = query.shape[1] != key.shape[1]
     first = compiled and "first call" not in _timings
     t0 = time.perf_counter()
-    extra = {"return_aux": AuxRequest(lse=True)} if lse else {}
+    aux = AuxRequest(lse=True) if lse else None
     try:
-        result = fn(query, key, value, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=gqa, **extra)
+        result = fn(query, key, value, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=gqa,
+                    return_aux=aux)
     except TorchDynamoException as e:  # compiling failed (fullgraph: never a silent run of the [L, L] reference)
         if not compiled:
             raise
@@ -194,8 +218,12 @@ def attention(query, key, value, scale: float, score_mod=None, mask: BlockMask |
         warnings.warn(f"hfpatch: flex_attention failed to compile ({_failed['compile']}); this process uses the "
                       "next attention path instead", RuntimeWarning, stacklevel=2)
         raise paths.PathUnavailable(_failed["compile"]) from e
-    if lse:
-        result = result[0], result[1].lse
     if first:
         _timings["first call"] = round(time.perf_counter() - t0, 2)
-    return result
+    if isinstance(result, torch.Tensor):
+        return result
+    out, extra = result
+    if not isinstance(extra, AuxOutput) or extra.lse is None:
+        raise TypeError(f"flex_attention returned {type(extra).__name__} for return_aux=AuxRequest(lse=True), "
+                        "not an AuxOutput with the log-sum-exp")
+    return out, extra.lse

@@ -21,6 +21,7 @@ import importlib.util
 import torch
 
 MIN = torch.finfo(torch.float32).min
+FLOOR = -1e30  # log-sum-exp of a part a row sees nothing of, for merging: exp(FLOOR - any real lse) is 0
 
 
 def attend(q, k, v, scale: float, *, mask=None, causal: bool = False):
@@ -68,12 +69,13 @@ def _empty_rows(lse):
 
 
 def merge(acc, lse, out, part_lse):
-    """Fold one part (out [b, H, q, d], part_lse [b, H, q]) into the running float32 (acc, lse), in place where
-    possible; returns the new (acc, lse). Rows that see no key in either part stay zero."""
-    part_lse = part_lse.float()
-    total = torch.logaddexp(lse, part_lse)
-    safe = torch.where(torch.isinf(total) & (total < 0), 0.0, total)  # no key anywhere: both weights are 0
-    acc = acc * (lse - safe).exp().unsqueeze(-1) + out.float() * (part_lse - safe).exp().unsqueeze(-1)
+    """Fold one part (out [b, H, q, d], part_lse [b, H, q]) into the running float32 (acc, lse); returns the new
+    (acc, lse). A row that sees no key in a part (lse -inf) takes nothing from it. The log-sum-exps are floored at
+    FLOOR first: a row that sees no key at all then averages two empty outputs instead of computing exp(-inf + inf),
+    and its gradients stay finite (0, not NaN)."""
+    a, b = lse.clamp(min=FLOOR), part_lse.float().clamp(min=FLOOR)
+    total = torch.logaddexp(a, b)
+    acc = acc * (a - total).exp().unsqueeze(-1) + out.float() * (b - total).exp().unsqueeze(-1)
     return acc, total
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..adapters import Adapter, get_path
 from ..edits import Edits
+from .absolute import check_table_fits
 from .patch import remove_positions
 
 TABLE_ATTR = "hfpatch_position_table"  # on the first block: the nn.Embedding
@@ -43,9 +44,10 @@ def apply_learned(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> N
     if size is None:
         raise ValueError(f"position='learned' sizes its table by the trained window, and {adapter.model_type}'s config "
                          "names none (no max_position_embeddings): pass table_size=")
-    remove_positions(model, adapter, req["scheme"], edits, reloadable=True)
     config = model.config
     like = model.get_input_embeddings().weight
+    check_table_fits(size, config.get_text_config().hidden_size, like, f"position='learned' with table_size={size}")
+    remove_positions(model, adapter, req["scheme"], edits, reloadable=True)
     table = nn.Embedding(size, config.get_text_config().hidden_size, dtype=like.dtype, device=like.device)
     with torch.no_grad():
         table.weight.normal_(0.0, req.get("init_std", 0.02))

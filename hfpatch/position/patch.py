@@ -245,6 +245,10 @@ def apply_interpolate(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
     base = model.base_model
     path = cast(str, adapter.position_table)  # the scheme requires a table (its Requirement)
     table = get_path(base, path)
+    rows = math.ceil((table.num_embeddings - adapter.position_offset) * req["factor"]) + adapter.position_offset
+    # interpolate_rows works in float64: the positions, two gathered copies and their blend
+    absolute.check_table_fits(rows, table.embedding_dim, table.weight, f"position='interpolate' with "
+                              f"factor={req['factor']:g}", working=4)
     new = absolute.interpolate_rows(table.weight.detach(), req["factor"], keep=adapter.position_offset)
     n_positions = new.shape[0] - adapter.position_offset
     edits.set(table, "weight", torch.nn.Parameter(new, requires_grad=table.weight.requires_grad))

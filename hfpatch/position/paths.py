@@ -5,11 +5,12 @@ Each scheme lists its paths as data, fastest first (`register(scheme, [Path, ...
 takes everything, comes last. Per call the first path whose conditions hold runs: the device, the dtype, whether
 gradients are needed, dropout, softcapping, causal or bidirectional attention, a padding mask, the attention
 implementation the model was loaded with (flash-attn paths only for attn_implementation="flash_attention_2"),
-optional packages, and, for compiled paths, whether the call is big enough to pay for compiling (flex.worth_it).
+optional packages, and, for paths whose cost depends on the size, whether the call is big enough (flex.worth_it:
+to pay for compiling).
 `refusal(path, call)` says why a path does not take a call.
 
 Every call is counted per attention module and path: hfpatch.describe(model)["position"]["attention_path"]
-(`describe`) and the evaluations' results (`ran`) say which paths ran.
+(`describe`) says which paths ran, and the evaluations record it per results cell.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 ALL_DEVICES = frozenset({"cpu", "cuda"})
 LOW = frozenset({torch.float16, torch.bfloat16})
@@ -42,25 +45,33 @@ class Call:
     base: str = "sdpa"  # the attn_implementation the model was loaded with
 
 
+class Runner(Protocol):
+    """A path's attention function: query [b, H, q, d], key and value [b, KV, kv, d] (grouped keys as they are),
+    the model's attention_mask or None; returns the output [b, q, H, d]."""
+
+    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
+                 softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class Path:
-    """One way to compute a scheme's attention. `run(module, query, key, value, attention_mask, scaling=,
-    dropout=, causal=, softcap=, kwargs=)` returns the output [b, q, H, d]."""
+    """One way to compute a scheme's attention: `run` (a Runner) and the calls it takes."""
 
     name: str
-    run: Callable
+    run: Runner
     summary: str
-    devices: frozenset = ALL_DEVICES
-    grad_devices: frozenset = ALL_DEVICES  # where it passes gradients (frozenset(): inference only)
-    dtypes: frozenset | None = None  # None: any
+    devices: frozenset[str] = ALL_DEVICES
+    grad_devices: frozenset[str] = ALL_DEVICES  # where it passes gradients (frozenset(): inference only)
+    dtypes: frozenset[torch.dtype] | None = None  # None: any
     dropout: bool = False
     softcap: bool = False
     bidirectional: bool = False
     causal: bool = True
-    masks: frozenset = frozenset({"none", "bool", "float"})
-    base: frozenset | None = None  # only for models loaded with one of these implementations
+    masks: frozenset[str] = frozenset({"none", "bool", "float"})
+    base: frozenset[str] | None = None  # only for models loaded with one of these implementations
     missing: Callable[[], str | None] | None = None  # why it cannot run on this machine at all
-    worth: Callable[[int, int], str | None] | None = None  # why this call is too small for it (compiled paths)
+    worth: Callable[[Call], str | None] | None = None  # why this call is too small for it (size-dependent paths)
 
 
 def refusal(path: Path, call: Call, *, size: bool = True) -> str | None:
@@ -86,7 +97,7 @@ def refusal(path: Path, call: Call, *, size: bool = True) -> str | None:
         return f"no {call.mask} attention mask"
     if path.missing is not None and (why := path.missing()):
         return why
-    if size and path.worth is not None and (why := path.worth(call.q_len, call.kv_len)):
+    if size and path.worth is not None and (why := path.worth(call)):
         return why
     return None
 
@@ -94,12 +105,12 @@ def refusal(path: Path, call: Call, *, size: bool = True) -> str | None:
 _TABLES: dict[str, tuple[Path, ...]] = {}
 
 
-def register(scheme: str, table) -> None:
+def register(scheme: str, table: Iterable[Path]) -> None:
     """A scheme's paths, fastest first; the last one must take every call."""
-    table = tuple(table)
-    if not table or table[-1].devices != ALL_DEVICES or table[-1].masks != Path.masks:
+    listed = tuple(table)
+    if not listed or listed[-1].devices != ALL_DEVICES or listed[-1].masks != Path.masks:
         raise ValueError(f"{scheme}: the last path must take every call (the written-out one)")
-    _TABLES[scheme] = table
+    _TABLES[scheme] = listed
 
 
 def table(scheme: str) -> tuple[Path, ...]:
@@ -118,7 +129,7 @@ class PathUnavailable(RuntimeError):
 _FORCED: dict[str, str] = {}
 
 
-def choose(scheme: str, call: Call, skip: frozenset = frozenset()) -> Path:
+def choose(scheme: str, call: Call, skip: frozenset[Path] = frozenset()) -> Path:
     if scheme in _FORCED:
         return _forced(scheme, call)
     for path in _TABLES[scheme]:
@@ -140,7 +151,7 @@ def _forced(scheme: str, call: Call) -> Path:
 
 
 @contextlib.contextmanager
-def forcing(scheme: str, name: str):
+def forcing(scheme: str, name: str) -> Iterator[None]:
     """Within the block, every call of `scheme` runs `name` (whatever its size), or fails saying why it cannot (for
     benchmarks and tests)."""
     if name not in {p.name for p in _TABLES[scheme]}:
@@ -157,7 +168,8 @@ def forcing(scheme: str, name: str):
             _FORCED[scheme] = before
 
 
-def call_of(module, query, key, value, attention_mask, dropout, causal: bool, softcap) -> Call:
+def call_of(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attention_mask: torch.Tensor | None, dropout: float, causal: bool, softcap: float | None) -> Call:
     grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     mask = "none" if attention_mask is None else "bool" if attention_mask.dtype == torch.bool else "float"
     return Call(device=query.device.type, dtype=query.dtype, grad=grad,
@@ -165,13 +177,15 @@ def call_of(module, query, key, value, attention_mask, dropout, causal: bool, so
                 q_len=query.shape[2], kv_len=key.shape[2], base=base_of(module))
 
 
-def run(scheme: str, module, query, key, value, attention_mask, *, scaling: float, dropout: float, causal: bool,
-        kwargs: dict):
+def run(scheme: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
+        kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
     """Compute one attention call by the first path that takes it; returns (output [b, q, H, d], None)."""
     softcap = kwargs.get("softcap")
     if dropout and not module.training:
         dropout = 0.0
-    call, skip = call_of(module, query, key, value, attention_mask, dropout, causal, softcap), frozenset()
+    call = call_of(module, query, key, value, attention_mask, dropout, causal, softcap)
+    skip: frozenset[Path] = frozenset()
     while True:
         path = choose(scheme, call, skip)
         try:
@@ -188,40 +202,30 @@ def run(scheme: str, module, query, key, value, attention_mask, *, scaling: floa
 
 # ---------------------------------------------------------------------------------------------------- reporting
 
-_RAN: weakref.WeakKeyDictionary[torch.nn.Module, Counter] = weakref.WeakKeyDictionary()
-_BASE: dict[int, tuple] = {}  # id(config) -> (weak reference to it, attn_implementation at patch time)
+_RAN: weakref.WeakKeyDictionary[nn.Module, Counter[str]] = weakref.WeakKeyDictionary()
+# id(config) -> (weak reference to it, attn_implementation at patch time)
+_BASE: dict[int, tuple[weakref.ref[Any], str]] = {}
 
 
-def record(module, path: str) -> None:
+def record(module: nn.Module, path: str) -> None:
     """Count one call of `module` on `path` (the eager functions record theirs too)."""
     _RAN.setdefault(module, Counter())[path] += 1
 
 
-def ran(model) -> dict[str, int]:
+def ran(model: nn.Module) -> dict[str, int]:
     """Calls per path, summed over the model's attention modules, since the model was loaded or last reset."""
-    total = Counter()
+    total: Counter[str] = Counter()
     for m in model.modules():
         total.update(_RAN.get(m, {}))
     return dict(total)
 
 
-def add_since(record: dict, before: dict, model) -> None:
-    """Add to record["attention_path"] the calls per path the model ran since `before` (a `ran` result): what an
-    evaluation's results say about the attention that produced them. Nothing for models without path tables."""
-    now = ran(model)
-    new = {k: n - before.get(k, 0) for k, n in now.items() if n > before.get(k, 0)}
-    if new:
-        total = Counter(record.get("attention_path", {}))
-        total.update(new)
-        record["attention_path"] = dict(total)
-
-
-def reset(model) -> None:
+def reset(model: nn.Module) -> None:
     for m in model.modules():
         _RAN.pop(m, None)
 
 
-def describe(model, scheme: str) -> dict:
+def describe(model: nn.Module, scheme: str) -> dict[str, Any]:
     """describe()'s entry for a model patched with `scheme`: {"attention_path": {"order": the paths it can take,
     fastest first, "ran": calls per path so far}}, or {} for a scheme that runs the model's own attention."""
     if scheme not in _TABLES:
@@ -229,18 +233,26 @@ def describe(model, scheme: str) -> dict:
     return {"attention_path": {"order": [p.name for p in _TABLES[scheme]], "ran": ran(model)}}
 
 
-def remember_base(model) -> None:
+def remember_base(model: nn.Module) -> None:
     """Keep the attn_implementation the model was loaded with, before a patch replaces it with its own function's
     name, so that paths for that implementation (flash-attn) can be chosen. Kept beside the config (a config
     attribute would be saved into config.json); a later patch of the same model overwrites it."""
-    base = model.config._attn_implementation
+    config: Any = model.config
+    base = config._attn_implementation
     if base is None or base.startswith("hfpatch_"):  # patched already: keep what was remembered
         return
-    for c in (model.config, model.config.get_text_config()):  # configs are unhashable: keyed by id, held weakly
-        _BASE[id(c)] = (weakref.ref(c, lambda _, key=id(c): _BASE.pop(key, None)), base)  # noqa: B008 (bound now)
+    for c in (config, config.get_text_config()):  # configs are unhashable: keyed by id, held weakly
+        _BASE[id(c)] = (weakref.ref(c, _forgetting(id(c))), base)
 
 
-def base_of(module) -> str:
+def _forgetting(key: int) -> Callable[[weakref.ref[Any]], None]:
+    """The callback that drops a config's entry in _BASE when the config is collected."""
+    def forget(_: weakref.ref[Any]) -> None:
+        _BASE.pop(key, None)
+    return forget
+
+
+def base_of(module: nn.Module) -> str:
     config = getattr(module, "config", None)
     ref, base = _BASE.get(id(config), (None, "sdpa"))
     return base if ref is not None and ref() is config else "sdpa"

@@ -8,8 +8,9 @@ picks per call: for T5, compiled flex_attention with a score_mod reading the bia
 bidirectional or softcapped inference), the piece path (split.near_far_bias: every distance from some D <=
 max_distance on falls in the last bucket, so beyond D the bias is one constant per head and plain kernels do the
 far keys; inference), else the written-out path (attention.biased_attention: a block of queries at a time, so
-memory stays bounded). Transformer-XL has only the written-out path (see XL_PATHS). The eager variants write all
-scores out at once and return the weights.
+memory stays bounded). Transformer-XL's table (XL_PATHS) has, before the written-out path, one sdpa call on
+queries and keys widened by the position term's sinusoid features (XLPositions.widened: exact by the addition
+formulas), on the CPU, gradients included. The eager variants write all scores out at once and return the weights.
 
 T5 (Raffel et al. 2020, §2.1): each head adds a learned scalar to score(i, j), looked up by a bucket of the relative
 position j − i. Half of the buckets hold the exact distances 0 .. n/2 − 1, the other half logarithmically wider
@@ -28,11 +29,15 @@ shift, same result).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from ..adapters import Adapter
@@ -47,6 +52,11 @@ XL_NAME, XL_EAGER = "hfpatch_xl", "hfpatch_xl_eager"
 T5_TABLE = "hfpatch_t5_bias"  # on the base model: nn.Embedding(num_buckets, heads)
 T5_ATTR = "hfpatch_t5"  # on each attention module: a T5Bias pointing to that table
 XL_ATTR = "hfpatch_xl"  # on each attention module: its XLPositions
+
+# terms(query block [b, H, q, d], key [b, H, kv, d], q_pos [q], k_pos [kv]) -> (scaled logits, bias or None)
+Terms = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]
+# an attention function as transformers calls it: (module, query, key, value, attention_mask, **options)
+AttentionFunction = Callable[..., tuple[Tensor, Tensor | None]]
 
 
 def t5_buckets(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int = 32,
@@ -83,7 +93,8 @@ class T5Bias:
 class XLPositions(nn.Module):
     """One layer's Transformer-XL position parameters: W_R (r_net), u and v."""
 
-    def __init__(self, d_model: int, heads: int, head_dim: int, dtype=None, device=None):
+    def __init__(self, d_model: int, heads: int, head_dim: int, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None):
         super().__init__()
         self.d_model = d_model
         self.r_net = nn.Linear(d_model, heads * head_dim, bias=False, dtype=dtype, device=device)
@@ -91,7 +102,7 @@ class XLPositions(nn.Module):
         self.v = nn.Parameter(torch.zeros(heads, head_dim, dtype=dtype, device=device))
         nn.init.zeros_(self.r_net.weight)
 
-    def scores(self, q, k, q_pos, k_pos, scaling: float, causal: bool) -> torch.Tensor:
+    def scores(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scaling: float, causal: bool) -> Tensor:
         """[b, H, q, k] scores of a block of queries q [b, H, q, d] against keys k [b, H, k, d]."""
         heads, d = self.u.shape
         if q.shape[1] != heads or q.shape[-1] != d:
@@ -109,21 +120,50 @@ class XLPositions(nn.Module):
         position = torch.gather(by_distance, -1, index.expand(*by_distance.shape[:2], *index.shape))
         return (content + position) * scaling
 
+    def widened(self, query: Tensor, key: Tensor, value: Tensor, q_pos: Tensor,
+                k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(q', k', v') whose plain dot products are the four terms: q'·k' = (q_i + u)·k_j + (q_i + v)·W_R R_{i-j}.
+        R_{i-j} is sinusoidal: each frequency w contributes g_s·sin((i-j)w) + g_c·cos((i-j)w), with (g_s, g_c) the
+        entries of g = W_Rᵀ(q_i + v) that meet sin and cos, and by the addition formulas that is
+        (g_s sin iw + g_c cos iw)·cos jw + (g_c sin iw - g_s cos iw)·sin jw: a query side that depends on i and a
+        key side that depends on j. So q' = [q + u, those two per frequency], k' = [k, cos jw, sin jw], and v' is v
+        padded with zeros to the same width (the kernels want one width). Angles are computed in float64."""
+        heads, d = self.u.shape
+        D = self.d_model
+        g = torch.einsum("bhqd,hdn->bhqn", query + self.v[:, None].to(query.dtype),
+                         self.r_net.weight.view(heads, d, D).to(query.dtype))
+        g_s, g_c = g[..., 0::2], g[..., 1::2]
+        if g_c.shape[-1] < g_s.shape[-1]:  # odd d_model: the last frequency has a sine only
+            g_c = torch.nn.functional.pad(g_c, (0, 1))
+        w = 1.0 / 10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64, device=query.device) / D)
+        qa, ka = q_pos.to(torch.float64)[:, None] * w, k_pos.to(torch.float64)[:, None] * w
+        sin_i, cos_i = qa.sin().to(query.dtype), qa.cos().to(query.dtype)
+        q_wide = torch.cat([query + self.u[:, None].to(query.dtype), g_s * sin_i + g_c * cos_i,
+                            g_c * sin_i - g_s * cos_i], -1)
+        j = torch.cat([ka.cos(), ka.sin()], -1).to(key.dtype)  # [kv, 2 * frequencies], the same for every head
+        k_wide = torch.cat([key, j.expand(*key.shape[:2], *j.shape)], -1)
+        v_wide = torch.nn.functional.pad(value, (0, q_wide.shape[-1] - value.shape[-1]))
+        return q_wide, k_wide, v_wide
+
 
 # ------------------------------------------------------------------------------------------ attention functions
 
-def _attention(scheme):
+def _attention(scheme: str) -> AttentionFunction:
     """The function for the sdpa name: the scheme's path table picks the path."""
-    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    def forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                **kwargs: Any) -> tuple[Tensor, None]:
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         return paths.run(scheme, module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                          causal=causal_of(module, is_causal), kwargs=kwargs)
     return forward
 
 
-def _eager(terms_of):
+def _eager(terms_of: Callable[[nn.Module, float, bool], Terms]) -> AttentionFunction:
     """The function for the eager name: all queries at once, returning the weights."""
-    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    def forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         causal = causal_of(module, is_causal)
         paths.record(module, "eager")
@@ -132,21 +172,22 @@ def _eager(terms_of):
     return forward
 
 
-def _written_out(terms_of):
-    def run(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _written_out(terms_of: Callable[[nn.Module, float, bool], Terms]) -> paths.Runner:
+    def run(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
+            scaling: float, dropout: float, causal: bool, softcap: float | None, kwargs: dict[str, Any]) -> Tensor:
         out, _ = biased_attention(module, query, key, value, attention_mask, terms_of(module, scaling, causal),
                                   dropout, causal, True, softcap)
         return out
     return run
 
 
-def _t5_terms(module, scaling, causal):
+def _t5_terms(module: nn.Module, scaling: float, causal: bool) -> Terms:
     bias = getattr(module, T5_ATTR)
     return lambda q, k, q_pos, k_pos: (torch.matmul(q, k.transpose(2, 3)) * scaling,
                                        bias(q_pos, k_pos, bidirectional=not causal))
 
 
-def _xl_terms(module, scaling, causal):
+def _xl_terms(module: nn.Module, scaling: float, causal: bool) -> Terms:
     xl = getattr(module, XL_ATTR)
     return lambda q, k, q_pos, k_pos: (xl.scores(q, k, q_pos, k_pos, scaling, causal), None)
 
@@ -166,7 +207,8 @@ def t5_band(bias: T5Bias, bidirectional: bool = False) -> int:
     return D
 
 
-def _t5_pieces(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _t5_pieces(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
+               scaling: float, dropout: float, causal: bool, softcap: float | None, kwargs: dict[str, Any]) -> Tensor:
     bias = getattr(module, T5_ATTR)
     D = t5_band(bias)
     distances = torch.arange(D, device=query.device)
@@ -176,7 +218,7 @@ def _t5_pieces(module, query, key, value, attention_mask, *, scaling, dropout, c
     return out.transpose(1, 2).contiguous()
 
 
-def t5_score_mod(bias: T5Bias, q_len: int, kv_len: int, bidirectional: bool, device):
+def t5_score_mod(bias: T5Bias, q_len: int, kv_len: int, bidirectional: bool, device: torch.device) -> flex.ScoreMod:
     """T5's bias as a flex_attention score_mod: a lookup by distance d = query slot - key slot in the bias of the
     distances -D .. D ([heads, 2D + 1]; every farther distance shares the bucket of ±D). The table does not depend
     on the sequence length (a buffer sized by the length did not compile with dynamic shapes on the CPU). Gradients
@@ -188,33 +230,64 @@ def t5_score_mod(bias: T5Bias, q_len: int, kv_len: int, bidirectional: bool, dev
     # captured as tensors: with dynamic shapes a captured Python int becomes a symbol the CPU kernel cannot lower
     top, bottom = torch.tensor(D, device=device), torch.tensor(-D, device=device)
 
-    def mod(score, b, h, q_idx, kv_idx):
+    def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return score + by_distance[h, torch.minimum(torch.maximum(q_idx + shift - kv_idx, bottom), top) + top]
     return mod
 
 
-def _t5_flex(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _t5_flex(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
+             scaling: float, dropout: float, causal: bool, softcap: float | None, kwargs: dict[str, Any]) -> Tensor:
     q_len, kv_len = query.shape[2], key.shape[2]
     mods = flex.softcapped(t5_score_mod(getattr(module, T5_ATTR), q_len, kv_len, not causal, query.device),
-                           softcap)
+                           softcap, query.device)
     mask = flex.block_mask(flex.CAUSAL if causal else flex.EVERYTHING, q_len, kv_len, query.device, attention_mask)
     return flex.attention(query, key, value, scaling, mods, mask).transpose(1, 2).contiguous()
 
 
-_FLEX = dict(summary="compiled flex_attention with a score_mod reading the bias of each distance, and a block mask",
-             softcap=True, bidirectional=True, masks=frozenset({"none", "bool"}), worth=flex.worth_it)
+_T5_FLEX = paths.Path("flex", _t5_flex, "compiled flex_attention with a score_mod reading the bias of each "
+                      "distance, and a block mask", devices=frozenset({"cuda"}), softcap=True, bidirectional=True,
+                      masks=frozenset({"none", "bool"}), worth=flex.worth_it)
 T5_PATHS = (
-    paths.Path("flex", _t5_flex, devices=frozenset({"cuda"}), **_FLEX),
+    _T5_FLEX,
     paths.Path("pieces", _t5_pieces, "kernel calls merged by log-sum-exp: the bias band (distances < D) as an "
                "additive mask, the farther keys plain causal with T5's last-bucket bias", grad_devices=frozenset()),
-    paths.Path("flex", _t5_flex, devices=frozenset({"cpu"}), grad_devices=frozenset(), **_FLEX),
+    dataclasses.replace(_T5_FLEX, devices=frozenset({"cpu"}), grad_devices=frozenset()),  # after pieces on the CPU
     paths.Path("written-out", _written_out(_t5_terms), "scores and bias written out, a block of queries at a time",
                dropout=True, softcap=True, bidirectional=True),
 )
+XL_WIDE_MIN_SCORES = 3072 * 3072  # inference: below this the written-out path is faster (measured, see below)
+
+
+def _xl_worth(call: paths.Call) -> str | None:
+    """Training always takes the widened path (its memory is O(L), the written-out path's O(L²)); inference from
+    XL_WIDE_MIN_SCORES query x key pairs up."""
+    if call.grad or call.q_len * call.kv_len >= XL_WIDE_MIN_SCORES:
+        return None
+    return f"{call.q_len} x {call.kv_len} scores: below {XL_WIDE_MIN_SCORES:,} the written-out path is faster"
+
+
+def _xl_widened(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
+                scaling: float, dropout: float, causal: bool, softcap: float | None,
+                kwargs: dict[str, Any]) -> Tensor:
+    kv_len, q_len, d = key.shape[2], query.shape[2], value.shape[-1]
+    k_pos = torch.arange(kv_len, device=query.device)
+    q, k, v = getattr(module, XL_ATTR).widened(query, key, value, k_pos[kv_len - q_len:], k_pos)
+    out, _ = sdpa_attention_forward(module, q, k, v, attention_mask, dropout=dropout, scaling=scaling,
+                                    is_causal=causal, **kwargs)
+    return out[..., :d].contiguous()
+
+
 # Transformer-XL's position term (q_i + v)·W_R R_{i-j} depends on the query vector and the distance together, so
-# it is no score_mod of (head, i, j); its exact factorisation by the sinusoids' addition theorem widens queries and
-# keys to head_dim + d_model channels (measured: ~10x the kernel's time), so it stays written out.
+# it is no score_mod of (head, i, j). By the sinusoids' addition formulas it is still one dot product, of queries
+# and keys widened to head_dim + d_model channels (XLPositions.widened): one sdpa call, O(L) memory, gradients too,
+# at the cost of the wider kernel (SmolLM2's shape: 64 -> 640 channels). Measured on the CPU (one thread, one
+# layer, 9 heads): inference 0.93 vs 0.82 s written out at 2k, 2.9 vs 3.3 s at 4k, 14.4 vs 19 s at 8k; training at
+# 4k 9 s and 1.25 GB vs 6.3 s and 2.05 GB, the written-out path keeping every block's weights for the backward pass
+# ([L, L] per layer). So: inference from about 3k tokens, training always (for that memory). On CUDA the kernels'
+# head-size limits (256 for flash) rule it out.
 XL_PATHS = (
+    paths.Path("widened", _xl_widened, "one sdpa call on queries and keys widened by the position term's "
+               "sinusoid features", devices=frozenset({"cpu"}), dropout=True, bidirectional=True, worth=_xl_worth),
     paths.Path("written-out", _written_out(_xl_terms), "content and position scores written out, a block of "
                "queries at a time", dropout=True, softcap=True, bidirectional=True),
 )

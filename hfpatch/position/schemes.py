@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from . import rope
 from .alibi import apply_alibi
+from .dual_chunk import apply_dual_chunk
 from .learned import apply_learned
 from .patch import apply_interpolate, apply_nope, apply_rope, apply_sinusoidal
 from .relative import apply_t5, apply_xl, check_t5
@@ -40,17 +41,39 @@ from .self_extend import apply_self_extend
 # ------------------------------------------------------------------------------------------------ option checks
 
 
-def number(name: str, value, *, positive=True, above_one=False) -> float:
+# The largest context extension ratio: 65536 already takes a 4k window to 268M tokens; past it the extended window
+# overflows the integers and floats the RoPE formulas compute with.
+MAX_FACTOR = 65536.0
+
+
+def number(name: str, value, *, positive=True, above_one=False, at_most: float | None = None, why: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer too large for a float
+        value = math.inf
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     if above_one and value <= 1.0:
         raise ValueError(f"{name} must be > 1 (it is the context extension ratio), got {value:g}")
     if positive and value <= 0.0:
         raise ValueError(f"{name} must be > 0, got {value:g}")
+    if at_most is not None and value > at_most:
+        raise ValueError(f"{name} must be at most {at_most:g}{f' ({why})' if why else ''}, got {value:g}")
     return value
+
+
+def at_most(limit: float, why: str, *, integer=False):
+    """A validator of positive numbers (integers) up to `limit`, `why` saying what the option is."""
+    def check(name, value):
+        if integer:
+            value = positive_int(name, value)
+            if value > limit:
+                raise ValueError(f"{name} must be at most {int(limit)} ({why}), got {value}")
+            return value
+        return number(name, value, at_most=limit, why=why)
+    return check
 
 
 def positive(name, value):
@@ -62,7 +85,7 @@ def real(name, value):
 
 
 def factor(name, value):
-    return number(name, value, above_one=True)
+    return number(name, value, above_one=True, at_most=MAX_FACTOR, why="the context extension ratio")
 
 
 def positive_int(name, value):
@@ -94,7 +117,10 @@ def names(name, value):
 # Options every RoPE rescaling scheme takes.
 ROPE_COMMON = {"original_max_position_embeddings": positive_int, "layer_types": names}
 # YaRN's options are the ones its builder passes on (rope.YARN_OPTIONS): positive numbers, but for these
-YARN_OPTIONS = {name: {"mscale": real, "mscale_all_dim": real, "truncate": flag}.get(name, positive)
+_ROTATIONS = at_most(1e6, "a number of rotations over the trained window")
+YARN_OPTIONS = {name: {"mscale": real, "mscale_all_dim": real, "truncate": flag,
+                       "attention_factor": at_most(100.0, "it multiplies every attention logit by its square"),
+                       "beta_fast": _ROTATIONS, "beta_slow": _ROTATIONS}.get(name, positive)
                 for name in rope.YARN_OPTIONS}
 
 
@@ -169,8 +195,8 @@ def _self_extend(req):
     missing = [k for k in ("group_size", "window") if k not in req]
     if missing:
         raise ValueError(f"position='self-extend' needs {' and '.join(missing)}: group_size= (G, an integer >= 1: "
-                         "far keys are grouped by G positions) and window= (W, the neighbour window in tokens, at "
-                         "most the trained window)")
+                         f"far keys are grouped by G positions, at most {MAX_FACTOR:g}) and window= (W, the neighbour "
+                         "window in tokens, at most the trained window)")
 
 
 # ------------------------------------------------------------------------------------------------------ schemes
@@ -237,7 +263,8 @@ SCHEMES: dict[str, Scheme] = {
     "nope": Scheme(apply_nope, _REPLACE, "no position signal at all (causal attention only)", limit=None,
                    native=False),
     "sinusoidal": Scheme(apply_sinusoidal, _REPLACE, "the fixed sinusoidal table added to the input, times "
-                         "pe_scale (default 1: the paper's ±1 amplitude)", options={"pe_scale": positive},
+                         "pe_scale (default 1: the paper's ±1 amplitude)",
+                         options={"pe_scale": at_most(1e3, "the amplitude of the table added to the embeddings")},
                          limit=None, native=False),
     "interpolate": Scheme(apply_interpolate, ("table",), "a learned table stretched by linear interpolation",
                           factor="required", limit="table", changes_weights=True),
@@ -245,7 +272,9 @@ SCHEMES: dict[str, Scheme] = {
     # reload by loading the saved weights into the patched structure; plain transformers cannot express them.
     "t5": Scheme(apply_t5, (*_REPLACE, "attention_interface"),
                  "T5's relative bias (Raffel et al. 2020): a learned scalar per (distance bucket, head), shared by the "
-                 "layers, zero at start", options={"num_buckets": positive_int, "max_distance": positive_int},
+                 "layers, zero at start", options={"num_buckets": at_most(4096, "T5 uses 32", integer=True),
+                          "max_distance": at_most(2 ** 20, "T5 uses 128; distances past it share the last bucket",
+                                                  integer=True)},
                  check=check_t5, limit=None, native=False, changes_weights=True,
                  split=_own_attention("buckets query-key distances")),
     "xl": Scheme(apply_xl, (*_REPLACE, "attention_interface"),
@@ -255,14 +284,24 @@ SCHEMES: dict[str, Scheme] = {
                  split=_own_attention("computes query-key distances")),
     "learned": Scheme(apply_learned, (*_REPLACE, "no_table"),
                       "a trainable absolute position table added to the input (RoPE removed), initialised small; "
-                      "the length limit is its size", options={"table_size": positive_int, "init_std": positive},
+                      "the length limit is its size", options={"table_size": positive_int,
+                               "init_std": at_most(10.0, "the standard deviation of the new table's entries")},
                       limit="table", native=False, changes_weights=True),
     # Self-Extend (self_extend.py): grouped positions for far keys, exact ones for neighbours; no training
     "self-extend": Scheme(
         apply_self_extend, ("rope", "attention_interface", "causal"),
         "Self-Extend (Jin et al. 2024): exact RoPE positions within W tokens, positions grouped by G beyond; no "
-        "training", options={"group_size": positive_int, "window": positive_int}, check=_self_extend, native=False,
+        "training",
+        options={"group_size": at_most(MAX_FACTOR, "it extends the window about G times, like factor", integer=True),
+                 "window": positive_int}, check=_self_extend, native=False,
         split=_own_attention("tells neighbour keys from grouped ones")),
+    # Dual Chunk Attention (dual_chunk.py): positions inside chunks, the query moved for keys in earlier chunks
+    "dual-chunk": Scheme(
+        apply_dual_chunk, ("rope", "attention_interface", "causal"),
+        "Dual Chunk Attention (An et al. 2024): keys at their position inside chunks of chunk_size - local_window "
+        "tokens, queries at intra-, successive- and inter-chunk positions below chunk_size (defaults 3/4 and 1/16 of "
+        "the trained window); no training", options={"chunk_size": positive_int, "local_window": positive_int},
+        native=False, limit=None, split=_own_attention("tells chunks apart")),
 }
 
 

@@ -8,19 +8,10 @@ Query i attends key j (positions) with RoPE at
 One softmax runs over both regions. Neighbour and grouped regions are told apart by the distance in the sequence
 (slots), the maps are computed from the positions the model is given.
 
-Two position maps, acting at the rotary level. Transformers' attention function receives q and k after RoPE; rather
-than undoing that rotation, the rotary module is given a class that hands the attention layers cos = 1, sin = 0, so
-the family's own `apply_rotary_pos_emb` leaves q and k as they are, and the attention function rotates them itself,
-at both maps, with the rotary module's own cos/sin and the family's own `apply_rotary_pos_emb`. So the neighbour
-attention sees bit for bit the q and k of the unpatched model, the grouped one gets one rotation at its position
-(not a rotation composed with an inverse one, which would round twice), and no RoPE layout (rotate-half,
-interleaved, partial) or per-layer-type frequency (gemma3) is written here. The KV cache holds un-rotated keys: each
-call rotates the keys it uses at both maps (O(keys x head_dim), small next to the attention itself). Cached keys'
-positions are taken as consecutive, ending at the last query's position (true for a DynamicCache, with or without
-left padding, and for generate()).
-
-Whether this reproduces the family's attention is checked numerically when patching: with every key inside the
-window, the patched model must give the unpatched model's logits on a probe input; if not, the patch is refused.
+Two position maps, acting at the rotary level (rotated.py: the attention function rotates q and k itself, at both
+maps, with the family's own RoPE; the KV cache holds un-rotated keys). Whether this reproduces the family's attention
+is checked numerically when patching: with every key inside the window, the patched model must give the unpatched
+model's logits on a probe input; if not, the patch is refused.
 
 Attention functions registered with transformers (each with its mask function):
 - "hfpatch_self_extend" (models on sdpa or any other implementation): the path table `PATHS` (paths.py) picks per
@@ -43,27 +34,18 @@ Attention functions registered with transformers (each with its mask function):
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from ..adapters import Adapter, get_path
-from ..adapters.positions import layer_types, trained_window
-from ..adapters.probe import close
-from ..adapters.probe import run as probe_run
+from ..adapters import Adapter
 from ..edits import Edits
-from . import flex, kernels, paths, split
+from . import flex, kernels, paths, rotated, split
 from .attention import explicit_attention
-from .patch import attention_layers, rotaries_of
 
-SDPA_NAME = "hfpatch_self_extend"
-EAGER_NAME = "hfpatch_self_extend_eager"
-STATE_ATTR = "hfpatch_self_extend"
+NAMES = rotated.Names(scheme="self-extend", sdpa="hfpatch_self_extend", eager="hfpatch_self_extend_eager",
+                      state="hfpatch_self_extend")
+SDPA_NAME, EAGER_NAME, STATE_ATTR = NAMES.sdpa, NAMES.eager, NAMES.state
 PIECE_ROWS = 1024  # queries per block on the piece path (also at most W - 1, see _pieces)
 _EVERYTHING_NEAR = 1 << 62  # a window no sequence reaches: the patch-time check
 
@@ -83,85 +65,24 @@ def extended_window(trained: int, group_size: int, window: int) -> int:
     return (trained - window) * group_size + window
 
 
-def positions(position_ids, batch: int, q_len: int, kv_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query positions [b, q], key positions [b, kv]). Without a cache the keys are the queries; with one, the
-    cached keys continue the queries' positions backwards, one per slot."""
-    if position_ids is None:
-        q = torch.arange(kv_len - q_len, kv_len, device=device)[None]
-    else:
-        q = position_ids.to(device)
-    q = q.expand(batch, q_len)
-    if q_len == kv_len:
-        return q, q
-    return q, torch.arange(kv_len, device=device)[None] + (q[:, -1:] - (kv_len - 1))
-
-
-def _check_cache(attention_mask, q_len: int, kv_len: int) -> None:
-    """Cached keys are taken to end at the newest query: refuse a cache with empty slots after it (a StaticCache),
-    where the key positions would come out wrong. Transformers gives no mask for more queries than one but fewer than
-    keys only when the queries are the first slots of a static cache; otherwise the newest query sees its own slot,
-    the last one."""
-    if q_len == kv_len:
-        return
-    if attention_mask is None:
-        ends = q_len == 1
-    else:
-        last = attention_mask[:, :, -1, kv_len - 1]
-        ends = bool(last.all() if last.dtype == torch.bool else (last == 0).all())
-    if not ends:
-        raise ValueError("position='self-extend' takes cached keys to be consecutive and to end at the newest query "
-                         "(a DynamicCache, what generate() uses by default); this cache has empty slots after it "
-                         "(a StaticCache?)")
-
-
 @dataclass(frozen=True)
 class Maps:
-    """What one attention module needs: G, W, and how its model rotates (the rotary module, the layer type it is
-    asked for, the family's apply_rotary_pos_emb)."""
+    """What one attention module needs: G, W, and how its model rotates."""
 
     group_size: int
     window: int
-    rotary: SelfExtendRotary  # the model's rotary module with SelfExtendRotary mixed in
-    layer_type: str | None
-    apply: Callable
-
-    def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x [b, heads, n, d] rotated at positions pos [b, n]."""
-        cos, sin = self.rotary.hfpatch_cos_sin(x, pos, *(() if self.layer_type is None else (self.layer_type,)))
-        return self.apply(x, x[:, :1], cos, sin)[0]  # the second operand is a one-head stand-in, discarded
+    rotation: rotated.Rotation
 
     def both(self, query, key, position_ids, attention_mask):
         """(q, k) at their own positions and (q, k) at the grouped ones."""
-        _check_cache(attention_mask, query.shape[2], key.shape[2])
-        q_pos, k_pos = positions(position_ids, query.shape[0], query.shape[2], key.shape[2], query.device)
-        G, W = self.group_size, self.window
-        return (self.rotate(query, q_pos), self.rotate(key, k_pos),
-                self.rotate(query, grouped_query_positions(q_pos, G, W)),
-                self.rotate(key, grouped_key_positions(k_pos, G)))
-
-
-class SelfExtendRotary:
-    """Mixed into the model's rotary class: the attention layers get cos = 1, sin = 0 (their RoPE leaves q and k
-    as they are); `hfpatch_cos_sin` is the class's own forward, for the attention function to rotate with."""
-
-    def forward(self, x, position_ids, *args, **kwargs):
-        cos, sin = super().forward(x, position_ids, *args, **kwargs)
-        return torch.ones_like(cos), torch.zeros_like(sin)
-
-    def hfpatch_cos_sin(self, x, position_ids, *args):
-        return super().forward(x, position_ids, *args)
+        rotated.check_cache(NAMES.scheme, attention_mask, query.shape[2], key.shape[2])
+        q_pos, k_pos = rotated.positions(position_ids, query.shape[0], query.shape[2], key.shape[2], query.device)
+        G, W, rotate = self.group_size, self.window, self.rotation.rotate
+        return (rotate(query, q_pos), rotate(key, k_pos), rotate(query, grouped_query_positions(q_pos, G, W)),
+                rotate(key, grouped_key_positions(k_pos, G)))
 
 
 # ------------------------------------------------------------------------------------------------------ piece path
-
-def _additive(mask, dtype):
-    """A slice of the model's mask as the additive float mask the kernel takes (sdpa_mask gives bool, True =
-    attend). Masked scores get the dtype's lowest finite value, so that a piece in which a row sees no key still has
-    a finite log-sum-exp, which the merge then weighs by zero."""
-    if mask.dtype != torch.bool:
-        return mask.to(dtype)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-
 
 def _attend(q, k, v, mask, causal, scaling, flip=False):
     """(output, log-sum-exp of the scores) of one piece by a flash-attention kernel (kernels.attend: GQA as given,
@@ -189,7 +110,7 @@ def _pieces(qn, kn, qg, kg, v, attention_mask, window: int, scaling: float):
         r = slice(s - first, e - first)
 
         def piece(q, k, lo, hi, rows=slice(None), causal=False, flip=False, r=r):  # r: this block's query rows
-            m = None if attention_mask is None else _additive(attention_mask[:, :, r][:, :, rows, lo:hi], q.dtype)
+            m = None if attention_mask is None else split.additive(attention_mask[:, :, r][:, :, rows, lo:hi], q.dtype)
             return _attend(q[:, :, r][:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], m, causal, scaling, flip)
 
         out, lse = piece(qn, kn, s, e, causal=True)
@@ -289,66 +210,19 @@ def self_extend_eager(module, query, key, value, attention_mask, scaling=None, d
                      kwargs.get("softcap"), block=False)
 
 
-paths.register("self-extend", PATHS)
-AttentionInterface.register(SDPA_NAME, self_extend_sdpa)
-AttentionInterface.register(EAGER_NAME, self_extend_eager)
-AttentionMaskInterface.register(SDPA_NAME, sdpa_mask)
-AttentionMaskInterface.register(EAGER_NAME, eager_mask)
+paths.register(NAMES.scheme, PATHS)
+rotated.register(NAMES, self_extend_sdpa, self_extend_eager)
 
 
 # ---------------------------------------------------------------------------------------------------------- apply
 
 def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
     G, W = req["group_size"], req["window"]
-    rotaries = rotaries_of(model, adapter)
-    if len(rotaries) != 1:
-        raise ValueError(f"position='self-extend' needs to know which rotary module each attention layer reads; "
-                         f"{adapter.model_type} has {len(rotaries)} ({', '.join(adapter.rotaries)})")
-    rotary, config = rotaries[0]
-    types = layer_types(config)
-    # a RoPE config names its window (None would fail the comparison below, as before)
-    trained = cast(int, trained_window(config, config.rope_parameters if types == [None] else {}))
+    targets, trained = rotated.rotations(model, adapter, NAMES.scheme)
     if trained < W:
         raise ValueError(f"window={W} is beyond the {trained} tokens {adapter.model_type} was trained on; "
                          f"Self-Extend keeps exact positions only inside the window, so window must be <= {trained}")
-    text = model.config.get_text_config()
-    layers = get_path(model.base_model, adapter.layers)
-    targets = []
-    for i in attention_layers(model, adapter):
-        attn = get_path(layers[i], adapter.attention)
-        apply = getattr(inspect.getmodule(type(attn)), "apply_rotary_pos_emb", None)
-        if apply is None:
-            raise ValueError(f"position='self-extend' rotates queries and keys with the family's own "
-                             f"apply_rotary_pos_emb, and {type(attn).__module__} has none")
-        targets.append((attn, Maps(G, W, rotary, None if types == [None] else text.layer_types[i], apply)))
-    check = not any(p.device.type == "meta" for p in model.parameters())  # a reload builds on meta: no check
-    before = _logits(model, "as it is") if check else None
-
-    edits.mix_in(rotary, SelfExtendRotary)
-    paths.remember_base(model)
-    name = EAGER_NAME if model.config._attn_implementation == "eager" else SDPA_NAME
-    for c in {id(c): c for c in (model.config, text)}.values():
-        edits.set(c, "_attn_implementation_internal", name)
-    if before is not None:  # (check) with every key inside the window, the model must be itself again
-        for attn, maps in targets:
-            edits.set(attn, STATE_ATTR, dataclasses.replace(maps, window=_EVERYTHING_NEAR))
-        after = _logits(model, "with position='self-extend'")
-        if not close(before, after):
-            raise ValueError(
-                f"position='self-extend' does not reproduce {adapter.model_type}'s own RoPE attention (with every "
-                f"key inside the window its logits should not change, but they differ by "
-                f"{(before.float() - after.float()).abs().max().item():.3g}): its attention layers do not rotate "
-                f"queries and keys only by {targets[0][1].apply.__module__}.apply_rotary_pos_emb with the rotary "
-                "module's cos/sin")
-    for attn, maps in targets:
-        edits.set(attn, STATE_ATTR, maps)
-    edits.set(text, "max_position_embeddings", extended_window(trained, G, W))
-
-
-def _logits(model, state: str) -> torch.Tensor:
-    """The model's output on the adapter probe's input (a few seeded random tokens)."""
-    probe = probe_run(model, record_interface=False)
-    if probe.error:
-        raise ValueError(f"position='self-extend' is checked on a probe forward, and the model {state} could not "
-                         f"run it: {probe.error}")
-    return probe.calls[""].output
+    states = [(attn, Maps(G, W, rotation)) for attn, rotation in targets]
+    # with every key inside the window, the model must be itself again
+    rotated.install(model, adapter, NAMES, states, lambda m: dataclasses.replace(m, window=_EVERYTHING_NEAR), edits)
+    edits.set(model.config.get_text_config(), "max_position_embeddings", extended_window(trained, G, W))

@@ -29,7 +29,7 @@ def two_maps_flex(qn, kn, qg, kg, value, attention_mask, window: int, scaling: f
                   compiled: bool = True):
     """Near keys (d < window) by (qn, kn), far keys (d >= window) by (qg, kg): [b, H, q, d] in value's dtype."""
     q_len, kv_len = qn.shape[2], kn.shape[2]
-    mods = flex.softcapped(None, softcap)
+    mods = flex.softcapped(None, softcap, qn.device)
     near = flex.block_mask(flex.Region(0, window - 1), q_len, kv_len, qn.device, attention_mask)
     parts = [flex.attention(qn, kn, value, scaling, mods, near, lse=True, compiled=compiled)]
     if kv_len - 1 >= window:  # the last query has far keys

@@ -112,6 +112,11 @@ def problem(path: Path) -> str | None:
     return None
 
 
+def step_of(path: Path) -> int:
+    """The step a complete checkpoint (problem(path) is None) holds, from its marker."""
+    return int(json.loads((path / MARKER).read_text())["step"])
+
+
 def states_problem(info: dict, states: dict) -> str | None:
     """Why the marker's states cannot be loaded into `states` (None if they can)."""
     for name in states:

@@ -20,6 +20,7 @@ from ..lm import logits_nll
 from ..norm.batchnorm import batch_statistics
 from ..text import documents, tokenize
 from ..timing import medians
+from .checkpoint import cut_log
 from .config import ConfigError
 from .loop import CausalLMLoss
 
@@ -29,9 +30,11 @@ class GradNorms:
     """The gradient norm of each block (and of the embeddings / the final norm and head) at every optimizer step,
     before clipping: each parameter's gradient is read when backward has accumulated it (post-accumulate hooks), and
     the step's row is written when an optimizer steps (torch's global optimizer hook). Rows go to a JSON-lines file
-    as they come; a resumed run continues it (the last row of a step wins)."""
+    as they come; a run resumed at `first_step` first cuts it back to the rows up to that step (those of the steps
+    after it are computed again), so that each step has one row, from the run that the checkpoints continue."""
 
     def __init__(self, model, path: Path, first_step: int):
+        cut_log(path, first_step)
         target = unwrap(model)
         prefix = "" if target.base_model is target else target.base_model_prefix + "."
         layers = prefix + cast(str, adapter_for(target).layers) + "."  # a model we train has its blocks found

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from . import config
+from . import checkpoint, config
 from .config import REQUIRED, ConfigError
 
 STUDY = {
@@ -158,6 +158,13 @@ def _check_reloadable(arm: str, cfg: dict, ev: dict) -> None:
                           "(the run's own held-out loss is measured in training)")
 
 
+def newest_checkpoint(out: Path) -> Path | None:
+    """The checkpoint an interrupted run goes on from: the newest complete one under out/checkpoints (folders a kill
+    left half-written, step_N.partial, and damaged ones are skipped, as a recipe's resume=true skips them)."""
+    return checkpoint.newest_complete(out / "checkpoints")[0]
+
+
 def newest_checkpoint_step(out: Path) -> int:
-    steps = [int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*")]
-    return max(steps, default=0)
+    """The step of newest_checkpoint(out) (0: none)."""
+    path = newest_checkpoint(out)
+    return 0 if path is None else checkpoint.step_of(path)

@@ -1,0 +1,81 @@
+"""Float64 forwards of llama, qwen3 and gemma2 written here from their weights, with the attention given as a
+function: the independent reference for the schemes that bring their own attention (Self-Extend, Dual Chunk
+Attention)."""
+
+import torch
+import torch.nn.functional as F
+from conftest import tokens
+
+
+def rope(x, pos, theta):
+    """RoPE from its definition (rotate-half layout), float64. x [b, h, L, d], pos [b, L] (or broadcastable)."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = pos[..., None].double() * inv
+    cos, sin = torch.cat([angle.cos()] * 2, -1)[:, None], torch.cat([angle.sin()] * 2, -1)[:, None]
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+
+def softmax_attention(scores, v, keep, softcap=None, sliding=None):
+    """Causal softmax of float64 scores [b, H, L, L] with padding `keep` [b, L], softcapping and a sliding window."""
+    L = scores.shape[-1]
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    allowed = (j <= i)[None] & keep[:, None, :].bool()
+    if sliding is not None:
+        allowed = allowed & (i - j < sliding)
+    scores = scores.masked_fill(~allowed[:, None], -1e30)
+    return torch.softmax(scores, -1) @ v
+
+
+def rms(x, norm, offset=0.0):
+    eps = getattr(norm, "variance_epsilon", None) or norm.eps
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + norm.weight.double())
+
+
+def by_hand(model, ids, keep, pos, scores):
+    """llama / qwen3 (q and k norms) / gemma2 (scaled embeddings, 1 + w norms, sandwich norms, softcapping, sliding
+    layers, query_pre_attn_scalar) written from their weights, float64. `scores(q, k, pos, theta)` gives the
+    attention logits [b, H, L, L] (before scaling) from un-rotated q [b, H, L, d] and k (GQA expanded)."""
+    cfg, m = model.config, model.model
+    fam, gemma = cfg.model_type, cfg.model_type == "gemma2"
+    H, KV, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    b, L = ids.shape
+    off = 1.0 if gemma else 0.0
+    lin = lambda t, layer: t @ layer.weight.double().T
+    x = m.embed_tokens.weight.double()[ids] * (cfg.hidden_size ** 0.5 if gemma else 1.0)
+    for idx, layer in enumerate(m.layers):
+        a = layer.self_attn
+        h = rms(x, layer.input_layernorm, off)
+        q, k, v = (lin(h, p).view(b, L, -1, d) for p in (a.q_proj, a.k_proj, a.v_proj))
+        if fam == "qwen3":
+            q, k = rms(q, a.q_norm), rms(k, a.k_norm)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
+        sliding = cfg.sliding_window if gemma and cfg.layer_types[idx] == "sliding_attention" else None
+        scale = (cfg.query_pre_attn_scalar if gemma else d) ** -0.5
+        s = scores(q, k, pos, cfg.rope_parameters["rope_theta"]) * scale
+        o = softmax_attention(s, v, keep, cfg.attn_logit_softcapping if gemma else None, sliding)
+        o = lin(o.transpose(1, 2).reshape(b, L, H * d), a.o_proj)
+        x = x + (rms(o, layer.post_attention_layernorm, off) if gemma else o)
+        h = rms(x, layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm, off)
+        act = (lambda t: F.gelu(t, approximate="tanh")) if gemma else F.silu
+        f = lin(act(lin(h, layer.mlp.gate_proj)) * lin(h, layer.mlp.up_proj), layer.mlp.down_proj)
+        x = x + (rms(f, layer.post_feedforward_layernorm, off) if gemma else f)
+    out = lin(rms(x, m.norm, off), model.lm_head)
+    if gemma:
+        out = torch.tanh(out / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+    return out
+
+
+def padded(batch_len, padding):
+    """(ids, attention mask, position ids as generate() makes them: counting real tokens only)."""
+    ids = tokens(batch_len, batch=2)
+    keep = torch.ones(2, batch_len, dtype=torch.long)
+    if padding == "left":
+        keep[1, :13] = 0
+    elif padding == "right":
+        keep[1, -13:] = 0
+    pos = (keep.cumsum(-1) - 1).clamp(min=0)
+    return ids, keep, pos
