@@ -218,3 +218,13 @@ def test_first_step_gradients_are_each_parameters_gradient_of_the_models_own_los
     for block, params in want.items():
         for inner, norm in params.items():
             assert got[block][inner] == pytest.approx(norm, rel=1e-4), (block, inner)
+
+
+def test_keys_added_later_leave_the_identity_of_runs_that_keep_their_old_value(tmp_path):
+    """A checkpoint written before adam_beta2 and init existed was made with 0.999 and transformers' init: a run with
+    those values has the same identity (it resumes); another value is part of the identity (a resume is refused)."""
+    seqs = torch.zeros(2, 8, dtype=torch.long)
+    old = loop.run_identity(pretrain_cfg(tmp_path), seqs, seqs)
+    assert "adam_beta2" not in old["settings"] and "init" not in old["settings"] and "lr" in old["settings"]
+    paper = loop.run_identity(pretrain_cfg(tmp_path, "init=paper", "adam_beta2=0.98"), seqs, seqs)
+    assert paper["settings"]["init"] == "paper" and paper["settings"]["adam_beta2"] == 0.98

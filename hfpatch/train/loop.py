@@ -242,6 +242,11 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+# Keys added after checkpoints already existed, with the value every run had before they did: at that value they are
+# left out of the identity, so that those checkpoints still resume (any other value is compared like every key).
+ADDED_KEYS = {"adam_beta2": 0.999, "init": "hf"}
+
+
 def run_identity(cfg, train_seqs, eval_seqs) -> dict:
     """What makes a run the run it is, kept in every checkpoint marker and compared on resume: its settings (the
     keys outside MAY_CHANGE), a SHA-256 of its packed data (the tokens of both splits: the files' content, the
@@ -250,7 +255,8 @@ def run_identity(cfg, train_seqs, eval_seqs) -> dict:
     for seqs in (train_seqs, eval_seqs):
         data.update(repr(tuple(seqs.shape)).encode())
         data.update(seqs.contiguous().numpy().tobytes())
-    settings = {k: v for k, v in _flat(cfg).items() if k not in MAY_CHANGE}
+    settings = {k: v for k, v in _flat(cfg).items()
+                if k not in MAY_CHANGE and not (k in ADDED_KEYS and v == ADDED_KEYS[k])}
     return {"settings": json.loads(json.dumps(settings, default=str)),  # as the marker will hold it (a YAML date)
             "data": data.hexdigest(), "model_files": model_fingerprint(cfg.model) if cfg.model else None}
 
