@@ -147,6 +147,21 @@ def test_save_and_reload(tmp_path):
     assert max_diff(logits(plain, x), logits(tiny_model("qwen3"), x)) == 0.0
 
 
+def test_no_options_use_the_default_rule():
+    """G = DEFAULT_GROUP_SIZE and W = the trained window / DEFAULT_WINDOW_FRACTION, shown by describe(), restored by
+    a reload; one option given keeps the other's default."""
+    model = hfpatch.patch(tiny_model("llama"), position="self-extend")
+    G, W = self_extend.DEFAULT_GROUP_SIZE, WINDOW // self_extend.DEFAULT_WINDOW_FRACTION
+    info = hfpatch.describe(model)
+    assert (info["position"]["group_size"], info["position"]["window"]) == (G, W)
+    assert info["max_position_embeddings"] == (WINDOW - W) * G + W
+    x = tokens(150)
+    explicit = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=G, window=W)
+    assert max_diff(logits(model, x), logits(explicit, x)) == 0.0
+    hfpatch.patch(model, position="self-extend", window=8)
+    assert (hfpatch.describe(model)["position"]["group_size"], hfpatch.describe(model)["position"]["window"]) == (G, 8)
+
+
 def test_spec_strings():
     assert hfpatch.spec.parse("self-extend:group_size=4:window=1024") == dict(position="self-extend", group_size=4,
                                                                              window=1024)
@@ -160,8 +175,7 @@ BAD = [
     (dict(group_size=4, window=0), "window must be a positive integer, got 0"),
     (dict(group_size=4, window=-3), "window must be a positive integer"),
     (dict(group_size=4, window=WINDOW + 1), f"window={WINDOW + 1} is beyond the {WINDOW} tokens llama was trained on"),
-    (dict(group_size=4), "needs window"),
-    (dict(window=16), "needs group_size"),
+    (dict(group_size=4, window=WINDOW * 2), f"window={WINDOW * 2} is beyond"),
     (dict(group_size=4, window=16, factor=2.0), "does not take factor"),
 ]
 

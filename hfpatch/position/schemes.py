@@ -191,14 +191,6 @@ def _signal(a) -> str:
             "embeddings", "unknown": "a position encoding hfpatch cannot find"}[a.position_signal]
 
 
-def _self_extend(req):
-    missing = [k for k in ("group_size", "window") if k not in req]
-    if missing:
-        raise ValueError(f"position='self-extend' needs {' and '.join(missing)}: group_size= (G, an integer >= 1: "
-                         f"far keys are grouped by G positions, at most {MAX_FACTOR:g}) and window= (W, the neighbour "
-                         "window in tokens, at most the trained window)")
-
-
 # ------------------------------------------------------------------------------------------------------ schemes
 
 
@@ -293,7 +285,7 @@ SCHEMES: dict[str, Scheme] = {
         "Self-Extend (Jin et al. 2024): exact RoPE positions within W tokens, positions grouped by G beyond; no "
         "training",
         options={"group_size": at_most(MAX_FACTOR, "it extends the window about G times, like factor", integer=True),
-                 "window": positive_int}, check=_self_extend, native=False,
+                 "window": positive_int}, native=False,
         split=_own_attention("tells neighbour keys from grouped ones")),
     # Dual Chunk Attention (dual_chunk.py): positions inside chunks, the query moved for keys in earlier chunks
     "dual-chunk": Scheme(

@@ -48,6 +48,8 @@ NAMES = rotated.Names(scheme="self-extend", sdpa="hfpatch_self_extend", eager="h
 SDPA_NAME, EAGER_NAME, STATE_ATTR = NAMES.sdpa, NAMES.eager, NAMES.state
 PIECE_ROWS = 1024  # queries per block on the piece path (also at most W - 1, see _pieces)
 _EVERYTHING_NEAR = 1 << 62  # a window no sequence reaches: the patch-time check
+DEFAULT_GROUP_SIZE = 4
+DEFAULT_WINDOW_FRACTION = 16
 
 
 # ------------------------------------------------------------------------------------------------ the position maps
@@ -216,9 +218,16 @@ rotated.register(NAMES, self_extend_sdpa, self_extend_eager)
 
 # ---------------------------------------------------------------------------------------------------------- apply
 
-def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
-    G, W = req["group_size"], req["window"]
+def default_settings(trained: int) -> tuple[int, int]:
+    """(G, W) for `position="self-extend"` given no options: DEFAULT_GROUP_SIZE, and W the trained window divided by
+    DEFAULT_WINDOW_FRACTION (the rule the passkey grid on SmolLM2 supports: docs/studies/self-extend.md)."""
+    return DEFAULT_GROUP_SIZE, max(1, trained // DEFAULT_WINDOW_FRACTION)
+
+
+def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> dict:
     targets, trained = rotated.rotations(model, adapter, NAMES.scheme)
+    default_g, default_w = default_settings(trained)
+    G, W = req.get("group_size", default_g), req.get("window", default_w)
     if trained < W:
         raise ValueError(f"window={W} is beyond the {trained} tokens {adapter.model_type} was trained on; "
                          f"Self-Extend keeps exact positions only inside the window, so window must be <= {trained}")
@@ -226,3 +235,4 @@ def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
     # with every key inside the window, the model must be itself again
     rotated.install(model, adapter, NAMES, states, lambda m: dataclasses.replace(m, window=_EVERYTHING_NEAR), edits)
     edits.set(model.config.get_text_config(), "max_position_embeddings", extended_window(trained, G, W))
+    return {"group_size": G, "window": W}
