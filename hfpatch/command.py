@@ -5,6 +5,7 @@ It sits below all of them, so none imports another to get it."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -28,6 +29,9 @@ def run_main(fn, argv, prog: str, interrupted: str | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader stopped early (`| head`): not an error of ours, and no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would raise again
+        return 1
     except KeyboardInterrupt:
         if interrupted is None:
             raise

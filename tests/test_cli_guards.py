@@ -115,3 +115,14 @@ def test_an_eval_out_inside_a_file_is_one_error(model, tmp_path, capsys):
     code, err = cli(capsys, "eval", "ppl", "--model", str(model), "--text-files", str(tmp_path / "a.txt"),
                     "--lengths", "32", "--no-plot", "--out", str(tmp_path / "file.txt" / "sub"))
     assert code == 2 and "file.txt" in err and "cannot create" in err, err
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`hfpatch supported | head -1`: the closed pipe ends the command quietly (exit 1), without a traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(f"'{sys.executable}' -m hfpatch supported | head -c 10", shell=True,
+                          capture_output=True, text=True, timeout=300)
+    assert len(proc.stdout) == 10
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
