@@ -173,9 +173,12 @@ def found_rate(trials: list[dict]) -> str:
     return f"{k}/{n} ({low:.0%}–{high:.0%})"
 
 
-@table("eval/results/self_extend/grid_16k.json")
+GRID = ["self_extend/grid_16k.json", "self_extend/grid_16k_b.json"]  # two processes, different depths
+
+
+@table(*(f"eval/results/{f}" for f in GRID))
 def self_extend_grid():
-    cells = passkey_cells("self_extend/grid_16k.json")
+    cells = passkey_cells(*GRID)
     by = {}
     for c in cells:
         kw = c["patch_kwargs"]
@@ -183,8 +186,9 @@ def self_extend_grid():
     groups, windows = sorted({g for g, _ in by}), sorted({w for _, w in by})
     depths = sorted({c["depth"] for c in cells})
     rows = [[f"G = {g}"] + [found_rate(by[(g, w)]) if (g, w) in by else "—" for w in windows] for g in groups]
-    return (f"Keys found at 16k (prompts of {min(t['prompt_tokens'] for c in cells for t in c['trials']):,}–"
-            f"{max(t['prompt_tokens'] for c in cells for t in c['trials']):,} tokens), one key at each depth "
+    sizes = sorted({t["prompt_tokens"] for c in cells for t in c["trials"]})
+    tokens = f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,}–{sizes[-1]:,}"
+    return (f"Keys found at 16k (prompts of {tokens} tokens), one key at each depth "
             f"{', '.join(f'{d:g}' for d in depths)}, the same keys in every cell; 95 % Wilson intervals.\n\n"
             + markdown_table(["", *[f"W = {w}" for w in windows]], rows))
 
@@ -203,11 +207,13 @@ def dual_chunk_ppl():
             "only); — : not run.\n\n" + ppl_tables(cells, DCA_SPECS, [4096, 8192, 16384, 32768], ["chunks"]))
 
 
-@table("eval/results/self_extend/passkey.json", "eval/results/self_extend/passkey_32k.json",
-       "eval/results/dual_chunk/passkey.json", "eval/results/dual_chunk/passkey_32k.json")
+@table("eval/results/self_extend/passkey.json", "eval/results/self_extend/passkey_8k_16k.json",
+       "eval/results/self_extend/passkey_32k.json", "eval/results/dual_chunk/passkey.json",
+       "eval/results/dual_chunk/passkey_32k.json")
 def dual_chunk_passkey():
-    cells = passkey_cells("self_extend/passkey.json", "self_extend/passkey_32k.json", "dual_chunk/passkey.json",
-                          "dual_chunk/passkey_32k.json")
+    cells = passkey_cells("self_extend/passkey.json", "self_extend/passkey_8k_16k.json", "self_extend/passkey_32k.json",
+                          "dual_chunk/passkey.json", "dual_chunk/passkey_32k.json")
+    cells = [c for c in cells if c["length"] in (16384, 32768)]
     lengths = [16384, 32768]
     done = {(c["patch"], c["length"]): c for c in cells}
     keys = {n: sorted({t["key"] for c in cells if c["length"] == n for t in c["trials"]}) for n in lengths}

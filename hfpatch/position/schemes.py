@@ -282,8 +282,8 @@ SCHEMES: dict[str, Scheme] = {
     # Self-Extend (self_extend.py): grouped positions for far keys, exact ones for neighbours; no training
     "self-extend": Scheme(
         apply_self_extend, ("rope", "attention_interface", "causal"),
-        "Self-Extend (Jin et al. 2024): exact RoPE positions within W tokens, positions grouped by G beyond; no "
-        "training",
+        "Self-Extend (Jin et al. 2024): exact RoPE positions within W tokens, positions grouped by G beyond "
+        "(defaults G = 4, W = 1/8 of the trained window); no training",
         options={"group_size": at_most(MAX_FACTOR, "it extends the window about G times, like factor", integer=True),
                  "window": positive_int}, native=False,
         split=_own_attention("tells neighbour keys from grouped ones")),

@@ -49,7 +49,7 @@ SDPA_NAME, EAGER_NAME, STATE_ATTR = NAMES.sdpa, NAMES.eager, NAMES.state
 PIECE_ROWS = 1024  # queries per block on the piece path (also at most W - 1, see _pieces)
 _EVERYTHING_NEAR = 1 << 62  # a window no sequence reaches: the patch-time check
 DEFAULT_GROUP_SIZE = 4
-DEFAULT_WINDOW_FRACTION = 16
+DEFAULT_WINDOW_FRACTION = 8
 
 
 # ------------------------------------------------------------------------------------------------ the position maps
