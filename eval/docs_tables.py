@@ -178,8 +178,13 @@ GRID = ["self_extend/grid_16k.json", "self_extend/grid_16k_b.json"]  # two proce
 
 @table(*(f"eval/results/{f}" for f in GRID))
 def self_extend_grid():
-    cells = passkey_cells(*GRID)
-    by = {}
+    cells, seen = [], set()
+    for c in passkey_cells(*GRID):  # a cell both processes ran (same prompt and key) counts once: the first file's
+        key = (c["patch"], c["depth"])
+        if key not in seen:
+            seen.add(key)
+            cells.append(c)
+    by: dict = {}
     for c in cells:
         kw = c["patch_kwargs"]
         by.setdefault((kw["group_size"], kw["window"]), []).extend(c["trials"])
