@@ -147,7 +147,8 @@ def pytest_sessionstart(session):
 # `pytest --durations=0`). Tests marked @pytest.mark.slow elsewhere (torch.compile) are left out too.
 SLOW_FILES = {"test_rope.py", "test_io.py", "test_recipes.py", "test_smollm2.py", "test_eval_harness.py",
               "test_eval_faults.py", "test_recipe_faults.py", "test_long_training.py", "test_recipe_guards.py",
-              "test_eval_perplexity.py", "test_eval_passkey.py", "test_self_extend.py", "test_gguf_llamacpp.py"}
+              "test_eval_perplexity.py", "test_eval_passkey.py", "test_self_extend.py", "test_gguf_llamacpp.py",
+              "test_eval_ruler.py", "test_gguf_export.py", "test_compare.py"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -117,6 +117,7 @@ def test_an_eval_out_inside_a_file_is_one_error(model, tmp_path, capsys):
     assert code == 2 and "file.txt" in err and "cannot create" in err, err
 
 
+@pytest.mark.slow  # a subprocess that imports torch
 def test_a_reader_that_stops_early_gets_no_traceback():
     """`hfpatch supported | head -1`: the closed pipe ends the command quietly (exit 1), without a traceback."""
     import subprocess
