@@ -127,6 +127,10 @@ def niah():
 
 # ------------------------------------------------------------------------------------------------- Self-Extend
 
+def passkey_cells(*paths: str) -> list[dict]:
+    return [c for f in paths for c in load(f)["cells"] if c.get("complete")]
+
+
 SE = "self-extend:group_size=8:window=1024"
 SE_SPECS = ["none", "yarn:2", "yarn:4", "dynamic", SE]
 
@@ -142,8 +146,7 @@ def self_extend_ppl():
 @table("eval/results/self_extend/passkey.json", "eval/results/self_extend/passkey_8k_16k.json",
        "eval/results/self_extend/passkey_32k.json")
 def self_extend_passkey():
-    cells = [c for f in ("passkey.json", "passkey_8k_16k.json", "passkey_32k.json")
-             for c in load(f"self_extend/{f}")["cells"] if c.get("complete")]
+    cells = passkey_cells(*(f"self_extend/{f}" for f in ("passkey.json", "passkey_8k_16k.json", "passkey_32k.json")))
     lengths = sorted({c["length"] for c in cells})
     done = {(c["patch"], c["length"]): c for c in cells}
     prompt = {n: next(t["prompt_tokens"] for c in cells if c["length"] == n for t in c["trials"]) for n in lengths}
@@ -161,10 +164,6 @@ def self_extend_bench():
 
 
 # -------------------------------------------------------------------------------- Self-Extend's G x W grid, DCA
-
-def passkey_cells(*paths: str) -> list[dict]:
-    return [c for f in paths for c in load(f)["cells"] if c.get("complete")]
-
 
 def found_rate(trials: list[dict]) -> str:
     """k/n found, with the 95 % Wilson interval."""
