@@ -4,7 +4,9 @@ Attention)."""
 
 import torch
 import torch.nn.functional as F
-from conftest import tokens
+from conftest import tiny_model, tokens
+
+import hfpatch
 
 
 def rope(x, pos, theta):
@@ -79,3 +81,32 @@ def padded(batch_len, padding):
         keep[1, -13:] = 0
     pos = (keep.cumsum(-1) - 1).clamp(min=0)
     return ids, keep, pos
+
+
+def cached_and_full(model):
+    """(logits of a 4-token chunk and one step after a cached prefix, the full forward's last 5) with left padding
+    and positions counting real tokens, as generate() makes them; and whether generate() with a cache equals it
+    without one."""
+    ids, keep, pos = padded(70, "left")
+    with torch.no_grad():
+        full = model(ids, attention_mask=keep, position_ids=pos).logits
+        out = model(ids[:, :-5], attention_mask=keep[:, :-5], position_ids=pos[:, :-5], use_cache=True)
+        chunk = model(ids[:, -5:-1], attention_mask=keep[:, :-1], position_ids=pos[:, -5:-1],
+                      past_key_values=out.past_key_values, use_cache=True).logits
+        step = model(ids[:, -1:], attention_mask=keep, position_ids=pos[:, -1:],
+                     past_key_values=out.past_key_values, use_cache=True).logits
+    kw = dict(attention_mask=keep, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    same = torch.equal(model.generate(ids, use_cache=True, **kw), model.generate(ids, use_cache=False, **kw))
+    return torch.cat([chunk, step], 1), full[:, -5:], same
+
+
+def gradients_by_name(**options):
+    """{attn_implementation: {parameter: grad}} of a tiny llama patched with `options`, one loss on 40 tokens,
+    through the sdpa name and the eager name."""
+    grads = {}
+    for attn in ("sdpa", "eager"):
+        model = hfpatch.patch(tiny_model("llama", attn_implementation=attn), **options).train()
+        x = tokens(40, batch=2)
+        model(x, labels=x).loss.backward()
+        grads[attn] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return grads

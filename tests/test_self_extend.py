@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from conftest import ROPE_FAMILIES, WINDOW, assert_same_fingerprint, fingerprint, logits, max_diff, tiny_model, tokens
-from handref import by_hand, padded, rope
+from handref import by_hand, cached_and_full, gradients_by_name, padded, rope
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb  # noqa: F401 (the attention below rotates with it)
 
 import hfpatch
@@ -83,28 +83,14 @@ def test_cached_decoding_equals_the_full_forward(family):
     """The cache holds un-rotated keys; each step rotates them at both maps. Padding on the left, as generate()
     pads: the positions count real tokens only."""
     model = hfpatch.patch(tiny_model(family), position="self-extend", group_size=3, window=10)
-    ids, keep, pos = padded(70, "left")
-    with torch.no_grad():
-        full = model(ids, attention_mask=keep, position_ids=pos).logits
-        out = model(ids[:, :-5], attention_mask=keep[:, :-5], position_ids=pos[:, :-5], use_cache=True)
-        chunk = model(ids[:, -5:-1], attention_mask=keep[:, :-1], position_ids=pos[:, -5:-1],
-                      past_key_values=out.past_key_values, use_cache=True).logits
-        step = model(ids[:, -1:], attention_mask=keep, position_ids=pos[:, -1:],
-                     past_key_values=out.past_key_values, use_cache=True).logits
-    assert max_diff(torch.cat([chunk, step], 1), full[:, -5:]) <= 1e-5
-    kw = dict(attention_mask=keep, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(model.generate(ids, use_cache=True, **kw), model.generate(ids, use_cache=False, **kw))
+    stepped, full, same = cached_and_full(model)
+    assert max_diff(stepped, full) <= 1e-5
+    assert same
 
 
 def test_gradients_match_the_eager_path():
     """With gradients the sdpa name takes the explicit path; same gradients as the eager name."""
-    grads = {}
-    for attn in ("sdpa", "eager"):
-        model = hfpatch.patch(tiny_model("llama", attn_implementation=attn), position="self-extend", group_size=2,
-                              window=8).train()
-        x = tokens(40, batch=2)
-        model(x, labels=x).loss.backward()
-        grads[attn] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads = gradients_by_name(position="self-extend", group_size=2, window=8)
     assert grads["sdpa"].keys() == grads["eager"].keys()
     for n in grads["sdpa"]:
         assert torch.allclose(grads["sdpa"][n], grads["eager"][n], atol=1e-5), n
