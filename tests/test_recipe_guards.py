@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -144,17 +145,46 @@ def _env():
 def test_two_runs_started_at_once_on_one_output_dir(base, tmp_path):
     """Both launched together with resume=true (which skips the check for an earlier run; two such runs used to
     train side by side, one crashing on the other's checkpoint folders, the log holding both): one trains, the
-    other is refused naming the first's pid; the log holds one run."""
-    procs = [subprocess.Popen(_command(base, "resume=true"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=REPO, env=_env()) for _ in range(2)]
-    results = [(p.wait(timeout=TIMEOUT), p.stderr.read(), p.pid) for p in procs]
-    codes = sorted(code for code, _, _ in results)
-    assert codes == [0, 2], results
-    (winner,) = [pid for code, _, pid in results if code == 0]
-    (err,) = [e for code, e, _ in results if code == 2]
-    assert f"process {winner}" in err, err
+    other is refused naming the first's pid; the log holds one run. Both are asked for far more steps than they
+    get, so neither can finish (and free the lock) before the other has tried it: the one that exits is the
+    refused one, and the trainer is then killed."""
+    long_run = [*base, "max_steps=1000000", "save_every=1000000", "eval_every=1000000"]
+    procs = [subprocess.Popen(_command(long_run, "resume=true"), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env()) for _ in range(2)]
+    try:
+        refused_proc = _first_to_exit(procs, TIMEOUT)
+        (winner,) = [p for p in procs if p is not refused_proc]
+        err = refused_proc.stderr.read()
+        assert refused_proc.returncode == 2, err
+        assert f"process {winner.pid}" in err, err
+        assert winner.poll() is None, "the run holding the lock ended"
+        _wait_for_rows(tmp_path / "out" / "log.jsonl", 2, TIMEOUT)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
     rows = [json.loads(line)["step"] for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
-    assert rows == list(range(1, 9))
+    assert rows == list(range(1, len(rows) + 1)), rows
+
+
+def _first_to_exit(procs, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                return p
+        time.sleep(0.1)
+    raise AssertionError(f"neither run ended within {timeout} s: both are training")
+
+
+def _wait_for_rows(log, n, timeout):
+    """The winner trains: its log reaches n rows."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.exists() and len(log.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{log} has fewer than {n} rows after {timeout} s")
 
 
 # ------------------------------------------------------------------------------------------ a diverging run
