@@ -248,3 +248,8 @@ class Engine:
     @staticmethod
     def applied(model, kwargs, name):
         return model.applied(kwargs, name)
+
+    @staticmethod
+    def paths_ran(model) -> dict:
+        """None to record: llama.cpp runs its own attention kernels, whichever the scheme."""
+        return {}

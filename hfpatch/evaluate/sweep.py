@@ -86,6 +86,8 @@ class Run:
     tok: object
     args: object
     applied: Callable[..., Any] = applied  # (model, kwargs, spec name) -> context manager: the engine's way to patch
+    # model -> {attention path: calls so far}: what the engine can say of the kernels its schemes ran
+    paths_ran: Callable[[Any], dict] = lambda model: {}
 
 
 class Evaluation:
@@ -215,7 +217,8 @@ def _main(ev: Evaluation, argv) -> int:
             if not args.no_memory_check:
                 engine.check_memory(args, plan)
             model = engine.load(args)
-            run = Run(model, engine.prepare(model, patches, plan, results, args.model), tok, args, engine.applied)
+            run = Run(model, engine.prepare(model, patches, plan, results, args.model), tok, args, engine.applied,
+                      engine.paths_ran)
             estimate = engine.estimate(ev, run, plan, todo)
             results.data.setdefault("runs", []).append({"started": now(), "estimate_s": round(estimate, 1)})
             results.save()
@@ -361,7 +364,7 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
                                         lambda: {"patch": spec, **c.key, **c.fields,  # noqa: B023 - see above
                                                  "patch_kwargs": kwargs,  # noqa: B023 - see above
                                                  ev.records: [], "complete": False})
-                    paths_before = _paths_ran(run.model)
+                    paths_before = run.paths_ran(run.model)
                     for unit in left:
                         done = [0]
 
@@ -376,11 +379,16 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
                         cell[ev.records].append(record)
                         results.save()
                         bar.update(unit.tokens - done[0])
-                    _add_paths_since(cell, paths_before, run.model)
+                    _add_paths_since(cell, paths_before, run.paths_ran(run.model))
                     results.finish(cell)
                     results.save()
     finally:
         bar.close()
+
+
+def _paths_ran(model) -> dict:
+    """Calls per attention path so far, for schemes with their own attention function (describe())."""
+    return describe(model)["position"].get("attention_path", {}).get("ran", {})
 
 
 class TransformersEngine:
@@ -397,23 +405,19 @@ class TransformersEngine:
     prepare = staticmethod(_prepare)
     estimate = staticmethod(_estimate)
     applied = staticmethod(applied)
+    paths_ran = staticmethod(_paths_ran)
 
 
 # --engine NAME -> (parsed arguments) -> an object with name, check_longest_read, check_memory, load, prepare,
-# estimate, applied
+# estimate, applied, paths_ran
 ENGINES: dict[str, Callable[[argparse.Namespace], Any]] = {"transformers": TransformersEngine,
                                                             "llama.cpp": LlamaCppEngine}
 
 
-def _paths_ran(model) -> dict:
-    """Calls per attention path so far, for schemes with their own attention function (describe())."""
-    return describe(model)["position"].get("attention_path", {}).get("ran", {})
-
-
-def _add_paths_since(cell: dict, before: dict, model) -> None:
+def _add_paths_since(cell: dict, before: dict, now: dict) -> None:
     """The cell records the attention paths its units ran (added to what an earlier, resumed run recorded)."""
     total = dict(cell.get("attention_path", {}))
-    for path, calls in _paths_ran(model).items():
+    for path, calls in now.items():
         if calls > before.get(path, 0):
             total[path] = total.get(path, 0) + calls - before.get(path, 0)
     if total:
