@@ -2,11 +2,12 @@
 tokens, and each cell's gap between the engines set against the unpatched model's own gap at that length.
 
     python eval/cross_engine.py                      # SmolLM2-135M (Q4_1 GGUF), one book, 2k
-    python eval/cross_engine.py --lengths 8k,16k --book ../shared/data/books/dracula.txt --passkey-trials 2
+    python eval/cross_engine.py --lengths 8k,16k --windows 1 --passkey-trials 2
 
 For each engine it runs `hfpatch eval ppl` and `hfpatch eval passkey` (--engine transformers / llama.cpp) with the
 same arguments, into OUT/LENGTHS/{ppl,passkey}-{engine}/ (LENGTHS e.g. 2k or 8k-16k; resumable: a rerun continues
-them), then writes OUT/LENGTHS/cross_engine.json and prints the table. Perplexity: the first `--windows` windows of
+them), then writes OUT/LENGTHS/cross_engine.json and prints the table. The passkey runs at the longest length.
+Perplexity: the first `--windows` windows of
 the longest length of the book, in chunks. The gap of a cell is |NLL_llama.cpp - NLL_transformers| / NLL_transformers
 (mean NLL per token); the ratio is that gap over the unpatched model's gap at the same length: both engines run the
 same quantized weights (transformers dequantizes them to fp32), so the unpatched gap is what the engines differ by
@@ -84,8 +85,9 @@ def measure(args, run: list[str]) -> None:
         per_doc = str(args.windows * longest)
         rc = evaluation("ppl").main([*common, "--text-files", args.book, "--tokens-per-doc", per_doc,
                                      "--out", f"{args.out}/ppl-{engine}"])
-        rc = rc or evaluation("passkey").main([*common, "--depths", "0.5", "--trials", str(args.trials),
-                                 "--out", f"{args.out}/passkey-{engine}"])
+        # the passkey at the longest length only: what an extension is for (and the costliest read of the run)
+        rc = rc or evaluation("passkey").main([*common, "--lengths", str(longest), "--depths", "0.5",
+                                               "--trials", str(args.trials), "--out", f"{args.out}/passkey-{engine}"])
         if rc:
             raise SystemExit(rc)
 

@@ -9,6 +9,7 @@ chunk's logits are reduced to a summed cross-entropy and dropped. Same numbers, 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import cast
 
@@ -173,6 +174,18 @@ def document_nll(parts: LMParts, ids, spans: list[tuple[int, int, int]], chunk: 
 
 
 @torch.no_grad()
+def with_cache(base: torch.nn.Module, cache) -> dict:
+    """The keyword that hands a KV cache back to the base model's forward: `cache` where the forward takes it (the
+    name transformers moved to), else `past_key_values` (read off the forward, not the version)."""
+    takes_cache = "cache" in inspect.signature(base.forward).parameters
+    return {"cache" if takes_cache else "past_key_values": cache}
+
+
+def cache_of(out) -> object:
+    """The KV cache a forward returned, under either name (`cache`, or `past_key_values` before it)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
 def greedy(parts: LMParts, ids: list[int], new_tokens: int, eos: set[int], done=None) -> list[int]:
     """Greedy decoding with a KV cache: one forward over the prompt, then one token at a time, up to new_tokens,
     an EOS token, or done(generated) returning True. Only the last position goes through the LM head (no [L,
@@ -181,14 +194,14 @@ def greedy(parts: LMParts, ids: list[int], new_tokens: int, eos: set[int], done=
         return parts.greedy(ids, new_tokens, eos, done)
     x = torch.tensor([ids], device=parts.input_device)
     out = parts.base(input_ids=x, use_cache=True)
-    past, generated = out.past_key_values, []
+    past, generated = cache_of(out), []
     h = out.last_hidden_state[:, -1]
     for _ in range(new_tokens):
         nxt = int(head_logits(parts, h).argmax(-1)[0])
         generated.append(nxt)
         if nxt in eos or len(generated) == new_tokens or (done is not None and done(generated)):
             break
-        out = parts.base(input_ids=torch.tensor([[nxt]], device=parts.input_device), past_key_values=past,
+        out = parts.base(input_ids=torch.tensor([[nxt]], device=parts.input_device), **with_cache(parts.base, past),
                          use_cache=True)
-        past, h = out.past_key_values, out.last_hidden_state[:, -1]
+        past, h = cache_of(out), out.last_hidden_state[:, -1]
     return generated

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -55,6 +56,15 @@ def test_greedy_with_kv_cache_equals_recomputing_everything(family, position):
             expected.append(nxt)
             ids.append(nxt)
     assert got == expected
+
+
+def test_greedy_hands_the_cache_back_under_the_name_the_forward_takes():
+    """transformers renamed past_key_values to cache (the old name warns, and goes in a later release): decoding
+    passes the name the model's forward lists, so no deprecation warning is raised."""
+    model = tiny_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        greedy(causal_lm_parts(model), list(range(3, 40)), 4, eos=set())
 
 
 def test_greedy_stops_at_eos():

@@ -31,6 +31,7 @@ from typing import cast
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..lm import cache_of, with_cache
 from ..models import resolve
 
 GiB = 1024**3
@@ -242,7 +243,7 @@ def measure_speed(parts, shape: Shape, tokens: int) -> Speed:
         out = parts.base(input_ids=ids, use_cache=True)
         sync()
         t1 = time.perf_counter()
-        parts.base(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+        parts.base(input_ids=ids[:, -1:], **with_cache(parts.base, cache_of(out)), use_cache=True)
         sync()
         t2 = time.perf_counter()
     flops = forward_flops(shape, tokens)
