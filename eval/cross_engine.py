@@ -7,12 +7,11 @@ tokens, and each cell's gap between the engines set against the unpatched model'
 For each engine it runs `hfpatch eval ppl` and `hfpatch eval passkey` (--engine transformers / llama.cpp) with the
 same arguments, into OUT/LENGTHS/{ppl,passkey}-{engine}/ (LENGTHS e.g. 2k or 8k-16k; resumable: a rerun continues
 them), then writes OUT/LENGTHS/cross_engine.json and prints the table. The passkey runs at the longest length.
-Perplexity: the first `--windows` windows of
-the longest length of the book, in chunks. The gap of a cell is |NLL_llama.cpp - NLL_transformers| / NLL_transformers
-(mean NLL per token); the ratio is that gap over the unpatched model's gap at the same length: both engines run the
-same quantized weights (transformers dequantizes them to fp32), so the unpatched gap is what the engines differ by
-without any patch. Schemes a GGUF cannot carry are listed with the reason instead of a number. Needs
-llama-cpp-python (pip install 'hfpatch[llama-cpp]').
+Perplexity: the first `--windows` windows of the longest length of the book, in chunks. The gap of a cell is
+|NLL_llama.cpp - NLL_transformers| / NLL_transformers (mean NLL per token); the ratio is that gap over the unpatched
+model's gap at the same length: both engines run the same quantized weights (transformers dequantizes them to fp32),
+so the unpatched gap is what the engines differ by without any patch. Schemes a GGUF cannot carry are listed with the
+reason instead of a number. Needs llama-cpp-python (pip install 'hfpatch[llama-cpp]').
 """
 
 from __future__ import annotations
