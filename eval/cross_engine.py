@@ -30,7 +30,7 @@ from hfpatch import spec as specs
 from hfpatch.evaluate import evaluation
 from hfpatch.evaluate.common import length_label, parse_lengths
 from hfpatch.evaluate.report import markdown_table
-from hfpatch.models import resolve
+from hfpatch.models import gguf_path
 
 HERE = Path(__file__).resolve().parent
 BOOKS = HERE.parent.parent / "shared" / "data" / "books"
@@ -59,10 +59,10 @@ def parse_args(argv=None):
 
 def plan(model: str) -> tuple[list[str], dict]:
     """(specs to measure, {spec: why it is not measured}) for this GGUF."""
-    folder, name = resolve(model)
-    if name is None:
+    path = gguf_path(model)
+    if path is None:
         raise SystemExit(f"cross_engine.py compares engines on a GGUF file; {model} is not one")
-    info = hg.read_rope(gguf.GGUFReader(f"{folder}/{name}"))
+    info = hg.read_rope(gguf.GGUFReader(path))
     run, skipped = [], {}
     for raw in SPECS:
         kwargs = specs.parse(raw)

@@ -187,17 +187,17 @@ def _run(args) -> int:
 
 def _export_gguf(args, kwargs) -> int:
     from hfpatch.gguf import export
-    from hfpatch.models import resolve
+    from hfpatch.models import gguf_path
     from hfpatch.spec import describe_string
 
     if args.dtype:
         raise UsageError("hfpatch patch: error: --dtype does not apply to a .gguf --out: the weights are copied as "
                          "they are")
-    folder, name = resolve(args.model)
-    if name is None:
+    source = gguf_path(args.model)
+    if source is None:
         raise UsageError(f"hfpatch patch: error: --out {args.out} is a GGUF file, which needs a .gguf model to copy "
                          "(a transformers folder saves to a folder; convert it with llama.cpp's convert_hf_to_gguf.py)")
-    written = export(os.path.join(folder, name), args.out, **kwargs)
+    written = export(source, args.out, **kwargs)
     keys = ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in written["metadata"].items()
                      if not k.startswith("hfpatch."))
     tensors = f"; tensors {', '.join(written['tensors'])}" if written["tensors"] else ""

@@ -50,6 +50,12 @@ def resolve(name: str) -> tuple[str, str | None]:
     return name, None  # a hub id
 
 
+def gguf_path(name: str) -> str | None:
+    """The GGUF file `name` stands for (a .gguf path, or smollm2), None for a transformers folder or hub id."""
+    folder, file = resolve(name)
+    return os.path.join(folder, file) if file else None
+
+
 # How to opt in to what load() refuses by default, for the error messages: the API keyword, the CLI flag, the
 # recipe config key.
 OPT_IN = {"trust_remote_code": "load(..., trust_remote_code=True), hfpatch --trust-remote-code or the recipe key "

@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import gguf as hg
 from .. import spec as specs
-from ..models import resolve
+from ..models import gguf_path
 from . import budget
 
 NAME = "llama.cpp"
@@ -200,11 +200,11 @@ class Engine:
         if args.device_map or args.device:
             raise ValueError("--device and --device-map are transformers options; llama.cpp runs where it was "
                              "built to run")
-        folder, name = resolve(args.model)
-        if name is None:
+        path = gguf_path(args.model)
+        if path is None:
             raise ValueError(f"--engine llama.cpp runs GGUF files; {args.model} is not one (convert it with "
                              "llama.cpp's convert_hf_to_gguf.py)")
-        self.path = os.path.join(folder, name)
+        self.path = path
 
     def check_longest_read(self, args) -> None:
         pass  # llama.cpp allocates its context itself and says when it cannot
