@@ -19,9 +19,10 @@ LAYERS: dict[str, set[str]] = {
     "timing": set(),  # side-by-side timing
     "warn": set(),  # warnings that point at the user's line
     "files": set(),  # locks, content hashes, folders written whole
+    "host": set(),  # what the machine has free
     "tiny": set(),  # tiny models of every family, from their own configs
     "adapters": {"edits"},  # architecture knowledge, read off the model
-    "position": {"adapters", "edits"},  # the SCHEMES registry and its appliers
+    "position": {"adapters", "edits", "host"},  # the SCHEMES registry and its appliers
     "norm": {"adapters", "edits", "warn"},  # the NORMS registry, norm modules, swaps, placement
     "spec": {"position", "norm"},  # the patch spec, validated against the registries
     "apply": {"spec", "adapters", "norm", "position", "edits", "warn"},  # patch / unpatch / describe
@@ -34,7 +35,7 @@ LAYERS: dict[str, set[str]] = {
     "families": {"apply", "adapters", "position", "tiny"},  # supported(): every family measured
     "hfpatch": {"spec", "apply", "families", "io"},  # the public API
     "evaluate": {"hfpatch", "apply", "spec", "adapters", "lm", "models", "text", "command", "timing", "files",
-                 "gguf"},
+                 "gguf", "host"},
     "train": {"hfpatch", "evaluate", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models",
               "text", "timing", "command", "files"},
     "cli": {"hfpatch", "command", "evaluate", "norm", "spec", "models", "families", "apply", "files", "gguf",

@@ -31,6 +31,7 @@ from typing import cast
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..host import available_bytes
 from ..lm import cache_of, with_cache
 from ..models import resolve
 
@@ -179,25 +180,11 @@ def available_memory(device: str | None, device_map: str | None) -> tuple[int | 
     if on_gpu and torch.cuda.is_available():
         if device_map:  # accelerate spreads the model over every GPU (and offloads to the CPU past them)
             gpus = sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
-            cpu = _host_available()
+            cpu = available_bytes()
             return gpus + (cpu or 0), "GPUs and CPU"
         index = torch.device(device or "cuda").index or 0
         return torch.cuda.mem_get_info(index)[0], f"cuda:{index}"
-    return _host_available(), "CPU"
-
-
-def _host_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return available_bytes(), "CPU"
 
 
 def gb(n: float) -> str:

@@ -16,6 +16,8 @@ import math
 import torch
 from torch import nn
 
+from ..host import available_bytes
+
 
 def sinusoidal_table(positions: torch.Tensor, dim: int, base: float = 10000.0) -> torch.Tensor:
     """PE(pos, 2i) = sin(pos / base^(2i/d)), PE(pos, 2i+1) = cos(pos / base^(2i/d)) (Vaswani et al., 2017).
@@ -43,13 +45,7 @@ def free_bytes(device: torch.device) -> int | None:
     """Bytes free on `device` (a CUDA device, or the host's available memory); None when it cannot be told."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device.index or 0)[0]
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
+    return available_bytes() if device.type == "cpu" else None
 
 
 def interpolate_rows(table: torch.Tensor, factor: float, keep: int = 0) -> torch.Tensor:
