@@ -257,14 +257,37 @@ def serving_engines():
     return markdown()
 
 
-@table("eval/results/cross_engine/2k/cross_engine.json")
-def cross_engine():
+def cross_engine_table(lengths: str) -> str:
     import cross_engine as ce
 
-    result = load("cross_engine/2k/cross_engine.json")
-    return (f"SmolLM2-135M (Q4_1 GGUF), the first {result['windows']} windows of {result['book']} per length; mean "
-            f"NLL per token; passkey at depth 0.5, {result['passkey_trials']} keys; {result['machine']}.\n\n"
-            + ce.table(result))
+    result = load(f"cross_engine/{lengths}/cross_engine.json")
+    return (f"SmolLM2-135M (Q4_1 GGUF), the first {result['windows']} window(s) of {result['book']} at the longest "
+            f"length; mean NLL per token; passkey at depth 0.5, {result['passkey_trials']} keys, at the longest "
+            f"length; {result['machine']}.\n\n" + ce.table(result))
+
+
+@table("eval/results/cross_engine/2k/cross_engine.json")
+def cross_engine():
+    return cross_engine_table("2k")
+
+
+@table("eval/results/cross_engine/8k-16k/cross_engine.json")
+def cross_engine_long():
+    return cross_engine_table("8k-16k")
+
+
+@table("eval/results/cross_engine/8k-16k/ppl-transformers/results.json",
+       "eval/results/cross_engine/8k-16k/ppl-llama.cpp/results.json",
+       "eval/results/cross_engine/8k-16k/passkey-transformers/results.json",
+       "eval/results/cross_engine/8k-16k/passkey-llama.cpp/results.json")
+def engine_reports():
+    """The reports `hfpatch eval` printed for the same command in each engine, one after the other."""
+    parts = []
+    for kind in ("ppl", "passkey"):
+        for engine in ("transformers", "llama.cpp"):
+            parts.append(f"`hfpatch eval {kind} --engine {engine}`:\n\n"
+                         + command_report(kind, f"cross_engine/8k-16k/{kind}-{engine}/results.json"))
+    return "\n\n".join(parts)
 
 
 # --------------------------------------------------------------------------------------------------- recipes
