@@ -1,0 +1,108 @@
+"""The evaluation loop runs any engine, not only transformers: an engine whose model is its own object (as
+llama.cpp's is), scoring and decoding with its own code and applying patch specs its own way, goes through the same
+sweep — checks, estimate, cells, resume — and nothing of transformers or of hfpatch's patching is called on its model.
+These run without llama-cpp-python; tests/test_gguf_llamacpp.py runs the real llama.cpp engine."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import ClassVar
+
+import pytest
+from conftest import stdlib_text
+
+from hfpatch.evaluate import evaluation, sweep
+from hfpatch.evaluate.common import load_model
+from hfpatch.lm import causal_lm_parts, document_nll, greedy
+from hfpatch.tiny import save_sized as save_tiny
+
+
+class ForeignModel:
+    """Another engine's model: it scores and decodes with a transformers model it keeps to itself, and records the
+    specs it was asked to run. Any attribute a transformers model has is missing here."""
+
+    def __init__(self, model):
+        self._parts = causal_lm_parts(model)
+        self.applied_specs: list[str] = []
+
+    def document_nll(self, ids, spans, progress=None):
+        return document_nll(self._parts, ids, spans, progress=progress)
+
+    def greedy(self, ids, new_tokens, eos, done=None):
+        return greedy(self._parts, ids, new_tokens, eos, done)
+
+
+class ForeignEngine:
+    """The engine protocol of sweep.ENGINES, implemented without transformers' model object."""
+
+    name = "foreign"
+    loaded: ClassVar[list[ForeignModel]] = []
+
+    def __init__(self, args):
+        pass
+
+    def check_longest_read(self, args) -> None:
+        pass
+
+    def check_memory(self, args, plan) -> None:
+        pass
+
+    def load(self, args):
+        model = ForeignModel(load_model(args))
+        ForeignEngine.loaded.append(model)
+        return model
+
+    def prepare(self, model, patches, plan, results, name):
+        results.data["model"] = {"name": f"{name} (foreign)", "engine": self.name}
+        return model
+
+    def estimate(self, ev, run, plan, todo) -> float:
+        return 0.0
+
+    @staticmethod
+    @contextlib.contextmanager
+    def applied(model, kwargs, name):
+        model.applied_specs.append(name)
+        yield
+
+    @staticmethod
+    def paths_ran(model) -> dict:
+        return {}
+
+
+@pytest.fixture
+def foreign(monkeypatch):
+    monkeypatch.setitem(sweep.ENGINES, "foreign", ForeignEngine)
+    ForeignEngine.loaded = []
+    return ForeignEngine
+
+
+def test_ppl_runs_in_another_engine_with_the_numbers_of_its_own_scoring(foreign, tmp_path, monkeypatch):
+    monkeypatch.setenv("HFPATCH_CACHE", str(tmp_path / "cache"))
+    model_dir = save_tiny(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text(stdlib_text(20_000))
+    args = ["--model", str(model_dir), "--lengths", "64", "--text-files", str(text), "--tokens-per-doc", "128",
+            "--no-plot"]
+    assert evaluation("ppl").main([*args, "--patches", "none", "--out", str(tmp_path / "tf")]) == 0
+    assert evaluation("ppl").main([*args, "--patches", "none,yarn:2", "--engine", "foreign",
+                                   "--out", str(tmp_path / "foreign")]) == 0
+    (model,) = foreign.loaded
+    assert model.applied_specs == ["none", "yarn:2"]  # the engine applied each spec, once, its own way
+    tf, other = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("tf", "foreign"))
+    assert other["identity"]["engine"] == "foreign"
+    assert all(c["complete"] for c in other["cells"]) and "attention_path" not in other["cells"][0]
+    # its scoring runs the same model on the same tokens: the same numbers as the transformers engine's
+    assert other["cells"][0]["mean_nll"] == pytest.approx(tf["cells"][0]["mean_nll"], rel=1e-6)
+
+
+def test_passkey_decodes_with_the_engine_own_greedy(foreign, tmp_path):
+    model_dir = save_tiny(tmp_path / "model")
+    argv = ["--model", str(model_dir), "--lengths", "600", "--depths", "0.5", "--trials", "1", "--patches", "none",
+            "--engine", "foreign", "--out", str(tmp_path / "pk"), "--no-plot"]
+    assert evaluation("passkey").main(argv) == 0
+    (model,) = foreign.loaded
+    assert model.applied_specs == ["none"]
+    (cell,) = json.loads((tmp_path / "pk" / "results.json").read_text())["cells"]
+    assert cell["complete"] and len(cell["trials"]) == 1
