@@ -47,11 +47,17 @@ def parse_args(argv=None):
     p.add_argument("--book", default=str(BOOKS / "moby_dick.txt"), help="one text file (default: Moby Dick)")
     p.add_argument("--windows", type=int, default=2, help="windows of the longest length scored per cell (default 2)")
     p.add_argument("--passkey-trials", type=int, default=2, dest="trials", help="keys per length (default 2)")
+    p.add_argument("--llama-cpp-trials", type=int, dest="llama_cpp_trials",
+                   help="keys per length in llama.cpp, where a long prompt costs more (default: --passkey-trials); "
+                        "the passkey columns compare the keys both engines were given")
     p.add_argument("--out", default=str(HERE / "results" / "cross_engine"))
     p.add_argument("--machine", default=f"{os.cpu_count()} CPU cores, no GPU",
                    help="what it ran on, for the results file (default: the CPU count)")
+    p.add_argument("--combine-only", action="store_true",
+                   help="run nothing: make the table from the results files already in OUT/LENGTHS")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.engine_trials = {"transformers": args.trials, "llama.cpp": args.llama_cpp_trials or args.trials}
     # one folder per set of lengths: the windows scored depend on the longest length, so another set is another run
     args.out = str(Path(args.out) / "-".join(length_label(n) for n in parse_lengths(args.lengths)))
     return args
@@ -86,7 +92,8 @@ def measure(args, run: list[str]) -> None:
                                      "--out", f"{args.out}/ppl-{engine}"])
         # the passkey at the longest length only: what an extension is for (and the costliest read of the run)
         rc = rc or evaluation("passkey").main([*common, "--lengths", str(longest), "--depths", "0.5",
-                                               "--trials", str(args.trials), "--out", f"{args.out}/passkey-{engine}"])
+                                               "--trials", str(args.engine_trials[engine]),
+                                               "--out", f"{args.out}/passkey-{engine}"])
         if rc:
             raise SystemExit(rc)
 
@@ -100,6 +107,7 @@ def combine(args, run: list[str], skipped: dict) -> dict:
     out = Path(args.out)
     ppl = {e: _cells(out / f"ppl-{e}" / "results.json") for e in ENGINES}
     keys = {e: _cells(out / f"passkey-{e}" / "results.json") for e in ENGINES}
+    longest = max(parse_lengths(args.lengths))
     rows = []
     for n in parse_lengths(args.lengths):
         base = None
@@ -111,17 +119,28 @@ def combine(args, run: list[str], skipped: dict) -> dict:
             rows.append({"patch": spec, "length": n, "nll_transformers": tf, "nll_llama.cpp": lc, "gap": gap,
                          "gap_over_unpatched": gap / base if base else None,
                          "tokens": ppl["transformers"][(spec, n)]["tokens"],
-                         **{f"passkey_{e}": _accuracy(keys[e], spec, n) for e in ENGINES}})
-    result = {"command": "python eval/cross_engine.py " + " ".join(args.argv), "machine": args.machine,
+                         **(_passkeys(keys, spec, n) if n == longest else {})})
+    command = "python eval/cross_engine.py " + " ".join(args.argv)
+    if args.combine_only and (out / "cross_engine.json").exists():  # the command that measured, not this one
+        command = json.loads((out / "cross_engine.json").read_text())["command"]
+    result = {"command": command, "machine": args.machine,
               "model": args.model, "book": Path(args.book).name, "lengths": parse_lengths(args.lengths),
-              "windows": args.windows, "passkey_trials": args.trials, "cells": rows, "not_measured": skipped}
+              "windows": args.windows, "passkey_trials": args.engine_trials, "cells": rows, "not_measured": skipped}
     (out / "cross_engine.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
-def _accuracy(cells: dict, spec: str, n: int):
-    found = [c for (p, length), c in cells.items() if p == spec and length == n]
-    return found[0]["accuracy"] if found else None
+def _passkeys(keys: dict, spec: str, n: int) -> dict:
+    """Keys found in each engine, over the keys both were given (the same prompts: a trial's key depends on the
+    length, depth and trial number only): {"passkey_keys": k, "passkey_<engine>": found}; {} where either engine
+    has no complete cell."""
+    cells = [keys[e].get((spec, n)) for e in ENGINES]
+    if None in cells:
+        return {}
+    given = [{t["key"]: t["correct"] for t in c["trials"]} for c in cells]
+    common = [k for k in given[0] if k in given[1]]
+    found = {f"passkey_{e}": sum(g[k] for k in common) for e, g in zip(ENGINES, given, strict=True)}
+    return {"passkey_keys": len(common), **found}
 
 
 def table(result: dict) -> str:
@@ -130,9 +149,10 @@ def table(result: dict) -> str:
         ratio = r["gap_over_unpatched"]
         rows.append([r["patch"], length_label(r["length"]), f"{r['nll_transformers']:.5f}", f"{r['nll_llama.cpp']:.5f}",
                      f"{100 * r['gap']:.3f} %", "-" if r["patch"] == "none" else f"{ratio:.2f}",
-                     *(f"{r[f'passkey_{e}']:.2f}" if r[f"passkey_{e}"] is not None else "-" for e in ENGINES)])
+                     *(f"{r[f'passkey_{e}']}/{r['passkey_keys']}" if "passkey_keys" in r else "-"
+                       for e in ENGINES)])
     text = markdown_table(["patch", "length", "NLL transformers", "NLL llama.cpp", "gap", "gap / unpatched gap",
-                           "passkey transformers", "passkey llama.cpp"], rows)
+                           "passkey found: transformers", "llama.cpp"], rows)
     if result["not_measured"]:
         text += "\n\nNot measured:\n" + "\n".join(f"- `{k}`: {v}" for k, v in result["not_measured"].items())
     return text
@@ -143,10 +163,11 @@ def main(argv=None) -> int:
     if not Path(args.book).is_file():
         raise SystemExit(f"no such book: {args.book}")
     run, skipped = plan(args.model)
-    measure(args, run)
+    if not args.combine_only:
+        measure(args, run)
     result = combine(args, run, skipped)
     print(f"{result['model']}, {result['book']}: mean NLL per token over {result['windows']} window(s) per length; "
-          f"passkey at depth 0.5, {result['passkey_trials']} key(s)\n")
+          "passkey at depth 0.5, keys found of those both engines were given\n")
     print(table(result))
     worst = max((r["gap_over_unpatched"] for r in result["cells"] if r["patch"] != "none"), default=None)
     if worst is not None and not math.isnan(worst):

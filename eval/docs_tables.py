@@ -262,8 +262,8 @@ def cross_engine_table(lengths: str) -> str:
 
     result = load(f"cross_engine/{lengths}/cross_engine.json")
     return (f"SmolLM2-135M (Q4_1 GGUF), the first {result['windows']} window(s) of {result['book']} at the longest "
-            f"length; mean NLL per token; passkey at depth 0.5, {result['passkey_trials']} keys, at the longest "
-            f"length; {result['machine']}.\n\n" + ce.table(result))
+            f"length; mean NLL per token; passkey at the longest length, depth 0.5: keys found of those both engines "
+            f"were given; {result['machine']}.\n\n" + ce.table(result))
 
 
 @table("eval/results/cross_engine/2k/cross_engine.json")
