@@ -229,12 +229,13 @@ def dual_chunk_passkey():
 
 # ---------------------------------------------------------------------------------------------- attention paths
 
-@table("eval/results/attention/bench.json", "eval/results/attention/bench_8k_cells.json")
+@table("eval/results/attention/bench.json", "eval/results/attention/bench_8k_cells.json",
+       "eval/results/attention/bench_16k_cells.json", "eval/results/attention/bench_16k_written.json")
 def attention_bench():
     import bench_attention
 
     parts = []
-    for name in ("bench.json", "bench_8k_cells.json"):
+    for name in ("bench.json", "bench_8k_cells.json", "bench_16k_cells.json", "bench_16k_written.json"):
         d = load(f"attention/{name}")
         cells = {(key.rpartition("@")[0], int(key.rpartition("@")[2])): r for key, r in d["cells"].items()}
         parts.append(bench_attention.tables(cells, argparse.Namespace(**d["args"])))
