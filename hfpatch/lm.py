@@ -173,7 +173,6 @@ def document_nll(parts: LMParts, ids, spans: list[tuple[int, int, int]], chunk: 
     return total, count, runs
 
 
-@torch.no_grad()
 def with_cache(base: torch.nn.Module, cache) -> dict:
     """The keyword that hands a KV cache back to the base model's forward: `cache` where the forward takes it (the
     name transformers moved to), else `past_key_values` (read off the forward, not the version)."""
@@ -186,6 +185,7 @@ def cache_of(out) -> object:
     return out["cache"] if "cache" in out else out["past_key_values"]
 
 
+@torch.no_grad()
 def greedy(parts: LMParts, ids: list[int], new_tokens: int, eos: set[int], done=None) -> list[int]:
     """Greedy decoding with a KV cache: one forward over the prompt, then one token at a time, up to new_tokens,
     an EOS token, or done(generated) returning True. Only the last position goes through the LM head (no [L,

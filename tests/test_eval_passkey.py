@@ -67,6 +67,15 @@ def test_greedy_hands_the_cache_back_under_the_name_the_forward_takes():
         greedy(causal_lm_parts(model), list(range(3, 40)), 4, eos=set())
 
 
+def test_greedy_decodes_without_building_a_graph():
+    """Decoding a long prompt must not keep autograd's graph (memory grows with every step otherwise)."""
+    model = tiny_model("llama")
+    grad_modes = []
+    model.get_input_embeddings().register_forward_hook(lambda m, a, out: grad_modes.append(torch.is_grad_enabled()))
+    greedy(causal_lm_parts(model), list(range(3, 40)), 3, eos=set())
+    assert grad_modes and not any(grad_modes)
+
+
 def test_greedy_stops_at_eos():
     model = tiny_model("llama")
     prompt = list(range(3, 40))
