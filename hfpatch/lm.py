@@ -173,11 +173,10 @@ def document_nll(parts: LMParts, ids, spans: list[tuple[int, int, int]], chunk: 
     return total, count, runs
 
 
-def with_cache(base: torch.nn.Module, cache) -> dict:
+def cache_keyword(base: torch.nn.Module) -> str:
     """The keyword that hands a KV cache back to the base model's forward: `cache` where the forward takes it (the
     name transformers moved to), else `past_key_values` (read off the forward, not the version)."""
-    takes_cache = "cache" in inspect.signature(base.forward).parameters
-    return {"cache" if takes_cache else "past_key_values": cache}
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def cache_of(out) -> object:
@@ -194,14 +193,14 @@ def greedy(parts: LMParts, ids: list[int], new_tokens: int, eos: set[int], done=
         return parts.greedy(ids, new_tokens, eos, done)
     x = torch.tensor([ids], device=parts.input_device)
     out = parts.base(input_ids=x, use_cache=True)
-    past, generated = cache_of(out), []
+    past, generated, keyword = cache_of(out), [], cache_keyword(parts.base)  # read once, not at every step
     h = out.last_hidden_state[:, -1]
     for _ in range(new_tokens):
         nxt = int(head_logits(parts, h).argmax(-1)[0])
         generated.append(nxt)
         if nxt in eos or len(generated) == new_tokens or (done is not None and done(generated)):
             break
-        out = parts.base(input_ids=torch.tensor([[nxt]], device=parts.input_device), **with_cache(parts.base, past),
+        out = parts.base(input_ids=torch.tensor([[nxt]], device=parts.input_device), **{keyword: past},
                          use_cache=True)
         past, h = cache_of(out), out.last_hidden_state[:, -1]
     return generated

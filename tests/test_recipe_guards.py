@@ -151,40 +151,33 @@ def test_two_runs_started_at_once_on_one_output_dir(base, tmp_path):
     long_run = [*base, "max_steps=1000000", "save_every=1000000", "eval_every=1000000"]
     procs = [subprocess.Popen(_command(long_run, "resume=true"), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env()) for _ in range(2)]
+    log = tmp_path / "out" / "log.jsonl"
     try:
-        refused_proc = _first_to_exit(procs, TIMEOUT)
+        refused_proc = _until(lambda: next((p for p in procs if p.poll() is not None), None),
+                              f"neither run ended within {TIMEOUT} s: both are training")
         (winner,) = [p for p in procs if p is not refused_proc]
         err = refused_proc.stderr.read()
         assert refused_proc.returncode == 2, err
         assert f"process {winner.pid}" in err, err
         assert winner.poll() is None, "the run holding the lock ended"
-        _wait_for_rows(tmp_path / "out" / "log.jsonl", 2, TIMEOUT)
+        _until(lambda: log.exists() and len(log.read_text().splitlines()) >= 2,  # the winner trains
+               f"{log} has fewer than 2 rows after {TIMEOUT} s")
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    rows = [json.loads(line)["step"] for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
+    rows = [json.loads(line)["step"] for line in log.read_text().splitlines()]
     assert rows == list(range(1, len(rows) + 1)), rows
 
 
-def _first_to_exit(procs, timeout):
+def _until(found, failure: str, timeout: float = TIMEOUT):
+    """found()'s first truthy value, polled every 0.1 s; AssertionError(failure) after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                return p
+        if value := found():
+            return value
         time.sleep(0.1)
-    raise AssertionError(f"neither run ended within {timeout} s: both are training")
-
-
-def _wait_for_rows(log, n, timeout):
-    """The winner trains: its log reaches n rows."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if log.exists() and len(log.read_text().splitlines()) >= n:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{log} has fewer than {n} rows after {timeout} s")
+    raise AssertionError(failure)
 
 
 # ------------------------------------------------------------------------------------------ a diverging run

@@ -32,7 +32,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..host import available_bytes
-from ..lm import cache_of, with_cache
+from ..lm import cache_keyword, cache_of
 from ..models import resolve
 
 GiB = 1024**3
@@ -230,7 +230,7 @@ def measure_speed(parts, shape: Shape, tokens: int) -> Speed:
         out = parts.base(input_ids=ids, use_cache=True)
         sync()
         t1 = time.perf_counter()
-        parts.base(input_ids=ids[:, -1:], **with_cache(parts.base, cache_of(out)), use_cache=True)
+        parts.base(input_ids=ids[:, -1:], **{cache_keyword(parts.base): cache_of(out)}, use_cache=True)
         sync()
         t2 = time.perf_counter()
     flops = forward_flops(shape, tokens)

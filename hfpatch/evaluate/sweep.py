@@ -85,9 +85,8 @@ class Run:
     parts: object
     tok: object
     args: object
-    applied: Callable[..., Any] = applied  # (model, kwargs, spec name) -> context manager: the engine's way to patch
-    # model -> {attention path: calls so far}: what the engine can say of the kernels its schemes ran
-    paths_ran: Callable[[Any], dict] = lambda model: {}
+    applied: Callable[..., Any]  # (model, kwargs, spec name) -> context manager: the engine's way to patch
+    paths_ran: Callable[[Any], dict]  # model -> {attention path: calls so far}, what the engine can say of its kernels
 
 
 class Evaluation:
