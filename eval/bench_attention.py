@@ -12,6 +12,13 @@ on one that compiled them before (--cold-compile disables that cache for the fle
     python eval/bench_attention.py --lengths 2048 --repeats 1       # a quick check
     python eval/bench_attention.py --lengths 8192 --cells alibi/factorised,t5/pieces
 
+With --device (cuda, or cpu for a quick check of the same code), every scheme runs the path the table chooses for
+that device, dtype and mode, against the unpatched model on sdpa (and on flash-attn where it is installed), all
+cells in one process, peak memory read from the device (CUDA: torch's allocator peak; CPU: peak RSS); a cell that
+runs out of memory is recorded as such and the next one runs:
+
+    python eval/bench_attention.py --device cuda --dtype bf16 --mode train --lengths 8192,32768,131072
+
 Writes OUT/bench.json (every cell's measurements) and OUT/bench.md (the tables), OUT = eval/results/attention.
 """
 
@@ -37,13 +44,17 @@ SCHEMES = {
     "self-extend": ({"group_size": 8, "window": 1024}, ["pieces", "written-out"]),
 }
 TRAINED = 8192  # the model's trained window (Self-Extend's W must be inside it)
+# --device: every scheme with attention paths of its own (hfpatch.position.paths), its path chosen per call
+CHOSEN = {**{scheme: options for scheme, (options, _) in SCHEMES.items()}, "dual-chunk": {}}
+WINDOWED = {"self-extend", "dual-chunk"}  # keep the trained window: the scheme reaches beyond it
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _ints(text):
     return [int(x) for x in text.split(",") if x]
 
 
-def build(scheme: str, layers: int, length: int):
+def build(scheme: str, layers: int, length: int, attn: str | None = None):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -51,12 +62,14 @@ def build(scheme: str, layers: int, length: int):
 
     config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=1000,
-                         max_position_embeddings=TRAINED if scheme == "self-extend" else max(length, TRAINED),
+                         max_position_embeddings=TRAINED if scheme in WINDOWED else max(length, TRAINED),
                          rope_parameters={"rope_type": "default", "rope_theta": THETA})
+    if attn is not None:  # as if loaded with attn_implementation=attn
+        config._attn_implementation_internal = attn
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     if scheme != "unpatched":
-        hfpatch.patch(model, position=scheme, **SCHEMES[scheme][0])
+        hfpatch.patch(model, position=scheme, **CHOSEN[scheme])
     if scheme == "t5":  # zero at start: give the buckets values, as after training
         with torch.no_grad():
             model.model.hfpatch_t5_bias.weight.normal_(0.0, 1.0)
@@ -153,6 +166,180 @@ def tables(results: dict, args) -> str:
     return "\n".join(text)
 
 
+# ------------------------------------------------------------------ --device: the chosen paths, in one process
+
+def flash_schemes() -> list[str]:
+    """The schemes with a path for models loaded with attn_implementation="flash_attention_2" (read off the path
+    tables)."""
+    from hfpatch.position import paths
+
+    return [s for s in CHOSEN if any(p.base and "flash_attention_2" in p.base for p in paths.table(s))]
+
+
+def device_variants() -> list[str]:
+    """"unpatched" (sdpa), every scheme, then "flash:unpatched" and "flash:SCHEME" (models loaded with
+    flash-attn, for the schemes with a flash-attn path)."""
+    return ["unpatched", *CHOSEN, "flash:unpatched", *(f"flash:{s}" for s in flash_schemes())]
+
+
+class DeviceMemory:
+    """Peak memory of the timed calls on one device: torch's CUDA allocator, or the process's RSS on the CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    def reset(self) -> int:
+        """Start measuring; returns what is held now (the model, its inputs)."""
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated()
+        reset_peak_rss()
+        return rss()
+
+    def peak(self) -> int:
+        import torch
+
+        if self.cuda:
+            return torch.cuda.max_memory_allocated()
+        return peak_rss()
+
+    def sync(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def _step(model, ids, train: bool) -> None:
+    """One forward of the base model (infer), or forward + loss + backward (train)."""
+    import torch
+
+    if train:
+        model(ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+    else:
+        with torch.no_grad():
+            model.model(ids)
+
+
+def device_cell(variant: str, length: int, args) -> dict:
+    """One cell of the --device grid: the first call at `length` (compilation included) apart, then the timed ones."""
+    import torch
+
+    from hfpatch.position import paths
+
+    base, _, scheme = variant.rpartition(":")
+    memory = DeviceMemory(args.device)
+    model = build(scheme, args.layers, length, attn="flash_attention_2" if base == "flash" else None)
+    model.to(args.device, getattr(torch, DTYPES[args.dtype]))
+    train = args.mode == "train"
+    model.train(train)
+    ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(1)).to(args.device)
+    _step(model, ids[:, :256], train)  # warm-up of kernels and allocations
+    paths.reset(model)
+    held = memory.reset()
+    times = []
+    for _ in range(1 + args.repeats):
+        t0 = time.perf_counter()
+        _step(model, ids, train)
+        memory.sync()
+        times.append(time.perf_counter() - t0)
+    return {"seconds": times[1:], "first_call": times[0], "peak": memory.peak(), "base": held,
+            "ran": paths.ran(model)}
+
+
+def out_of_memory(error: BaseException) -> bool:
+    import torch
+
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(error).lower()
+
+
+def device_grid(args, save) -> dict:
+    """{(variant, L): measurements, or {"error": ...} or {"skipped": why}}, cells run in order of length; stops
+    starting cells once --budget-s is spent (the rest say so). `save(results)` runs after every cell."""
+    import gc
+
+    import torch
+
+    from hfpatch.position import kernels
+
+    no_flash = kernels.flash_attn_missing()
+    results: dict = {}
+    start = time.perf_counter()
+    for L in args.lengths:
+        for v in device_variants():
+            t0 = time.perf_counter()
+            if v.startswith("flash:") and no_flash:
+                results[(v, L)] = {"skipped": no_flash}
+            elif args.budget_s and t0 - start > args.budget_s:
+                results[(v, L)] = {"skipped": f"the time budget of {args.budget_s:.0f} s was spent"}
+            else:
+                try:
+                    results[(v, L)] = device_cell(v, L, args)
+                except Exception as e:  # one cell failing (memory, a path refusing) does not lose the others
+                    results[(v, L)] = {"error": "out of memory" if out_of_memory(e)
+                                       else f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"}
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            print(f"{v} @ {L}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            save(results)
+    return results
+
+
+def device_tables(results: dict, args) -> str:
+    head = ["L", "variant", "path (calls)", "seconds", "time / unpatched sdpa", "peak (GB)",
+            "peak / unpatched sdpa", "first call (s)"]
+    rows = []
+    for (v, L), r in results.items():
+        if "seconds" not in r:
+            rows.append([L, v, r.get("error") or f"skipped: {r['skipped']}", "", "", "", "", ""])
+            continue
+        base = results.get(("unpatched", L), {})
+        t = median(r["seconds"])
+        ran = ", ".join(f"{k} x{n}" for k, n in sorted(r["ran"].items())) or "the model's own"
+        rows.append([L, v, ran, f"{t:.3f}", f"{t / median(base['seconds']):.2f}" if "seconds" in base else "",
+                     f"{r['peak'] / GB:.2f}", f"{r['peak'] / base['peak']:.2f}" if "seconds" in base else "",
+                     f"{r['first_call']:.1f}"])
+    return "\n".join([
+        f"SmolLM2-shaped Llama (d=576, 9/3 heads, head_dim 64), {args.layers} layers, random weights; batch 1; "
+        f"{args.device}, {args.dtype}, {args.mode} ({'forward + loss + backward' if args.mode == 'train' else 'forward of the base model'}); "
+        f"median of {args.repeats} after a first call at the length (reported apart: compilation included); "
+        "the path each scheme's table chooses; peak = "
+        + ("torch's CUDA allocator peak during the timed calls." if args.device.startswith("cuda")
+           else "process peak RSS during the timed calls."),
+        "", markdown_table(head, rows)])
+
+
+def check_device(p: argparse.ArgumentParser, args) -> None:
+    """--device must name a device this machine has; fills in the --device grid's defaults."""
+    import torch
+
+    if args.device not in ("cpu", "cuda"):
+        p.error(f"--device {args.device}: expected cuda or cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device here (--device cpu runs the same cells on the CPU)")
+    args.dtype = args.dtype or "fp32"
+    args.mode = args.mode or "infer"
+
+
+def run_device_grid(args) -> None:
+    os.makedirs(args.out, exist_ok=True)
+
+    def save(results):
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump({"args": vars(args), "cells": {f"{v}@{L}": r for (v, L), r in results.items()}}, f, indent=1)
+
+    results = device_grid(args, save)
+    text = device_tables(results, args)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=_ints, default=[2048, 8192, 16384])
@@ -165,6 +352,12 @@ def main(argv=None):
                    "ratios on a machine shared with other work")
     p.add_argument("--cold-compile", action="store_true", help="compile without torch's on-disk cache (the flex "
                    "cells' first call then shows what a fresh machine pays)")
+    p.add_argument("--device", help="cuda or cpu: the path each scheme chooses there, against unpatched sdpa (and "
+                   "flash-attn where installed), all cells in one process (see above)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="with --device: the model's dtype (default fp32)")
+    p.add_argument("--mode", choices=["infer", "train"], help="with --device: forwards (infer, the default), "
+                   "or training steps (forward + loss + backward)")
+    p.add_argument("--budget-s", type=float, help="with --device: start no cell after this many seconds")
     p.add_argument("--out", default=os.path.join(HERE, "results", "attention"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
@@ -172,6 +365,13 @@ def main(argv=None):
     if args.worker:
         print(json.dumps(worker(args)))
         return
+    if args.device:
+        check_device(p, args)
+        run_device_grid(args)
+        return
+    given = [f"--{k.replace('_', '-')}" for k in ("dtype", "mode", "budget_s") if getattr(args, k) is not None]
+    if given:
+        p.error(f"{', '.join(given)}: only with --device cuda|cpu")
 
     chosen = None if args.cells is None else set(args.cells.split(","))
     me = os.path.abspath(__file__)

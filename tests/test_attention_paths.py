@@ -21,7 +21,13 @@ import hfpatch
 from hfpatch.cli import main as cli_main
 from hfpatch.position import flex, kernels, paths
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the path runs on CUDA only)")
+
+def CUDA(test):
+    """A test of a CUDA-only path: marked `cuda` (pytest -m cuda selects them: eval/gpu_check.sh), skipped here."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the path runs on CUDA only)")
+    return pytest.mark.cuda(skip(test))
+
+
 FLASH = pytest.mark.skipif(kernels.flash_attn_missing() is not None,
                            reason=f"needs flash-attn on CUDA ({kernels.flash_attn_missing()})")
 
