@@ -291,6 +291,7 @@ def device_grid(args, save) -> dict:
 
 
 def device_tables(results: dict, args) -> str:
+    what = "forward + loss + backward" if args.mode == "train" else "forward of the base model"
     head = ["L", "variant", "path (calls)", "seconds", "time / unpatched sdpa", "peak (GB)",
             "peak / unpatched sdpa", "first call (s)"]
     rows = []
@@ -306,7 +307,7 @@ def device_tables(results: dict, args) -> str:
                      f"{r['first_call']:.1f}"])
     return "\n".join([
         f"SmolLM2-shaped Llama (d=576, 9/3 heads, head_dim 64), {args.layers} layers, random weights; batch 1; "
-        f"{args.device}, {args.dtype}, {args.mode} ({'forward + loss + backward' if args.mode == 'train' else 'forward of the base model'}); "
+        f"{args.device}, {args.dtype}, {args.mode} ({what}); "
         f"median of {args.repeats} after a first call at the length (reported apart: compilation included); "
         "the path each scheme's table chooses; peak = "
         + ("torch's CUDA allocator peak during the timed calls." if args.device.startswith("cuda")

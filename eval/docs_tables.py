@@ -242,6 +242,24 @@ def attention_bench():
     return "\n\n".join(parts)
 
 
+@table("eval/results/gpu/summary.json")
+def gpu_check():
+    """The GPU check's summary (eval/gpu_check.sh) once its results are committed; until then, what it measures."""
+    import gpu_check
+
+    if (RESULTS / "gpu" / "summary.json").is_file():
+        return gpu_check.summary_markdown(load("gpu/summary.json"))
+    pending = "not yet measured on a GPU"
+    rows = [["CUDA tests (`pytest -m cuda`)", "the CUDA and flash-attn attention paths against the written-out path",
+             pending],
+            ["attention paths, inference and training (bf16)", "each scheme's chosen path vs unpatched sdpa (and "
+             "flash-attn), time and peak memory at 8k, 32k, 128k", pending],
+            ["one recipe step, FSDP2 (`recipes/accelerate/fsdp.yaml`)", "a tiny model, one GPU", pending],
+            ["SmolLM2-135M perplexity at 32k (bf16)", "yarn:4, self-extend (G=8, W=1024), dual-chunk vs the "
+             f"committed fp32 CPU cells, within {gpu_check.NLL_TOLERANCE} nats", pending]]
+    return markdown_table(["check", "what", "result"], rows)
+
+
 @table("eval/results/attention/smollm2_paths.json")
 def attention_paths_smollm2():
     import attention_paths_smollm2

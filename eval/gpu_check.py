@@ -1,0 +1,344 @@
+"""The GPU check's Python half (eval/gpu_check.sh runs the steps; this checks the carried files, compares the
+perplexity cells with the committed CPU ones, and writes the summary).
+
+    python eval/gpu_check.py wheels --dir .whl [--try-import DIR]   # every pinned wheel present, its metadata right
+    python eval/gpu_check.py model --parts .gpu-model --staged DIR   # reassemble SmolLM2's GGUF from its parts
+    python eval/gpu_check.py ppl-compare RESULTS --reference FILE ... --out FILE
+    python eval/gpu_check.py summary --steps FILE --out OUT          # OUT/summary.json, OUT/summary.md
+
+The wheels the check carries are listed in eval/gpu_wheels.txt (eval/gpu_wheels.sh downloads them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+import zipfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WHEEL_LIST = HERE / "gpu_wheels.txt"
+sys.path.insert(0, str(HERE))
+
+# The bf16 perplexity cell may differ from the committed fp32 CPU cell by this much mean NLL (nats per token):
+# bf16 keeps 8 bits of mantissa, so every matmul output carries a relative error of about 2^-9 and a 30-layer model's
+# logits drift by a few 1e-3 relative; averaged over 32k tokens that moves the mean NLL by about 1e-2. 0.03 nats
+# (3 % of perplexity) leaves room for that and still catches a wrong path, which moves it by tenths of a nat or more.
+NLL_TOLERANCE = 0.03
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PART_SIZE = 40 * 1024**2  # one carried part of the GGUF: 40 MiB, so that a call's 64 MiB holds it and the tree
+
+
+# ------------------------------------------------------------------------------------------------------- wheels
+
+def pinned() -> dict[str, str]:
+    """{name: version} of the wheels the check carries (eval/gpu_wheels.txt: NAME==VERSION, # comments)."""
+    pins = {}
+    for line in WHEEL_LIST.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            pins[normal(name)] = version
+    return pins
+
+
+def normal(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+def wheel_metadata(path: Path) -> dict[str, str]:
+    with zipfile.ZipFile(path) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        fields = {}
+        for line in z.read(meta).decode().splitlines():
+            key, sep, value = line.partition(": ")
+            if not sep:
+                break
+            fields.setdefault(key, value)
+    return fields
+
+
+def check_wheels(folder: Path) -> dict:
+    """Each pinned NAME==VERSION has one wheel in `folder` whose metadata says so, for cp312 manylinux x86-64."""
+    pins = pinned()
+    found: dict[str, list[str]] = {}
+    problems = []
+    wheels = sorted(folder.glob("*.whl")) if folder.is_dir() else []
+    for w in wheels:
+        meta = wheel_metadata(w)
+        name, version = normal(meta["Name"]), meta["Version"]
+        found.setdefault(name, []).append(version)
+        if name not in pins:
+            problems.append(f"{w.name} is not in eval/gpu_wheels.txt")
+        elif version != pins[name]:
+            problems.append(f"{w.name}: version {version}, eval/gpu_wheels.txt pins {pins[name]}")
+        tags = w.name[:-4].split("-")[-3:]  # python, abi, platform
+        if not (tags[2] == "any" or "x86_64" in tags[2]) or not any(t in tags[0] for t in ("py3", "cp312", "cp3",
+                                                                                            "py312")):
+            problems.append(f"{w.name}: not a cp312 manylinux x86-64 wheel")
+    problems += [f"{n}=={v} missing" for n, v in pins.items() if n not in found]
+    problems += [f"{n}: {len(v)} wheels ({', '.join(v)}); pip installs one" for n, v in found.items() if len(v) > 1]
+    size = sum(w.stat().st_size for w in wheels)
+    return {"wheels": len(wheels), "bytes": size, "problems": problems}
+
+
+def try_import(folder: Path, scratch: Path) -> dict:
+    """Install the wheels this Python can take into `scratch` (not the venv) and import them from there; the others
+    (tagged for Python 3.12 only) are checked by their metadata alone."""
+    here = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    takes, metadata_only = [], []
+    for w in sorted(folder.glob("*.whl")):
+        py = w.name[:-4].split("-")[-3]
+        (takes if ("py3" in py.split(".") or "cp310" in py or here in py) else metadata_only).append(w)
+    shutil.rmtree(scratch, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--target", str(scratch), *map(str, takes)], check=True)
+    names = sorted({wheel_metadata(w)["Name"] for w in takes})
+    modules = [m for m in ("transformers", "huggingface_hub", "tokenizers", "gguf", "datasets") if
+               normal(m) in {normal(n) for n in names}]
+    code = ("import importlib, importlib.metadata as md, json; print(json.dumps({m: [md.version(m), "
+            f"importlib.import_module(m).__file__] for m in {modules!r}}}))")
+    env = {**os.environ, "PYTHONPATH": f"{scratch}{os.pathsep}{ROOT}"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    if out.returncode:
+        raise SystemExit(f"importing the wheels from {scratch} failed:\n{out.stderr[-2000:]}")
+    imported = json.loads(out.stdout.strip().splitlines()[-1])
+    outside = [m for m, (_, where) in imported.items() if not where.startswith(str(scratch))]
+    return {"imported": {m: v for m, (v, _) in imported.items()}, "imported_from_elsewhere": outside,
+            "metadata_only": [w.name for w in metadata_only]}
+
+
+# -------------------------------------------------------------------------------------------------------- model
+
+def split_model(gguf: Path, parts: Path) -> list[Path]:
+    """Cut the GGUF into PART_SIZE parts, each in a folder of its own (one carried path per call) with the manifest:
+    parts/1/part, parts/2/part, ...; parts/N/MANIFEST.json = {"name", "sha256", "bytes", "parts"}."""
+    data = gguf.read_bytes()
+    chunks = [data[i:i + PART_SIZE] for i in range(0, len(data), PART_SIZE)]
+    manifest = {"name": gguf.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                "parts": len(chunks)}
+    tmp = parts.with_name(parts.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for i, chunk in enumerate(chunks, 1):
+        (tmp / str(i)).mkdir(parents=True)
+        (tmp / str(i) / "part").write_bytes(chunk)
+        (tmp / str(i) / "MANIFEST.json").write_text(json.dumps(manifest))
+    shutil.rmtree(parts, ignore_errors=True)
+    tmp.rename(parts)  # whole or not at all
+    return sorted(parts.iterdir())
+
+
+def stage_model(parts: Path, staged: Path) -> dict:
+    """Copy the carried parts (parts/N/part) into `staged` (outside the tree: it outlives a call on a warm
+    machine), and, once every part is there, join them into staged/<name> and check its SHA-256. Returns
+    {"path": the GGUF or None, "missing": [part numbers], "detail": ...}."""
+    staged.mkdir(parents=True, exist_ok=True)
+    manifest = None
+    for folder in sorted(parts.glob("*")) if parts.is_dir() else []:
+        if (folder / "part").is_file():
+            shutil.copyfile(folder / "part", staged / f"part.{folder.name}")
+            shutil.copyfile(folder / "MANIFEST.json", staged / "MANIFEST.json")
+    if (staged / "MANIFEST.json").is_file():
+        manifest = json.loads((staged / "MANIFEST.json").read_text())
+    if manifest is None:
+        return {"path": None, "missing": [], "detail": "no part of the model was carried (bash eval/gpu_wheels.sh "
+                "makes them in .gpu-model/)"}
+    target = staged / manifest["name"]
+    missing = [i for i in range(1, manifest["parts"] + 1) if not (staged / f"part.{i}").is_file()]
+    if missing:
+        return {"path": None, "missing": missing, "detail": f"parts {missing} of {manifest['parts']} not carried yet"}
+    if not target.is_file() or sha256(target) != manifest["sha256"]:
+        tmp = target.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            for i in range(1, manifest["parts"] + 1):
+                f.write((staged / f"part.{i}").read_bytes())
+        if sha256(tmp) != manifest["sha256"]:
+            tmp.unlink()
+            return {"path": None, "missing": [], "detail": "the joined parts do not match the manifest's SHA-256"}
+        tmp.rename(target)
+    return {"path": str(target), "missing": [], "detail": f"{manifest['parts']} parts joined, SHA-256 checked"}
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------- ppl
+
+def ppl_compare(results: Path, references: list[Path], tolerance: float = NLL_TOLERANCE) -> dict:
+    """Every cell of `results` against the cell of the same patch and length in the reference files."""
+    ref = {(c["patch"], c["length"]): (c, str(p)) for p in references for c in json.loads(p.read_text())["cells"]}
+    got = json.loads(results.read_text())
+    rows = []
+    for c in got["cells"]:
+        r, source = ref.get((c["patch"], c["length"]), (None, None))
+        row = {"patch": c["patch"], "length": c["length"], "mean_nll": c["mean_nll"], "ppl": c["ppl"],
+               "attention_path": c.get("attention_path"), "seconds": c.get("seconds")}
+        if r is None:
+            row["status"] = "no reference cell"
+        else:
+            diff = c["mean_nll"] - r["mean_nll"]
+            row.update(reference_mean_nll=r["mean_nll"], reference_ppl=r["ppl"], reference=source,
+                       diff=diff, status="agrees" if abs(diff) <= tolerance else "differs")
+        rows.append(row)
+    return {"tolerance_nats": tolerance, "dtype": got["settings"]["dtype"], "versions": got.get("versions"),
+            "cells": rows, "agree": bool(rows) and all(r["status"] == "agrees" for r in rows)}
+
+
+# ------------------------------------------------------------------------------------------------------ summary
+
+def junit_summary(path: Path) -> dict:
+    """Passed / failed / skipped (with reasons) of pytest's junit XML."""
+    if not path.is_file():
+        return {}
+    out: dict = {"passed": 0, "failed": [], "skipped": {}}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        skipped = case.find("skipped")
+        if case.find("failure") is not None or case.find("error") is not None:
+            out["failed"].append(name)
+        elif skipped is not None:
+            reason = (skipped.get("message") or "").removeprefix("Skipped: ")
+            out["skipped"][reason] = out["skipped"].get(reason, 0) + 1
+        else:
+            out["passed"] += 1
+    return out
+
+
+def read_steps(path: Path) -> list[dict]:
+    """The step records gpu_check.sh appended: one JSON object per line."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def summary(out: Path, steps: list[dict], env: dict) -> dict:
+    data = {"env": env, "steps": steps, "tests": junit_summary(out / "junit.xml")}
+    for name in ("bench_infer", "bench_train"):
+        if (out / f"{name}.json").is_file():
+            cells = json.loads((out / f"{name}.json").read_text())["cells"]
+            data[name] = {k: {f: v.get(f) for f in ("seconds", "first_call", "peak", "ran", "error", "skipped")}
+                          for k, v in cells.items()}
+    if (out / "ppl.json").is_file():
+        data["ppl"] = json.loads((out / "ppl.json").read_text())
+    data["ok"] = all(s["status"] in ("ok", "skipped") for s in steps)
+    return data
+
+
+def summary_markdown(data: dict) -> str:
+    from hfpatch.evaluate.report import markdown_table
+
+    env = data["env"]
+    lines = [f"GPU check on {env.get('device', '?')}: torch {env.get('torch', '?')}, transformers "
+             f"{env.get('transformers', '?')}, Python {env.get('python', '?')}"
+             + (" (dry run: CUDA-only steps skipped)" if env.get("dry_run") else ""), ""]
+    lines.append(markdown_table(["step", "status", "seconds", "detail"],
+                                [[s["name"], s["status"], f"{s['seconds']:.0f}", s.get("detail", "")]
+                                 for s in data["steps"]]))
+    tests = data.get("tests")
+    if tests:
+        lines += ["", f"Tests (pytest -m cuda): {tests['passed']} passed, {len(tests['failed'])} failed"
+                  + "".join(f"; {n} skipped: {why}" for why, n in tests["skipped"].items())]
+        lines += [f"- failed: {name}" for name in tests["failed"]]
+    ppl = data.get("ppl")
+    if ppl:
+        rows = [[c["patch"], c["length"], f"{c['ppl']:.3f}",
+                 f"{c['reference_ppl']:.3f}" if "reference_ppl" in c else "",
+                 f"{c['diff']:+.4f}" if "diff" in c else "", c["status"]] for c in ppl["cells"]]
+        lines += ["", f"Perplexity ({ppl['dtype']}) against the committed CPU cells (agree: |mean NLL difference| <= "
+                  f"{ppl['tolerance_nats']} nats):",
+                  markdown_table(["patch", "length", "ppl", "reference ppl", "mean NLL diff", "status"], rows)]
+    return "\n".join(lines)
+
+
+def environment(dry_run: bool) -> dict:
+    import platform
+
+    import torch
+    import transformers
+
+    import hfpatch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.machine()})"
+    return {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": transformers.__version__, "hfpatch": hfpatch.__version__,
+            "python": platform.python_version(), "dry_run": dry_run}
+
+
+# --------------------------------------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("wheels", help="check the carried wheels")
+    w.add_argument("--dir", default=str(ROOT / ".whl"))
+    w.add_argument("--try-import", metavar="SCRATCH", help="also install the wheels this Python takes into SCRATCH "
+                   "and import them from there")
+    sp = sub.add_parser("split-model", help="cut a GGUF into carried parts")
+    sp.add_argument("gguf")
+    sp.add_argument("--parts", default=str(ROOT / ".gpu-model"))
+    m = sub.add_parser("model", help="stage the carried parts of the GGUF; print its path once whole")
+    m.add_argument("--parts", default=str(ROOT / ".gpu-model"))
+    m.add_argument("--staged", default="/tmp/hfpatch-gpu-model")
+    c = sub.add_parser("ppl-compare", help="compare a perplexity results file with reference cells")
+    c.add_argument("results")
+    c.add_argument("--reference", nargs="+", required=True)
+    c.add_argument("--out", required=True)
+    s = sub.add_parser("summary", help="write OUT/summary.json and OUT/summary.md, print the Markdown")
+    s.add_argument("--steps", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--dry-run", action="store_true")
+    e = sub.add_parser("env", help="print the versions and the device")
+    e.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(argv)
+
+    if args.command == "wheels":
+        result = check_wheels(Path(args.dir))
+        if not result["wheels"]:
+            print(f"no wheels in {args.dir}: run bash eval/gpu_wheels.sh first", file=sys.stderr)
+            return 2
+        if args.try_import and not result["problems"]:
+            result.update(try_import(Path(args.dir), Path(args.try_import)))
+        print(json.dumps(result, indent=1))
+        return 1 if result["problems"] or result.get("imported_from_elsewhere") else 0
+    if args.command == "split-model":
+        for part in split_model(Path(args.gguf), Path(args.parts)):
+            print(part)
+        return 0
+    if args.command == "model":
+        staged = stage_model(Path(args.parts), Path(args.staged))
+        print(staged["path"] or "", end="")
+        print(staged["detail"], file=sys.stderr)
+        return 0 if staged["path"] else 1
+    if args.command == "ppl-compare":
+        result = ppl_compare(Path(args.results), [Path(r) for r in args.reference])
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        for row in result["cells"]:
+            print(f"{row['patch']} @ {row['length']}: mean NLL {row['mean_nll']:.4f}"
+                  + (f" vs {row['reference_mean_nll']:.4f} ({row['diff']:+.4f})" if "diff" in row else "")
+                  + f": {row['status']}")
+        return 0 if result["agree"] else 1
+    if args.command == "env":
+        print(json.dumps(environment(args.dry_run)))
+        return 0
+    out = Path(args.out)
+    env = environment(args.dry_run)
+    data = summary(out, read_steps(Path(args.steps)), env)
+    (out / "summary.json").write_text(json.dumps(data, indent=1))
+    text = summary_markdown(data)
+    (out / "summary.md").write_text(text + "\n")
+    print(text)
+    return 0 if data["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
