@@ -426,6 +426,10 @@ def _applied(applied: dict, facts: dict) -> dict:
     return out
 
 
+# the norm kinds (convert.current_kind) of a model without a LayerNorm, for which exact_layernorm_to_rmsnorm is None
+NO_LAYERNORM = ("rmsnorm", "none")
+
+
 def available(model, adapter: Adapter) -> dict:
     """What `patch` accepts for this model, per axis, and why the rest does not apply."""
     why = {f"position={s}": schemes.unavailable(s, adapter) for s in SCHEMES}
@@ -434,14 +438,17 @@ def available(model, adapter: Adapter) -> dict:
     # one reason for the axis where no kind applies, else one per kind that does not
     why.update(norm_why if offered else {"norm": next(iter(norm_why.values()))})
     exact = norms.exact_blocker(model, adapter, adapter.placement_of(model.config))
-    why["exact_layernorm_to_rmsnorm"] = exact
+    # the question only arises where there is a LayerNorm to convert: an RMSNorm model's answer is None (null), not
+    # a "true" that reads as if the model had LayerNorms
+    has_layernorm = norms.current_kind(model, adapter) not in NO_LAYERNORM
+    why["exact_layernorm_to_rmsnorm"] = exact if has_layernorm else None
     forms = placement_forms(adapter)
     if len(forms) < 2:
         why["placement"] = adapter.notes.get("placement") or "the blocks have no known pre/post form"
     return {
         "position": [s for s in SCHEMES if why[f"position={s}"] is None],
         "norm": offered,
-        "exact_layernorm_to_rmsnorm": exact is None,
+        "exact_layernorm_to_rmsnorm": exact is None if has_layernorm else None,
         "placement": forms,
         "not_available": {k: v for k, v in why.items() if v},
     }
