@@ -118,8 +118,17 @@ def measure(model_types=None, use_cache: bool = True, progress=None) -> dict:
 
 
 def supported(model=None, model_types=None, use_cache: bool = True) -> dict:
-    """What applies to `model` (a loaded model), or {model_type: ...} for every causal-LM model type of the
-    installed transformers (or those named), measured on a tiny model of each."""
+    """What `patch` accepts for one loaded model, or for every causal-LM model type of the installed transformers.
+
+    Args:
+        model: a loaded model; None: measure model types on a tiny random model of each instead.
+        model_types: with no model, only these model types (default: all of them).
+        use_cache: with no model, read the cached measurement (per transformers version and hfpatch source).
+
+    Returns:
+        For a model: its norm, placement, position signal, adapter notes and `patches` (as in `describe`). Else
+        `{model_type: ...}` with the same, or why the type could not be built or read.
+    """
     if model is not None:
         target = unwrap(model)
         return summary(target, adapter_for(target))
