@@ -190,7 +190,32 @@ def _record(spec: dict, touched: dict, facts: dict, stages: list, adapter: dict)
 
 
 def patch(model, position=None, factor=None, norm=None, placement=None, exact=None, **options):
-    """Patch `model` in place (and return it). See the README for every scheme and option."""
+    """Patch `model` in place and return it: its position encoding, its norms, their placement, or several at once.
+
+    The patch replaces what was patched on the same axis before (a second `position=` replaces the first, never
+    stacks on it) and is all or nothing: bad input or a failure leaves the model exactly as it was. `unpatch`
+    undoes it. Every scheme and the options it takes: [Patch options](options.md).
+
+    Args:
+        model: a transformers causal LM (or a peft model wrapping one).
+        position: the position scheme, e.g. `"yarn"`, `"ntk"`, `"linear"`, `"dynamic"`, `"llama3"`, `"longrope"`,
+            `"self-extend"`, `"dual-chunk"`, `"alibi"`, `"nope"`, `"sinusoidal"`, `"t5"`, `"xl"`, `"learned"`,
+            `"interpolate"`, `"rope"`.
+        factor: the context extension ratio (> 1), for the schemes that take one.
+        norm: `"rmsnorm"`, `"layernorm"` or `"batchnorm"`: the kind every norm becomes.
+        placement: `"pre"` or `"post"`: where the norms sit in each block.
+        exact: with `norm`, whether to convert function-preservingly where the math allows (default True).
+        **options: the scheme's own options, e.g. `beta_fast=` (YaRN), `group_size=` and `window=` (Self-Extend),
+            `chunk_size=` (Dual Chunk Attention), `original_max_position_embeddings=`.
+
+    Returns:
+        The same `model` object, patched.
+
+    Raises:
+        ValueError: an unknown scheme or option, a value out of range, or a patch that does not apply to this
+            model (the message says why and what is accepted).
+        TypeError: an option of the wrong type.
+    """
     target = unwrap(model)
     request = specs.request(position=position, factor=factor, norm=norm, placement=placement, exact=exact, **options)
     old: PatchState = getattr(target, _STATE, None) or PatchState(spec={})
@@ -281,9 +306,17 @@ def own_config(model: PreTrainedModel, edits: Edits) -> None:
 
 
 def unpatch(model):
-    """Undo every patch: the original modules, buffers, classes and config values come back themselves. Axes that
-    a checkpoint was saved with (see PatchState.baked) are part of the reloaded model and stay. Atomic: after an
-    exception or interrupt the model is still patched, exactly as before the call."""
+    """Undo every patch: the original modules, buffers, classes and config values come back themselves.
+
+    Patches a checkpoint was saved with are part of the reloaded model and stay. Atomic: after an exception or an
+    interrupt the model is still patched, exactly as before the call.
+
+    Args:
+        model: a model patched by `patch` (an unpatched model is returned as it is).
+
+    Returns:
+        The same `model` object, as it was before its first patch.
+    """
     target = unwrap(model)
     state = getattr(target, _STATE, None)
     if state is None:
@@ -308,9 +341,19 @@ def unpatch(model):
 
 
 def calibrate(model, batches=None) -> int:
-    """Running statistics for the BatchNorms a norm="batchnorm" patch put in `model`, from `batches` (token ids
-    [batch, seq], a tokenizer's output, or a list of those; None: a seeded batch of random tokens): see
-    norm/batchnorm.calibrate. Returns the number of norms calibrated."""
+    """Compute the running statistics of the BatchNorms that a `norm="batchnorm"` patch put in `model`.
+
+    Args:
+        model: a model patched with `norm="batchnorm"`.
+        batches: token ids `[batch, seq]`, a tokenizer's output, or a list of those; None: a seeded batch of
+            random tokens.
+
+    Returns:
+        The number of norms calibrated.
+
+    Raises:
+        ValueError: the model has no BatchNorm (patch it with `norm="batchnorm"` first).
+    """
     return calibrate_batchnorm(unwrap(model), batches)  # (peft's adapters sit inside the base model)
 
 
@@ -386,7 +429,18 @@ def table_limit(model) -> int | None:
 
 
 def describe(model) -> dict:
-    """What the model is, how it normalizes and encodes position now, and what hfpatch has applied."""
+    """What the model is, how it normalizes and encodes position now, and what hfpatch has applied.
+
+    Args:
+        model: a transformers causal LM, patched or not.
+
+    Returns:
+        A dict: `family`, `class`, `norm` (kind, scale, after a norm patch whether it was exact), `placement`,
+        `position` (the scheme and its parameters), `attention`, `max_position_embeddings`, `position_limit`,
+        `applied` (the patch spec), `baked` (patches a reloaded checkpoint carries), `adapter` (what hfpatch read
+        off the model, with notes) and `patches` (what else `patch` accepts here, and why the rest does not apply;
+        `exact_layernorm_to_rmsnorm` is None on a model without LayerNorms).
+    """
     target = unwrap(model)
     adapter = adapter_for(target)
     state = getattr(target, _STATE, None)
@@ -426,6 +480,10 @@ def _applied(applied: dict, facts: dict) -> dict:
     return out
 
 
+# the norm kinds (convert.current_kind) of a model without a LayerNorm, for which exact_layernorm_to_rmsnorm is None
+NO_LAYERNORM = ("rmsnorm", "none")
+
+
 def available(model, adapter: Adapter) -> dict:
     """What `patch` accepts for this model, per axis, and why the rest does not apply."""
     why = {f"position={s}": schemes.unavailable(s, adapter) for s in SCHEMES}
@@ -434,14 +492,17 @@ def available(model, adapter: Adapter) -> dict:
     # one reason for the axis where no kind applies, else one per kind that does not
     why.update(norm_why if offered else {"norm": next(iter(norm_why.values()))})
     exact = norms.exact_blocker(model, adapter, adapter.placement_of(model.config))
-    why["exact_layernorm_to_rmsnorm"] = exact
+    # the question only arises where there is a LayerNorm to convert: an RMSNorm model's answer is None (null), not
+    # a "true" that reads as if the model had LayerNorms
+    has_layernorm = norms.current_kind(model, adapter) not in NO_LAYERNORM
+    why["exact_layernorm_to_rmsnorm"] = exact if has_layernorm else None
     forms = placement_forms(adapter)
     if len(forms) < 2:
         why["placement"] = adapter.notes.get("placement") or "the blocks have no known pre/post form"
     return {
         "position": [s for s in SCHEMES if why[f"position={s}"] is None],
         "norm": offered,
-        "exact_layernorm_to_rmsnorm": exact is None,
+        "exact_layernorm_to_rmsnorm": exact is None if has_layernorm else None,
         "placement": forms,
         "not_available": {k: v for k, v in why.items() if v},
     }

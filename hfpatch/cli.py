@@ -1,4 +1,6 @@
-"""The `hfpatch` command.
+"""Patch a Hugging Face transformers model's position encoding (RoPE scaling such as YaRN, Self-Extend, ALiBi,
+NoPE, ...) or its norms (LayerNorm, RMSNorm, pre/post placement), save it, and measure what the change did
+(perplexity, passkey, RULER, needle in a haystack).
 
     hfpatch describe MODEL
     hfpatch patch MODEL --position yarn --factor 4 --out DIR
@@ -44,7 +46,9 @@ _FLOAT_OPTIONS = ("beta_fast", "beta_slow", "attention_factor", "low_freq_factor
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with `command`, only that subcommand's arguments are defined (the others' need the registries,
     which import torch: `hfpatch --help` would take seconds)."""
-    p = Parser(prog="hfpatch", description=__doc__.split("\n\n")[0])
+    description, _, examples = __doc__.partition("\n\n")
+    p = Parser(prog="hfpatch", description=description, epilog="examples:\n" + examples,
+               formatter_class=argparse.RawDescriptionHelpFormatter)  # the examples keep their lines
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     d = sub.add_parser("describe", help="what the model is and what can be patched (JSON)")

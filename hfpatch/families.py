@@ -25,7 +25,7 @@ import transformers
 
 from . import tiny
 from .adapters import InferenceError, adapter_for
-from .apply import summary, unwrap
+from .apply import NO_LAYERNORM, summary, unwrap
 from .position.schemes import SCHEMES
 
 CACHE_FORMAT = 1
@@ -118,8 +118,17 @@ def measure(model_types=None, use_cache: bool = True, progress=None) -> dict:
 
 
 def supported(model=None, model_types=None, use_cache: bool = True) -> dict:
-    """What applies to `model` (a loaded model), or {model_type: ...} for every causal-LM model type of the
-    installed transformers (or those named), measured on a tiny model of each."""
+    """What `patch` accepts for one loaded model, or for every causal-LM model type of the installed transformers.
+
+    Args:
+        model: a loaded model; None: measure model types on a tiny random model of each instead.
+        model_types: with no model, only these model types (default: all of them).
+        use_cache: with no model, read the cached measurement (per transformers version and hfpatch source).
+
+    Returns:
+        For a model: its norm, placement, position signal, adapter notes and `patches` (as in `describe`). Else
+        `{model_type: ...}` with the same, or why the type could not be built or read.
+    """
     if model is not None:
         target = unwrap(model)
         return summary(target, adapter_for(target))
@@ -128,7 +137,7 @@ def supported(model=None, model_types=None, use_cache: bool = True) -> dict:
 
 def markdown(results: dict) -> str:
     """The table the README carries: one row per model type, then the counts."""
-    rows = ["| model type | position schemes | norm swap | exact LN→RMS | placement | what hfpatch could not read |",
+    rows = ["| model type | position schemes | norm swap | exact LN→RMS | placement | notes |",
             "|---|---|---|---|---|---|"]
     for t, r in sorted(results.items()):
         if r.get("sweep", "swept") != "swept":
@@ -139,10 +148,12 @@ def markdown(results: dict) -> str:
                         f"{_cell(r['reason'])} |")
             continue
         p = r["patches"]
-        why = "; ".join(r["adapter"]["notes"].values()) if isinstance(r["adapter"], dict) else ""
-        rows.append(f"| {t} | {_schemes(p['position'])} | {'yes' if p['norm'] else 'no'} | "
-                    f"{'yes' if p['exact_layernorm_to_rmsnorm'] else 'no'} | {'/'.join(p['placement']) or '—'} | "
-                    f"{_cell(why)} |")
+        notes = dict(r["adapter"]["notes"]) if isinstance(r["adapter"], dict) else {}
+        exact = {True: "yes", False: "no", None: "n/a (no LayerNorm)"}[exact_layernorm_to_rmsnorm(r)]
+        if exact_layernorm_to_rmsnorm(r) is None:
+            notes.pop("exact", None)  # why the conversion would not be exact, for a model with nothing to convert
+        rows.append(f"| {t} | {_schemes(p['position'])} | {'yes' if p['norm'] else 'no'} | {exact} | "
+                    f"{'/'.join(p['placement']) or '—'} | {_cell(_notes(notes))} |")
     return "\n".join(rows) + "\n\n" + counts(results)
 
 
@@ -160,12 +171,30 @@ def counts(results: dict) -> str:
         "- " + "; ".join(f"{name}: {n(lambda p, name=name: name in p['position'])}"  # every other scheme
                          for name, rec in SCHEMES.items() if rec.rope is None),
         f"- norm swaps: {n(lambda p: bool(p['norm']))}; exact LayerNorm→RMSNorm: "
-        f"{n(lambda p: p['exact_layernorm_to_rmsnorm'])}; pre/post placement: {n(lambda p: len(p['placement']) == 2)}",
+        f"{sum(exact_layernorm_to_rmsnorm(r) is True for r in built.values())} (of "
+        f"{sum(exact_layernorm_to_rmsnorm(r) is not None for r in built.values())} with LayerNorms); pre/post "
+        f"placement: {n(lambda p: len(p['placement']) == 2)}",
     ]
     if unswept:
         lines.append(f"- not yet measured by the family sweep (not counted above): {len(unswept)}: "
                      f"{', '.join(sorted(unswept))}")
     return "\n".join(lines)
+
+
+def exact_layernorm_to_rmsnorm(result: dict) -> bool | None:
+    """Whether LayerNorm -> RMSNorm is exact on a measured model type; None where it has no LayerNorm to convert
+    (decided from its norm kind, so that results measured before describe() said null read the same)."""
+    return None if result["norm"] in NO_LAYERNORM else bool(result["patches"]["exact_layernorm_to_rmsnorm"])
+
+
+# what each adapter note is about, as the table's notes column names it
+_NOTE_TOPICS = {"exact": "exact LN→RMS", "placement": "placement", "positions": "positions", "attention": "attention",
+                "norms": "norms", "unrecognised_norms": "norms", "removal": "position removal", "blocks": "blocks"}
+
+
+def _notes(notes: dict) -> str:
+    """The adapter's notes, each under what it is about: "exact LN→RMS: the block norms are ...; placement: ..."."""
+    return "; ".join(f"{_NOTE_TOPICS.get(k, k)}: {v}" for k, v in notes.items())
 
 
 def _schemes(names: list) -> str:

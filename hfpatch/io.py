@@ -56,7 +56,20 @@ def _serializable(model):
 
 
 def save_pretrained(model, path, tokenizer=None, **kwargs):
-    """Weights + config (with its "hfpatch" section) + the tokenizer if given. kwargs go to transformers."""
+    """Save a model, patched or not, so that `from_pretrained` rebuilds it with its patches.
+
+    Writes the weights, the config (with an "hfpatch" section recording the patches) and the tokenizer if given.
+    Native RoPE schemes also reload in plain transformers.
+
+    Args:
+        model: a transformers causal LM, patched or not.
+        path: the folder to write.
+        tokenizer: saved into the same folder when given.
+        **kwargs: passed to transformers' `save_pretrained`.
+
+    Raises:
+        ValueError: `path` is a file, or the model carries peft adapters (merge them first).
+    """
     if os.path.isfile(path):  # transformers only logs this and returns
         raise ValueError(f"{path} is a file, not a folder: save_pretrained writes a folder")
     target = unwrap(model)
@@ -158,11 +171,23 @@ def _config_path(config, key: str):
 
 
 def from_pretrained(path, **kwargs):
-    """Rebuild a model saved by `save_pretrained` (patched or not); kwargs go to transformers' from_pretrained.
+    """Rebuild a model saved by `save_pretrained`, patched or not, with its patches applied.
 
-    Two defaults differ from transformers': trust_remote_code=False (the Python code a model folder may carry is
-    never run unless asked, and never asked for at a prompt) and use_safetensors=True (pickled pytorch_model.bin
-    weights are refused; use_safetensors=None reads them, with torch.load(weights_only=True))."""
+    Two defaults differ from transformers': `trust_remote_code=False` (the Python code a model folder may carry is
+    never run unless asked, and never asked for at a prompt) and `use_safetensors=True` (pickled
+    `pytorch_model.bin` weights are refused; `use_safetensors=None` reads them, with
+    `torch.load(weights_only=True)`).
+
+    Args:
+        path: a folder written by `save_pretrained` (or any transformers model folder or hub id).
+        **kwargs: passed to transformers' `from_pretrained` (`dtype=`, `device_map=`, `gguf_file=`, ...).
+
+    Returns:
+        The model, with the same logits as when it was saved.
+
+    Raises:
+        ValueError: pickled weights without `use_safetensors=None`, or a folder that is not a model.
+    """
     kwargs = {"trust_remote_code": False, **kwargs}
     if not kwargs.get("gguf_file"):
         kwargs.setdefault("use_safetensors", True)

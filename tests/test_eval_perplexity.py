@@ -387,8 +387,20 @@ def test_dry_run_estimates_and_scores_nothing(tiny_run, tmp_path, monkeypatch, c
     assert perplexity.main(["--model", str(model_dir), "--text-files", str(docs), "--lengths", "16",
                             "--patches", "none,yarn:2", "--dry-run", "--out", str(tmp_path / "o")]) == 0
     err = capsys.readouterr().err
-    assert "2 cell(s), 4 documents and" in err and "about" in err
+    assert "2 cell(s) of 2 documents each and" in err and "about" in err
     assert json.loads((tmp_path / "o" / "results.json").read_text())["cells"] == []
+
+
+def test_estimate_counts_one_document_once_however_many_cells_read_it(tiny_run, tmp_path, capsys):
+    """The main job reads one document in 6 cells: the estimate line said "6 cell(s), 6 documents"."""
+    model_dir, docs = tiny_run
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "a.txt").write_text((docs / "a.txt").read_text(encoding="utf-8"), encoding="utf-8")
+    assert perplexity.main(["--model", str(model_dir), "--text-files", str(one), "--lengths", "16,32",
+                            "--patches", "none,yarn:2", "--dry-run", "--out", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert "4 cell(s) of 1 document each and" in err
 
 
 def test_memory_that_cannot_fit_is_refused_before_loading(tiny_run, tmp_path, monkeypatch, capsys):

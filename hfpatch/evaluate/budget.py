@@ -243,3 +243,14 @@ def duration(seconds: float) -> str:
     if seconds < 90 * 60:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def work_left(records: str, todo) -> str:
+    """The estimate line's count of work: cells and the units each reads, e.g. "6 cell(s) of 1 document each".
+    Counted per cell, because one document read in six cells is one document, not six."""
+    per_cell = sorted({len(left) for *_, left in todo})
+    low, high = per_cell[0], per_cell[-1]
+    if low == high:
+        noun = records[:-1] if low == 1 and records.endswith("s") else records  # "1 document", "3 documents"
+        return f"{len(todo)} cell(s) of {low} {noun} each"
+    return f"{len(todo)} cell(s) of {low} to {high} {records} each"  # a resumed run: some cells partly done

@@ -240,7 +240,7 @@ class Engine:
         units = [u for *_, left in todo for u in left]
         tokens = sum(u.tokens for u in units)
         seconds = tokens / rate
-        print(f"{ev.prog}: {len(todo)} cell(s), {len(units)} {ev.records} and {tokens:,} tokens to read with "
+        print(f"{ev.prog}: {budget.work_left(ev.records, todo)} and {tokens:,} tokens to read with "
               f"llama.cpp: about {budget.duration(seconds)} here (from a timed {n}-token evaluation: "
               f"{rate:.0f} tokens/s)", file=sys.stderr)
         return seconds

@@ -5,9 +5,12 @@ compare study and the benchmarks."""
 
 from __future__ import annotations
 
+import math
+
 import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
 from .common import length_label
 
@@ -56,6 +59,35 @@ def length_axis(ax, lengths: list[int]) -> None:
     ax.minorticks_off()
 
 
+# the mantissas labelled on a log value axis, by how many decades the data spans: every label stays readable, and a
+# range as narrow as 5 to 6 still gets labels inside it
+_LOG_SUBS = ((0.35, (1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0, 9.0)),
+             (0.7, (1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)), (1.5, (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)),
+             (math.inf, (1.0, 2.0, 5.0)))
+
+
+def log_value_axis(ax, values: list[float]) -> None:
+    """A log y axis over `values` labelled with plain numbers (5, 6, 8, 10, 15, 20, ...) across the whole range,
+    not only at powers of ten: matplotlib's default labels 10 and 20 and leaves 5 to 6 with none."""
+    lo, hi = min(values), max(values)
+    ax.set_yscale("log")
+    ax.set_ylim(lo / 1.1, hi * 1.1)  # room for the markers, and a labelled tick on either side of narrow data
+    decades = math.log10(hi * 1.1) - math.log10(lo / 1.1)
+    subs = next(subs for most, subs in _LOG_SUBS if decades <= most)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.minorticks_off()
+
+
+def text_color(rgba) -> str:
+    """Black or white, whichever contrasts more with a cell of colour `rgba` (WCAG relative luminance: black text
+    wins above 0.179, where both contrasts are equal). Black on RdYlGn's dark green was hard to read."""
+    linear = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgba[:3]]
+    luminance = 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+    return "black" if luminance > 0.179 else "white"
+
+
 def grid_tables(cells: list[dict], patches: list[str], lengths: list[int], depths: list[float],
                 title: str = "accuracy", row: str = "depth", value: str = "accuracy") -> str:
     """One table per patch spec: rows = depth of the needle, columns = length, entries = cell[value]; plus the
@@ -98,7 +130,8 @@ def grid_heatmap(cells: list[dict], patches: list[str], lengths: list[int], dept
         for i in range(len(depths)):
             for j in range(len(lengths)):
                 if not np.isnan(grid[i, j]):
-                    ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7)
+                    ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                            color=text_color(im.cmap(im.norm(grid[i, j]))))
         ax.set_xticks(range(len(lengths)), [length_label(n) for n in lengths])
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
         ax.set_xlabel("length (tokens)")

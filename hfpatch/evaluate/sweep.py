@@ -344,7 +344,7 @@ def _estimate(ev: Evaluation, run: Run, plan: Plan, todo) -> float:
     units = [u for *_, left in todo for u in left]
     seconds = sum(speed.seconds(shape, *f) for u in units for f in u.forwards)
     tokens = sum(u.tokens for u in units)
-    print(f"{ev.prog}: {len(todo)} cell(s), {len(units)} {ev.records} and {tokens:,} tokens to read: about "
+    print(f"{ev.prog}: {budget.work_left(ev.records, todo)} and {tokens:,} tokens to read: about "
           f"{budget.duration(seconds)} here (estimated from a timed {n}-token forward: "
           f"{speed.flops_per_s / 1e9:.0f} GFLOP/s, {speed.step_s * 1e3:.0f} ms per decoding step)", file=sys.stderr)
     return seconds

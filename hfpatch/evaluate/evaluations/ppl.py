@@ -26,7 +26,6 @@ import sys
 from typing import ClassVar
 
 import numpy as np
-from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
 from ... import text as texts
 from ...lm import document_nll, windows
@@ -186,11 +185,13 @@ class Perplexity(sweep.Evaluation):
         fig = report.figure(figsize=(7, 4.5))
         ax = fig.subplots()
         colors = report.colors()
+        plotted: list[float] = []  # the perplexities drawn, for the value axis
         for i, p in enumerate(settings["patches"]):
             for w in windowings:
                 pts = [(n, done[(p, w, n)]["ppl"]) for n in lengths if (p, w, n) in done and done[(p, w, n)]["ppl"]]
                 if not pts:
                     continue
+                plotted += [y for _, y in pts]
                 label = p if len(windowings) == 1 else f"{p} ({w})"
                 ax.plot(*zip(*pts), marker="o", color=colors[i % len(colors)],
                         linestyle="-" if w == "chunks" else "--", label=label)
@@ -199,12 +200,10 @@ class Perplexity(sweep.Evaluation):
             ax.text(window, 0.98, " trained window", transform=ax.get_xaxis_transform(), color="gray",
                     fontsize=8, va="top")
         report.length_axis(ax, lengths)
-        ax.set_yscale("log")
-        # perplexities of one run span a decade or two: label 1-2-5 steps, not only the powers of ten
-        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(NullFormatter())
-        ax.minorticks_off()
+        if plotted:  # labels across the perplexities drawn, not only at the powers of ten
+            report.log_value_axis(ax, plotted)
+        else:
+            ax.set_yscale("log")
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("perplexity (log scale)")
         ax.set_title(title, fontsize=9)
