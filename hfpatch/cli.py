@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from .command import Parser, UsageError, run_main
@@ -95,6 +96,8 @@ def _patch_arguments(s) -> None:
     s.add_argument("--opt", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
                    help="any other scheme option, value as JSON (e.g. --opt 'short_factor=[1,1,1,1]')")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="load the model in this dtype")
+    s.add_argument("--overwrite", action="store_true",
+                   help="with a .gguf --out: replace an existing GGUF file there (never a file of another kind)")
     _loading_flags(s)
 
 
@@ -173,6 +176,9 @@ def _run(args) -> int:
         raise UsageError("hfpatch patch: error: nothing to patch: give --position, --norm or --placement")
     if args.out.endswith(".gguf"):  # GGUF in, GGUF out: llama.cpp's RoPE metadata, the weights as they are
         return _export_gguf(args, kwargs)
+    if args.overwrite:
+        raise UsageError("hfpatch patch: error: --overwrite applies to a .gguf --out; a model folder given as --out "
+                         "is replaced whole")
     hfpatch.spec.request(**kwargs)
     out = _check_out(args.out, args.model)
     dtype = None
@@ -201,7 +207,11 @@ def _export_gguf(args, kwargs) -> int:
     if source is None:
         raise UsageError(f"hfpatch patch: error: --out {args.out} is a GGUF file, which needs a .gguf model to copy "
                          "(a transformers folder saves to a folder; convert it with llama.cpp's convert_hf_to_gguf.py)")
-    written = export(source, args.out, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        written = export(source, args.out, overwrite=args.overwrite, **kwargs)
+    for w in caught:  # what was kept of a scaling made elsewhere: one line each, as describe's warnings
+        print(f"hfpatch: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     keys = ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in written["metadata"].items()
                      if not k.startswith("hfpatch."))
     tensors = f"; tensors {', '.join(written['tensors'])}" if written["tensors"] else ""

@@ -12,6 +12,11 @@ computes them in memory, so the defaults (YaRN's attention factor and betas, the
 The file also carries `hfpatch.record` (JSON: the spec and the original base and window), so that `read_patch` /
 `hfpatch.models.load` give back exactly the patched model in transformers, whose GGUF loader reads only
 `rope.freq_base`. Without the record (a GGUF made elsewhere) the scheme is read from llama.cpp's metadata itself.
+An export from a file that carries the record starts from the base and window it holds, so that exporting again
+gives the file the original would have given; a scaling made elsewhere is replaced, its base kept with a warning.
+
+The output is written whole or not at all (a temporary file next to it, synced and renamed); an existing output is
+replaced only when asked (overwrite=True) and only if it is a GGUF file.
 
 What llama.cpp cannot express is refused with the reason: schemes that are not RoPE frequencies (ALiBi, T5, XL,
 learned tables, NoPE, ...), frequencies that follow the sequence length (dynamic NTK, dynamic YaRN), norm and
@@ -26,6 +31,7 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,10 +43,12 @@ from . import apply
 from . import spec as specs
 from .adapters import adapter_for
 from .edits import Edits
+from .files import describe_os_error, fsync
 from .position import rope as builders
 from .position import rotary as rot
 from .position.patch import max_positions, rotaries_of
 from .position.schemes import SCHEMES
+from .position.self_extend import default_settings
 
 # ------------------------------------------------------------------------------------------ llama.cpp, as data
 # Read off llama.cpp's source (src/llama-model.cpp, src/llama-context.cpp, src/models/*.cpp) as vendored by
@@ -63,6 +71,7 @@ DEFAULT_FREQ_BASE = 10000.0  # llama.cpp's value when a file names none
 TENSORS = {"freqs": "rope_freqs.weight", "long": "rope_factors_long.weight", "short": "rope_factors_short.weight"}
 RECORD_KEY = "hfpatch.record"
 RECORD_VERSION = 1
+MAGIC = b"GGUF"  # the first four bytes of every GGUF file
 
 # The keys under {arch}. that describe a RoPE scaling: an export replaces all of them (a new scheme replaces the
 # old one, as `hfpatch.patch` does), so none of the source's scaling is left to combine with the new one.
@@ -76,17 +85,23 @@ def group_attention_flags(group_size: int, window: int) -> str:
     return f"--grp-attn-n {group_size} --grp-attn-w {window}"
 
 
-def _self_extend_reason(req: dict) -> str:
-    g, w = req["group_size"], req["window"]
+def _self_extend_reason(req: dict, trained: int) -> str:
+    default_g, default_w = default_settings(trained)
+    g, w = req.get("group_size", default_g), req.get("window", default_w)
     flags = group_attention_flags(g, w)
+    # the values hfpatch.patch would choose for options left out, named so that llama.cpp runs the same model
+    left_out = [f"G = {g}" if key == "group_size" else f"W = {w}" for key in ("group_size", "window") if key not in req]
+    defaults = (f" ({' and '.join(left_out)}: hfpatch's default{'s' if len(left_out) > 1 else ''} for this model's "
+                f"{trained}-token trained window)" if left_out else "")
     multiple = "" if w % g == 0 else (f" (llama.cpp needs the width to be a multiple of the group size: e.g. "
                                       f"{group_attention_flags(g, max(g, w // g * g))})")
     return (f"llama.cpp applies Self-Extend at run time, not from metadata: run the unchanged GGUF with {flags}"
-            f"{multiple} in llama-completion or llama-passkey (llama-cli in older builds); llama-server no longer has "
-            "group attention")
+            f"{defaults}{multiple} in llama-completion or llama-passkey (llama-cli in older builds); llama-server no "
+            "longer has group attention")
 
 
-# Why each scheme hfpatch has but a GGUF cannot carry is refused (a callable gets the validated request).
+# Why each scheme hfpatch has but a GGUF cannot carry is refused (a callable gets the validated request and the
+# source's trained window, which the scheme's defaults follow).
 REFUSED = {
     "dynamic": "dynamic NTK changes the RoPE base with the sequence length, and llama.cpp's frequencies are fixed "
                "when the context is created; export ntk (the base for one length) or yarn instead",
@@ -200,7 +215,7 @@ def _form_linear(info, params, opts, n_positions):
 
 
 def _form_ntk(info, params, opts, n_positions):
-    return _plain_keys("none", **{"rope.freq_base": (params["rope_theta"], "f32")}), {}
+    return _plain_keys("none"), {}  # the raised base is the plan's rope.freq_base
 
 
 def _form_yarn(info, params, opts, n_positions):
@@ -253,18 +268,22 @@ def exportable() -> list[str]:
     return list(FORMS)
 
 
-def refusal(name: str, req: dict | None = None) -> str | None:
-    """Why position=`name` cannot go into a GGUF (None: it can)."""
+def refusal(name: str, req: dict | None = None, trained_window: Callable[[], int] | None = None) -> str | None:
+    """Why position=`name` cannot go into a GGUF (None: it can). With the validated request and the source's trained
+    window (called only when the reason depends on it), the reason names the settings to run instead."""
     if name in FORMS:
         return None
     reason = REFUSED.get(name)
     if callable(reason):
-        return reason(req) if req else "Self-Extend is a run-time setting of llama.cpp (--grp-attn-n/--grp-attn-w)"
+        if req is None or trained_window is None:
+            return "Self-Extend is a run-time setting of llama.cpp (--grp-attn-n/--grp-attn-w)"
+        return reason(req, trained_window())
     return reason or f"{SCHEMES[name].summary}: it {_NOT_ROPE}"
 
 
-def request(position=None, factor=None, **options) -> dict:
-    """The validated position request of an export, or ValueError saying why a GGUF cannot carry it."""
+def request(position=None, factor=None, *, trained_window: Callable[[], int] | None = None, **options) -> dict:
+    """The validated position request of an export, or ValueError saying why a GGUF cannot carry it.
+    `trained_window` gives the source's trained window, for the refusals that name settings following it."""
     req = specs.request(position=position, factor=factor, **options)
     other = [axis for axis in req if axis != "position"]
     if other:
@@ -275,7 +294,7 @@ def request(position=None, factor=None, **options) -> dict:
     if "position" not in req:
         raise ValueError("nothing to export: give position= (one of " + ", ".join(FORMS) + ")")
     pos = req["position"]
-    reason = refusal(pos["scheme"], pos)
+    reason = refusal(pos["scheme"], pos, trained_window)
     if reason:
         raise ValueError(f"position={pos['scheme']!r} cannot be written to a GGUF file: {reason}")
     if "layer_types" in pos:
@@ -298,59 +317,157 @@ def plan(info: RopeInfo, pos: dict) -> Plan:
                                  f"(rotary dim {info.n_rot}), got {len(params[key])}")
     n_positions = max_positions(SCHEMES[name], window, opts) or window
     keys, tensors = FORMS[name](info, params, opts, n_positions)
-    keys = {"context_length": (n_positions, "u32"), "rope.scaling.original_context_length": (window, "u32"), **keys}
+    # rope.freq_base always: the base the scheme was computed from (NTK's raised one), never one a source carried
+    keys = {"context_length": (n_positions, "u32"), "rope.scaling.original_context_length": (window, "u32"),
+            "rope.freq_base": (params["rope_theta"], "f32"), **keys}
     return Plan(keys, tensors, {"position": pos}, n_positions)
 
 
 # ------------------------------------------------------------------------------------------------------ writing
 
-def export(src, out, position=None, factor=None, **options) -> dict:
+def export(src, out, position=None, factor=None, *, overwrite: bool = False, **options) -> dict:
     """Copy GGUF file `src` to `out` with the RoPE metadata of the position scheme (the keyword arguments of
-    `hfpatch.patch`). Every tensor is copied byte for byte; the source's own RoPE scaling is replaced. Returns what
-    was written: {"spec", "metadata": {full key: value}, "tensors": [names], "context_length"}."""
+    `hfpatch.patch`). Every tensor is copied byte for byte; the source's own RoPE scaling is replaced, and a file
+    hfpatch exported gets its original base back first, so the result is the export from the original file. An
+    existing `out` is replaced only with overwrite=True, and only if it is a GGUF file. Returns what was written:
+    {"spec", "metadata": {full key: value}, "tensors": [names], "context_length"}."""
     import gguf  # an optional extra (hfpatch[gguf])
 
-    pos = request(position=position, factor=factor, **options)  # bad input costs no file reading
     src, out = os.fspath(src), os.fspath(out)
     if not os.path.isfile(src):
         raise ValueError(f"no such GGUF file: {src}")
-    if not out.endswith(".gguf"):
-        raise ValueError(f"the output must be a .gguf file, got {out}")
-    if os.path.exists(out) and os.path.samefile(src, out):
-        raise ValueError(f"the output {out} is the source file; write to another path")
-    reader = gguf.GGUFReader(src)
+    check_output(out, src, overwrite)
+    # bad input costs no file reading, except for a refusal that names settings following the trained window
+    pos = request(position=position, factor=factor, trained_window=lambda: read_rope(open_gguf(src)).window,
+                  **options)
+    reader = open_gguf(src)
     info = read_rope(reader)
     if reader.get_field(f"{info.arch}.rope.scaling.yarn_log_multiplier") is not None:
         raise ValueError(f"this {info.arch} GGUF's YaRN also enters its attention scale (rope.scaling."
                          "yarn_log_multiplier), which hfpatch does not rewrite")
-    p = plan(info, pos)
-    record = {"version": RECORD_VERSION, "spec": p.spec, "rope_theta": info.freq_base, "window": info.window}
+    original = original_rope(info, src)
+    p = plan(original, pos)
+    record = {"version": RECORD_VERSION, "spec": p.spec, "rope_theta": original.freq_base, "window": original.window}
     keys = {f"{info.arch}.{k}": v for k, v in p.keys.items()}
     keys[RECORD_KEY] = (json.dumps(record, sort_keys=True), "str")
-    drop = {f"{info.arch}.{k}" for k in SCALING_KEYS} | set(keys)
+    # the scaling keys and the record go and are written after the model's own keys, so the file is the same
+    # whatever scaling the source carried: the export of the original file
+    drop = {f"{info.arch}.{k}" for k in SCALING_KEYS} | {RECORD_KEY}
     _write(gguf, reader, out, keys, drop, p.tensors, set(TENSORS.values()))
     return {"spec": p.spec, "metadata": {k: v for k, (v, _) in keys.items()}, "tensors": sorted(p.tensors),
             "context_length": p.n_positions}
 
 
+def check_output(out: str, src: str, overwrite: bool) -> None:
+    """ValueError, before any work, when the export cannot or must not write `out`."""
+    if not out.endswith(".gguf"):
+        raise ValueError(f"the output must be a .gguf file, got {out}")
+    if os.path.isdir(out):
+        raise ValueError(f"the output {out} is a folder; give the path of a .gguf file to write")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise ValueError(f"the output's folder {folder} does not exist; create it first")
+    if not os.path.lexists(out):
+        return
+    if os.path.exists(out) and os.path.samefile(src, out):
+        raise ValueError(f"the output {out} is the source file; write to another path")
+    if not overwrite:
+        raise ValueError(f"the output {out} exists; give overwrite=True (hfpatch patch --overwrite) to replace it, "
+                         "or another path")
+    if not is_gguf(out):
+        raise ValueError(f"the output {out} exists and is not a GGUF file; it is never overwritten, even with "
+                         "overwrite=True: move it away or write to another path")
+
+
+def is_gguf(path: str) -> bool:
+    """Whether `path` is a file that starts with GGUF's magic bytes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+def open_gguf(path: str):
+    """A GGUFReader of `path`, or ValueError when the file cannot be parsed as GGUF (gguf-py then fails deep in its
+    parser: "cannot reshape array...", "GGUF magic invalid", an index out of range...)."""
+    import gguf  # an optional extra (hfpatch[gguf])
+
+    try:
+        return gguf.GGUFReader(path)
+    except OSError as e:
+        raise ValueError(f"could not read {path}: {describe_os_error(e)}") from None
+    except Exception as e:  # any parse failure of a damaged file: the reader checks nothing up front
+        size = os.path.getsize(path)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or damaged?): {size:,} bytes; the GGUF "
+                         f"reader stopped at: {first}") from None
+
+
+def original_rope(info: RopeInfo, path: str) -> RopeInfo:
+    """The RoPE of the model before any scaling the file carries: what an export starts from. A file hfpatch
+    exported records its original base and window; a scaling made elsewhere gets a warning, as its base (which NTK
+    scaling raises) cannot be told from the model's own and is kept."""
+    found = _from_record(info) if info.record is not None else None
+    if found is not None:
+        return RopeInfo(info.arch, found.rope_theta, found.window, found.window, info.n_rot)
+    scaled = scaling_carried(info)
+    if scaled:
+        stale = " (its hfpatch record no longer matches its metadata)" if info.record is not None else ""
+        warnings.warn(f"{path} carries a RoPE scaling that hfpatch did not export{stale}: {', '.join(scaled)}. The "
+                      f"export replaces it, and keeps rope.freq_base = {info.freq_base:g} and the trained window "
+                      f"{info.window} as the model's own; if another tool raised that base (NTK scaling), export from "
+                      "the original file instead", UserWarning, stacklevel=3)
+    return RopeInfo(info.arch, info.freq_base, info.window, info.window, info.n_rot)
+
+
+def scaling_carried(info: RopeInfo) -> list[str]:
+    """What in the file's metadata says it carries a RoPE scaling (["key=value", tensor names...]; [] for none)."""
+    k = info.keys
+    found = [f"rope.scaling.type={k['rope.scaling.type']}"] if k.get("rope.scaling.type", "none") != "none" else []
+    found += [f"{key}={k[key]:g}" for key in ("rope.scaling.factor", "rope.scale_linear") if k.get(key) not in
+              (None, 0.0, 1.0)]
+    if info.context_length != info.window:  # an extended window over the trained one
+        found.append(f"context_length={info.context_length} over rope.scaling.original_context_length={info.window}")
+    return found + sorted(info.tensors)
+
+
 def _write(gguf, reader, out: str, keys: dict, drop: set, new_tensors: dict, drop_tensors: set) -> None:
-    """Write `out`: the reader's metadata less `drop`, with `keys` (each where the key it replaces was, new ones at
-    the end), the new tensors first, then every other tensor but `drop_tensors` byte for byte. Written next to `out`
-    and renamed at the end, so a failure leaves no partial file."""
+    """Write `out`: the reader's metadata less `drop`, with `keys` (each where the key it replaces was, unless that
+    one is dropped; the others at the end), the new tensors first, then every other tensor but `drop_tensors` byte
+    for byte. Written to a file next to `out`, synced and renamed at the end, so a failure (a full disk, a read-only
+    place, an interrupt) leaves what was at `out` as it was and no partial file; an OSError is a ValueError saying
+    what went wrong."""
+    tmp = f"{out}.{os.getpid()}.tmp"
+    try:
+        _write_file(gguf, reader, tmp, keys, drop, new_tensors, drop_tensors)
+        os.replace(tmp, out)
+        fsync(os.path.dirname(os.path.abspath(out)))
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, OSError):
+            raise ValueError(f"could not write {out}: {describe_os_error(e)}") from None
+        raise
+
+
+def _write_file(gguf, reader, path: str, keys: dict, drop: set, new_tensors: dict, drop_tensors: set) -> None:
+    """_write's content, into `path` (synced to the disk before it returns)."""
     types = {"f32": gguf.GGUFValueType.FLOAT32, "u32": gguf.GGUFValueType.UINT32, "str": gguf.GGUFValueType.STRING}
     arch = _value(reader, "general.architecture")
-    tmp = f"{out}.{os.getpid()}.tmp"
-    writer = gguf.GGUFWriter(tmp, arch, endianess=reader.endianess)
+    writer = gguf.GGUFWriter(path, arch, endianess=reader.endianess)
     writer.data_alignment = reader.alignment
     try:
         pending = dict(keys)
         for f in reader.fields.values():
             if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
                 continue  # written by GGUFWriter itself
+            if f.name in drop:
+                continue  # a scaling key: written (if at all) at the end, as from a file that never carried it
             if f.name in pending:
                 value, kind = pending.pop(f.name)
                 writer.add_key_value(f.name, value, types[kind])
-            elif f.name not in drop:
+            else:
                 sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
                 writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
         for name, (value, kind) in pending.items():
@@ -367,13 +484,11 @@ def _write(gguf, reader, out: str, keys: dict, drop: set, new_tensors: dict, dro
             writer.write_tensor_data(array)
         for t in kept:
             writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+        writer.flush()
+        for f in writer.fout or []:
+            os.fsync(f.fileno())  # on the disk before the rename makes it the output
+    finally:
         writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 # ------------------------------------------------------------------------------------------------------ reading
@@ -393,15 +508,16 @@ def read_patch(path) -> Found | None:
     """The RoPE scaling a GGUF file carries, or None when it carries none (plain RoPE as transformers loads it)."""
     path = os.path.realpath(os.fspath(path))
     st = os.stat(path)
-    return copy.deepcopy(_read_patch(path, st.st_mtime_ns, st.st_size))
+    # the inode and ctime too: a file copied over another with its times kept (cp -p) has the old size and mtime,
+    # but every write changes the ctime
+    return copy.deepcopy(_read_patch(path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)))
 
 
 @functools.lru_cache(maxsize=16)
-def _read_patch(path: str, mtime_ns: int, size: int) -> Found | None:
-    """read_patch, once per version of a file: parsing a GGUF's metadata (its vocabulary) takes seconds."""
-    import gguf  # an optional extra (hfpatch[gguf])
-
-    reader = gguf.GGUFReader(path)
+def _read_patch(path: str, version: tuple) -> Found | None:
+    """read_patch, once per version of a file (`version`: its stat): parsing a GGUF's metadata (its vocabulary)
+    takes seconds."""
+    reader = open_gguf(path)
     try:
         info = read_rope(reader)
     except ValueError:

@@ -4,6 +4,8 @@ byte for byte, the refusals, and the way back into transformers (hfpatch.models.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -196,6 +198,38 @@ def test_self_extend_names_a_width_llama_cpp_accepts(tiny, tmp_path):
     assert "--grp-attn-n 3 --grp-attn-w 510" in str(e.value) and "llama-server" in str(e.value)
 
 
+@pytest.mark.parametrize("options", [{}, {"group_size": 2}, {"window": 16}])
+def test_self_extend_with_its_defaults_names_the_settings_patch_would_choose(options, tiny, tmp_path, capsys):
+    """Options left out are the scheme's own defaults for the file's trained window, as hfpatch.patch chooses them
+    (read off describe() of the model patched in memory), given as llama.cpp's flags; the CLI says so in one line."""
+    model = tiny_model("llama")
+    hfpatch.patch(model, position="self-extend", **options)
+    chosen = hfpatch.describe(model)["position"]
+    flags = f"--grp-attn-n {chosen['group_size']} --grp-attn-w {chosen['window']}"
+    with pytest.raises(ValueError, match=flags) as e:
+        hg.export(tiny[1], tmp_path / "out.gguf", position="self-extend", **options)
+    assert f"{WINDOW}-token trained window" in str(e.value)
+    assert not list(tmp_path.iterdir())
+    opts = [a for k, v in options.items() for a in ("--opt", f"{k}={v}")]
+    assert main(["patch", tiny[1], "--position", "self-extend", *opts, "--out", str(tmp_path / "se.gguf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flags in err[0]
+
+
+def test_the_llama_cpp_engine_refuses_self_extend_with_its_defaults_by_name(tiny):
+    """eval --engine llama.cpp --patches self-extend: the refusal with llama.cpp's flags (no KeyError)."""
+    from hfpatch.evaluate.llamacpp import LlamaCppModel
+
+    engine = LlamaCppModel(tiny[1], threads=1)
+    try:
+        with pytest.raises(ValueError, match=f"--grp-attn-n 4 --grp-attn-w {WINDOW // 8}") as e, \
+                engine.applied({"position": "self-extend"}, "self-extend"):
+            pass
+        assert "patch spec 'self-extend' with --engine llama.cpp" in str(e.value)
+    finally:
+        engine.close()
+
+
 def test_yarn_betas_go_into_the_file_of_an_architecture_that_reads_them(tmp_path):
     info = hg.RopeInfo("mistral3", 1e4, 64, 64, 16)
     p = hg.plan(info, hfpatch.spec.request(position="yarn", factor=4.0, beta_fast=16.0)["position"])
@@ -285,3 +319,97 @@ def test_smollm2_exported_with_yarn_comes_back_as_yarn(smollm2, tmp_path):
             assert torch.equal(exported.eval()(ids).logits, model(ids).logits)
     finally:
         hfpatch.unpatch(model)
+
+
+# ------------------------------------------------------------------------------- exporting from an exported file
+
+def same_file_contents(a, b) -> None:
+    """Metadata key by key, and every tensor (names, types, bytes), equal in two GGUF files."""
+    assert fields(a) == fields(b)
+    ta, tb = tensors(a), tensors(b)
+    assert list(ta) == list(tb)
+    for name, t in ta.items():
+        assert tb[name].tensor_type == t.tensor_type and bytes(tb[name].data) == bytes(t.data), name
+
+
+@pytest.mark.parametrize("first", ["ntk", "yarn", "linear", "llama3", "longrope", "yarn-window"])
+@pytest.mark.parametrize("then", ["yarn", "rope", "ntk", "llama3", "longrope"])
+def test_an_export_of_an_export_is_the_export_of_the_original(first, then, tiny, tmp_path):
+    """The source's scaling is removed whole (NTK's raised base, scaling keys, the original window, rope_freqs and
+    LongRoPE tensors) before the new scheme is written: no stacking."""
+    hg.export(tiny[1], tmp_path / "first.gguf", **SPECS[first])
+    hg.export(tmp_path / "first.gguf", tmp_path / "again.gguf", **SPECS[then])
+    hg.export(tiny[1], tmp_path / "direct.gguf", **SPECS[then])
+    same_file_contents(tmp_path / "again.gguf", tmp_path / "direct.gguf")
+
+
+def test_smollm2_exported_again_from_its_ntk_export_runs_at_its_own_base(tmp_path):
+    """SmolLM2 exported with ntk:2 (base 100,000 raised to about 204,522), then with yarn:2 and plain rope from that
+    file: each is the export from the original GGUF, base 100,000 included."""
+    from hfpatch.models import smollm2_path
+
+    try:
+        src = smollm2_path()
+    except ValueError as e:
+        pytest.skip(str(e))
+    hg.export(src, tmp_path / "ntk.gguf", position="ntk", factor=2.0)
+    assert fields(tmp_path / "ntk.gguf")["llama.rope.freq_base"] > 200_000
+    for name, spec in {"yarn": {"position": "yarn", "factor": 2.0}, "rope": {"position": "rope"}}.items():
+        hg.export(tmp_path / "ntk.gguf", tmp_path / f"ntk-{name}.gguf", **spec)
+        hg.export(src, tmp_path / f"{name}.gguf", **spec)
+        assert fields(tmp_path / f"ntk-{name}.gguf")["llama.rope.freq_base"] == 100_000.0
+        assert fields(tmp_path / f"ntk-{name}.gguf") == fields(tmp_path / f"{name}.gguf")
+        assert list(tensors(tmp_path / f"ntk-{name}.gguf")) == list(tensors(tmp_path / f"{name}.gguf"))
+        (tmp_path / f"{name}.gguf").unlink()  # 100 MB each
+
+
+def without_record(path, out) -> str:
+    """`path` as another tool would have written it: the same metadata, no hfpatch record."""
+    hg._write(gguf, gguf.GGUFReader(str(path)), str(out), {}, {hg.RECORD_KEY}, {}, set())
+    return str(out)
+
+
+@pytest.mark.parametrize("first, says", [("ntk", "context_length=128 over rope.scaling.original_context_length=64"),
+                                          ("yarn", "rope.scaling.type=yarn"),
+                                          ("llama3", "rope_freqs.weight")])
+def test_a_scaling_made_elsewhere_is_replaced_with_a_warning_that_the_base_is_kept(first, says, tiny, tmp_path):
+    hg.export(tiny[1], tmp_path / "rec.gguf", **SPECS[first])
+    bare = without_record(tmp_path / "rec.gguf", tmp_path / "bare.gguf")
+    base = fields(bare)["llama.rope.freq_base"]
+    with pytest.warns(UserWarning, match="did not export") as w:
+        hg.export(bare, tmp_path / "out.gguf", position="yarn", factor=2.0)
+    message = str(w[0].message)
+    assert says in message and f"rope.freq_base = {base:g}" in message
+    assert fields(tmp_path / "out.gguf")["llama.rope.freq_base"] == base  # kept, as the warning says
+    assert "rope_freqs.weight" not in tensors(tmp_path / "out.gguf")  # the scaling itself is still replaced
+
+
+def test_an_unscaled_source_or_an_hfpatch_export_gives_no_warning(tiny, tmp_path, recwarn):
+    hg.export(tiny[1], tmp_path / "a.gguf", position="ntk", factor=2.0)
+    hg.export(tmp_path / "a.gguf", tmp_path / "b.gguf", position="yarn", factor=2.0)
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+def test_cli_prints_the_kept_base_warning_in_one_line(tiny, tmp_path, capsys):
+    hg.export(tiny[1], tmp_path / "rec.gguf", position="yarn", factor=4.0)
+    bare = without_record(tmp_path / "rec.gguf", tmp_path / "bare.gguf")
+    assert main(["patch", bare, "--position", "rope", "--out", str(tmp_path / "out.gguf")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hfpatch: warning: ") and "did not export" in err[0]
+
+
+# ------------------------------------------------------------------------------------------------ read_patch cache
+
+def test_read_patch_sees_a_file_copied_over_with_its_times_kept(tiny, tmp_path):
+    """Two exports of the same size (the factor's digits have the same length) and the same mtime (as two files
+    copied with their times kept): once `b` was read, `a` copied over it with cp -p has b's path, size and mtime; the
+    next read is of the new content, not the cached old one."""
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    hg.export(tiny[1], a, position="yarn", factor=2.0)
+    hg.export(tiny[1], b, position="yarn", factor=3.0)
+    os.utime(b, ns=(a.stat().st_atime_ns, a.stat().st_mtime_ns))
+    assert a.stat().st_size == b.stat().st_size
+    assert hg.read_patch(b).patch["factor"] == 3.0
+    shutil.copy2(a, b)  # cp -p: a's content and times, written into b's inode
+    assert (b.stat().st_size, b.stat().st_mtime_ns) == (a.stat().st_size, a.stat().st_mtime_ns)
+    assert hg.read_patch(b).patch["factor"] == 2.0

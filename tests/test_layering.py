@@ -28,7 +28,7 @@ LAYERS: dict[str, set[str]] = {
     "apply": {"spec", "adapters", "norm", "position", "edits", "warn"},  # patch / unpatch / describe
     "io": {"apply", "spec", "adapters", "edits"},  # save / reload
     "lm": {"apply", "adapters"},  # a causal LM as body + head
-    "gguf": {"spec", "apply", "adapters", "position", "edits"},  # GGUF in, GGUF out: llama.cpp's RoPE metadata
+    "gguf": {"spec", "apply", "adapters", "position", "edits", "files"},  # GGUF in, GGUF out: llama.cpp's RoPE metadata
     "models": {"io", "files", "gguf"},  # load by name
     "serving": {"position"},  # what vLLM and SGLang read of a saved checkpoint's RoPE
     "text": {"lm", "models", "files"},  # documents and tokenizers

@@ -65,11 +65,9 @@ class LlamaCppModel:
     """A GGUF file run by llama.cpp, with the spec applied now; scores and decodes like lm.LMParts."""
 
     def __init__(self, path: str, threads: int | None = None):
-        import gguf
-
         self.path = path
         self.threads = threads or os.cpu_count() or 1
-        self.info = hg.read_rope(gguf.GGUFReader(path))
+        self.info = hg.read_rope(hg.open_gguf(path))
         # A file that carries a scaling of its own (a rope_freqs tensor, a yarn type...) is exported again for
         # each spec: metadata overrides cannot take a tensor or a key out.
         self.scaled = bool(self.info.keys or self.info.tensors)
@@ -90,7 +88,7 @@ class LlamaCppModel:
         specs.request(**kwargs)  # the spec itself is valid
         position = {k: v for k, v in kwargs.items() if k not in RUNTIME_OPTIONS}
         runtime = {RUNTIME_OPTIONS[k]: float(v) for k, v in kwargs.items() if k in RUNTIME_OPTIONS}
-        pos = hg.request(**position)
+        pos = hg.request(**position, trained_window=lambda: self.info.window)
         p = hg.plan(self.info, pos)
         if p.tensors or self.scaled:
             return Setting(self._export(pos), params=runtime, exported=True)
