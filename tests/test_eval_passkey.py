@@ -154,7 +154,7 @@ def test_cli_table_heatmap_json_and_resume(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--depths", "0,1.5"], "--depths must be numbers between 0 and 1"),
-    (["--lengths", "64"], "shorter than the passkey prompt"),
+    (["--lengths", "64"], "shorter than the passkey prompt without filler (247 tokens): use lengths of at least 247"),
     (["--patches", "none,yarm:2"], "unknown position scheme 'yarm'"),
     (["--trials", "0"], "--trials must be >= 1"),
 ])

@@ -248,7 +248,7 @@ def test_cli_scores_tables_and_resume(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--tasks", "niah_single_1,qa_1"], "unknown RULER task(s) qa_1"),
     (["--samples", "0"], "--samples must be >= 1"),
-    (["--lengths", "300"], "at length 300: even the smallest prompt has more than"),
+    (["--lengths", "300"], "at length 300: too short; its template and question take"),
     (["--chat-template"], "this tokenizer has no chat template"),
     (["--tasks", "vt,vt"], "--tasks repeats a task"),
 ])
@@ -258,6 +258,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     assert cli_main(["eval", "ruler", "--model", str(model_dir), "--out", str(tmp_path / "o"), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err, err
+
+
+@pytest.mark.parametrize("task", ["niah_single_1", "vt", "cwe"])
+def test_a_length_too_short_for_the_task_names_the_smallest_length_that_holds_it(tmp_path, capsys, task):
+    """--lengths 10 said "more than -118 tokens": the limit is the length that holds the task's template and
+    question (with the smallest haystack) and its generated tokens, a positive number of tokens."""
+    model_dir = save_tiny(tmp_path / "model")
+    capsys.readouterr()
+    assert cli_main(["eval", "ruler", "--model", str(model_dir), "--tasks", task, "--lengths", "10",
+                     "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{task} at length 10: too short" in err, err
+    assert not re.search(r"-\d", err), err
+    _, _, new, low = ruler.TASKS[task]
+    smallest = ruler.generate(task, f"0:{task}:10:0", low, hs.source(None), 10)
+    tokens = len(hs.Prompter(tiny_tokenizer(), chat=False).ids(smallest))
+    assert f"take {tokens} tokens" in err and f"generates {new}: use lengths of at least {tokens + new}" in err, err
 
 
 def test_smollm2_finds_the_noise_needle_at_1k(smollm2):

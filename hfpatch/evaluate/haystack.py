@@ -181,6 +181,15 @@ def boundary(units: list[str], fraction: float) -> int:
     return len(units)
 
 
+class NoRoom(ValueError):
+    """fit() found no size that fits its budget: even the smallest build has `tokens` tokens (the caller knows
+    what the budget was taken from, and says what length would hold it)."""
+
+    def __init__(self, tokens: int):
+        super().__init__(f"even the smallest prompt has {tokens} tokens")
+        self.tokens = tokens
+
+
 def fit(build: Callable[[int], T], count_tokens: Callable[[T], int], budget: int, low: int, high: int,
         start: int | None = None) -> tuple[int, T]:
     """The largest n in [low, high] whose build(n) has at most `budget` tokens, and that build (build(n) must not
@@ -220,5 +229,5 @@ def fit(build: Callable[[int], T], count_tokens: Callable[[T], int], budget: int
         else:
             hi = mid - 1
     if best is None:
-        raise ValueError(f"even the smallest prompt has more than {budget} tokens")
+        raise NoRoom(count_tokens(build(low)))
     return best

@@ -6,6 +6,8 @@ cell coordinates: the model's files by content, dtype, corpus, seed, ...). Loadi
 edit could have broken — that it is UTF-8 JSON, that each cell has its fields, and that every finished cell's numbers
 are what its records give — and stops with what is wrong and how to recover, rather than mixing damaged numbers into
 new results.
+The file is strict JSON: a number that is not finite (a NaN loss, an overflow) is written as null, so that any JSON
+reader takes the file and a rerun compares its numbers with what the records give.
 A lock on OUT keeps two runs from writing the same file.
 """
 
@@ -25,6 +27,31 @@ FORMAT = 3  # 3: the identity holds the model's files by content (model_files)
 
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def null_non_finite(value) -> None:
+    """Replace, in place, every NaN and ±inf inside `value` (nested dicts and lists; tuples become lists) with None:
+    JSON has no such numbers. In place, because the loop holds the cells it is filling."""
+    if isinstance(value, dict):
+        keys = list(value)
+    elif isinstance(value, list):
+        keys = list(range(len(value)))
+    else:
+        return
+    for k in keys:
+        v = value[k]
+        if isinstance(v, float) and not math.isfinite(v):
+            value[k] = None
+        else:
+            if isinstance(v, tuple):
+                value[k] = v = list(v)
+            null_non_finite(v)
+
+
+def _non_finite_as_null(constant: str) -> None:
+    """A bare NaN or Infinity (not JSON, but what Python's json writes unless told not to, and what older results
+    files hold): read as null, which is how this module writes such a number."""
+    return None
 
 
 def _same(a, b) -> bool:
@@ -78,7 +105,7 @@ class Results:
         except UnicodeDecodeError as e:
             raise self._damaged(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
         try:
-            data = json.loads(text)
+            data = json.loads(text, parse_constant=_non_finite_as_null)
         except json.JSONDecodeError as e:
             raise self._damaged(f"not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
         if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
@@ -108,6 +135,7 @@ class Results:
         if cell.get("complete") is True:
             try:
                 expected = self.summarize(records)
+                null_non_finite(expected)  # as it was written
             except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
                 raise self._damaged(f"{name}: its {self.records} cannot be summarized ({type(e).__name__}: {e})") from e
             wrong = sorted(k for k, v in expected.items() if not _same(cell.get(k), v))
@@ -134,8 +162,9 @@ class Results:
     def save(self, **top) -> None:
         self.data.update(top)
         self.data["updated"] = now()
+        null_non_finite(self.data)  # the report, drawn from self.data, then reads what the file holds
         tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.data, indent=1) + "\n")
+        tmp.write_text(json.dumps(self.data, indent=1, allow_nan=False) + "\n")
         os.replace(tmp, self.path)  # atomic: a killed run leaves the previous complete file, never half of one
 
     def close(self) -> None:

@@ -100,6 +100,18 @@ def _check_haystack(src: hs.Source, size: int, length: int, text_files) -> None:
                          f"needs about {size}: give longer text (--text-files) or use shorter --lengths")
 
 
+def _fit(prompter: hs.Prompter, src: hs.Source, offset: int, needles: dict, depth: float, length: int,
+         new_tokens: int, start: int | None) -> tuple[int, hs.Sample]:
+    """(haystack words, sample): the largest haystack whose prompt leaves room for the generated tokens."""
+    try:
+        return hs.fit(lambda m: build(src, offset, m, needles, depth), lambda s: len(prompter.ids(s)),
+                      length - new_tokens, 1, 4 * length, start)
+    except hs.NoRoom as e:
+        raise ValueError(f"length {length} is too short: the template, needles and question take {e.tokens} tokens "
+                         f"with the smallest haystack, and {new_tokens} are generated (--new-tokens): use lengths "
+                         f"of at least {e.tokens + new_tokens}") from None
+
+
 def trial_offset(seed: int, trial: int, n_words: int) -> int:
     return random.Random(f"{seed}:niah:{trial}").randrange(n_words)
 
@@ -141,8 +153,7 @@ class Niah(sweep.Evaluation):
                 units = []
                 for t in range(args.trials):  # the same haystacks for every spec and after a resume
                     offset = trial_offset(args.seed, t, len(src.words))
-                    size, sample = hs.fit(lambda m: build(src, offset, m, needles, d),  # noqa: B023 - fit calls it now
-                                          lambda s: len(prompter.ids(s)), n - args.new_tokens, 1, 4 * n, sizes.get(n))
+                    size, sample = _fit(prompter, src, offset, needles, d, n, args.new_tokens, sizes.get(n))
                     sizes[n] = size
                     _check_haystack(src, size, n, args.text_files)
                     ids = prompter.ids(sample)

@@ -46,7 +46,8 @@ def build_prompt(tok, length: int, depth: float, key: str) -> tuple[list[int], i
     """(token ids of the longest prompt with at most `length` tokens, filler repetitions in it)."""
     base = _n_tokens(tok, prompt_text(0, depth, key))
     if base > length:
-        raise ValueError(f"length {length} is shorter than the passkey prompt without filler ({base} tokens)")
+        raise ValueError(f"length {length} is shorter than the passkey prompt without filler ({base} tokens): use "
+                         f"lengths of at least {base}")
     per = max(1, _n_tokens(tok, prompt_text(8, depth, key)) - base) / 8
     n = max(0, int((length - base) / per))
     ids = tok(prompt_text(n, depth, key), verbose=False)["input_ids"]

@@ -142,7 +142,9 @@ class Perplexity(sweep.Evaluation):
         return {"tokens": n, "nll_sum": nll, "bytes": nbytes, "windows": len(wins)}
 
     def summarize(self, records) -> dict:
-        nll, n, nbytes = (sum(r[k] for r in records) for k in ("nll_sum", "tokens", "bytes"))
+        # a document's NaN loss is stored as null: it keeps the cell's loss NaN when the cell is checked on resume
+        nll = sum(math.nan if r["nll_sum"] is None else r["nll_sum"] for r in records)
+        n, nbytes = (sum(r[k] for r in records) for k in ("tokens", "bytes"))
         mean = nll / n
         return {"nll_sum": nll, "tokens": n, "bytes": nbytes, "mean_nll": mean,
                 "ppl": finite(math.exp(mean) if mean < 700 else math.inf),
@@ -171,7 +173,7 @@ class Perplexity(sweep.Evaluation):
                 rows = []
                 for p in settings["patches"]:
                     cs = [done.get((p, w, n)) for n in settings["lengths"]]
-                    rows.append([p] + ["—" if c is None else report.number(c[measure], digits) for c in cs])
+                    rows.append([p] + ["—" if c is None else _shown(c, measure, digits) for c in cs])
                 stride = next((c.get("stride") for c in cells if c["windowing"] == w and c.get("stride")), None)
                 label = f"{w}, stride {stride}" if w == "sliding" else w
                 out.append(f"**{title}** ({label})\n\n" + report.markdown_table(header, rows))
@@ -211,6 +213,14 @@ class Perplexity(sweep.Evaluation):
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
+
+
+def _shown(cell: dict, measure: str, digits: int) -> str:
+    """A cell's perplexity or bits per byte in a table: "nan" where the loss is not a number (its mean NLL is null
+    too), else report.number ("inf" for a perplexity that overflowed: its mean NLL is finite)."""
+    if cell[measure] is None and cell.get("mean_nll") is None:
+        return "nan"
+    return report.number(cell[measure], digits)
 
 
 def _count(text, flag: str, default, parse: bool = False):

@@ -233,9 +233,13 @@ def build(prompter: hs.Prompter, src: hs.Source, task: str, length: int, seed: s
     try:
         n, sample = hs.fit(lambda m: generate(task, seed, m, src, length), lambda s: len(prompter.ids(s)),
                            length - new, low, high, sizes.get((task, length)))
+    except hs.NoRoom as e:
+        # the smallest length that holds the template and question: budget + new, so the budget's sign never shows
+        raise ValueError(f"{task} at length {length}: too short; its template and question take {e.tokens} tokens "
+                         f"with the smallest haystack, and it generates {new}: use lengths of at least "
+                         f"{e.tokens + new} (a few more where a sample's random keys are longer)") from None
     except ValueError as e:
-        raise ValueError(f"{task} at length {length}: {e} (the length must leave room for the task's {new} "
-                         "generated tokens)") from None
+        raise ValueError(f"{task} at length {length}: {e}") from None
     sizes[(task, length)] = n
     return sample, prompter.ids(sample)
 
