@@ -17,6 +17,7 @@ import hfpatch
 from hfpatch import text
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate import sweep
+from hfpatch.evaluate.common import applied
 from hfpatch.evaluate.evaluations import ppl as perplexity
 from hfpatch.evaluate.results import comparable as strip_timing
 from hfpatch.lm import causal_lm_parts, window_nll, windows
@@ -421,3 +422,62 @@ def test_memory_that_cannot_fit_is_refused_before_loading(tiny_run, tmp_path, mo
     monkeypatch.setattr(budget, "available_memory", lambda device, device_map: (50 * 2**20, "CPU"))
     assert perplexity.main(argv) == 0  # a short run fits in the same 50 MiB
     assert perplexity.main([*long[:-1], str(tmp_path / "o2"), "--no-memory-check", "--dry-run"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a model loaded patched
+
+
+def _saved_with_yarn(model_dir, path):
+    """The tiny model saved patched with yarn:4 by hfpatch (with its tokenizer)."""
+    model = hfpatch.patch(hfpatch.from_pretrained(model_dir), position="yarn", factor=4)
+    hfpatch.save_pretrained(model, path, tokenizer=tiny_tokenizer())
+    return path
+
+
+def test_none_is_the_model_as_loaded_and_specs_replace_its_patch(tiny_run, tmp_path):
+    """A folder saved with yarn:4: `none` measures it as loaded whatever other specs run beside it (ntk:2 used to
+    unpatch the loaded yarn, so the none row measured the base model); ntk:2 replaces yarn on the base RoPE."""
+    model_dir, docs = tiny_run
+    saved = _saved_with_yarn(model_dir, tmp_path / "yarn4")
+    common = ["--text-files", str(docs), "--lengths", "16,48", "--tokens-per-doc", "96", "--max-docs", "2",
+              "--no-plot"]
+
+    def ppl(model, patches, out):
+        assert perplexity.main(["--model", str(model), *common, "--patches", patches, "--out", str(out)]) == 0
+        res = json.loads((out / "results.json").read_text())
+        return res, {(c["patch"], c["length"]): c["ppl"] for c in res["cells"]}
+
+    both, got = ppl(saved, "ntk:2,none", tmp_path / "both")  # ntk:2 first: `none` runs after it was removed
+    _, alone = ppl(saved, "none", tmp_path / "alone")
+    plain, base = ppl(model_dir, "none,ntk:2", tmp_path / "base")
+    for n in (16, 48):
+        assert got[("none", n)] == alone[("none", n)]
+        assert got[("ntk:2", n)] == base[("ntk:2", n)]  # over the checkpoint's base RoPE, not stacked on yarn
+    assert got[("none", 48)] != base[("none", 48)]  # the saved model is not the base one
+
+    # the none row is the saved model's own loss, computed by hand
+    model = hfpatch.from_pretrained(saved).eval()
+    texts = [(docs / n).read_text(encoding="utf-8") for n in ("a.txt", "b.txt")]
+    total = count = 0
+    for t in texts:
+        nll, n, _ = _hand(model, torch.tensor(tiny_tokenizer()(t)["input_ids"][:96]), 48, "chunks", 0)
+        total, count = total + nll, count + n
+    assert got[("none", 48)] == pytest.approx(math.exp(total / count), rel=1e-5)
+
+    assert both["model"]["loaded_with"] == "yarn:4" and plain["model"]["loaded_with"] is None
+    assert "loaded with yarn:4" in (tmp_path / "both" / "table.md").read_text().splitlines()[0]
+
+
+def test_a_spec_leaves_the_loaded_model_exactly_as_loaded(tiny_run, tmp_path):
+    model_dir, _ = tiny_run
+    model = hfpatch.from_pretrained(_saved_with_yarn(model_dir, tmp_path / "yarn4")).eval()
+    ids = torch.arange(3, 60)[None]
+    with torch.no_grad():
+        before = model(ids).logits
+    for kwargs in ({"position": "ntk", "factor": 2}, {"position": "alibi"}, {"norm": "layernorm"}):
+        with applied(model, kwargs, "spec"):
+            pass
+        with torch.no_grad():
+            assert (model(ids).logits - before).abs().max().item() == 0.0
+        assert hfpatch.describe(model)["applied"]["position"]["scheme"] == "yarn"
