@@ -389,7 +389,24 @@ def test_dry_run_estimates_and_scores_nothing(tiny_run, tmp_path, monkeypatch, c
                             "--patches", "none,yarn:2", "--dry-run", "--out", str(tmp_path / "o")]) == 0
     err = capsys.readouterr().err
     assert "2 cell(s), 4 documents and" in err and "about" in err
-    assert json.loads((tmp_path / "o" / "results.json").read_text())["cells"] == []
+    assert not (tmp_path / "o").exists()  # nothing written: no results file, no lock, not even the folder
+
+
+def test_a_dry_run_does_not_decide_the_real_runs_settings(tiny_run, tmp_path, capsys):
+    """A dry run writes nothing, so the real run that follows with other settings is not refused; a dry run on an
+    existing results file reads it (what is left, refusals of other settings) and leaves it as it was."""
+    model_dir, docs = tiny_run
+    out = tmp_path / "o"
+    common = ["--model", str(model_dir), "--text-files", str(docs), "--patches", "none", "--no-plot", "--out",
+              str(out)]
+    assert perplexity.main([*common, "--lengths", "32", "--max-docs", "1", "--dry-run"]) == 0
+    assert perplexity.main([*common, "--lengths", "32"]) == 0  # other documents: refused once a dry run wrote
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert perplexity.main([*common, "--lengths", "32", "--dry-run"]) == 0
+    assert "nothing left to run" in capsys.readouterr().err
+    assert perplexity.main([*common, "--lengths", "32", "--max-docs", "1", "--dry-run"]) == 2
+    assert "other settings" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_memory_that_cannot_fit_is_refused_before_loading(tiny_run, tmp_path, monkeypatch, capsys):
@@ -481,3 +498,31 @@ def test_a_spec_leaves_the_loaded_model_exactly_as_loaded(tiny_run, tmp_path):
         with torch.no_grad():
             assert (model(ids).logits - before).abs().max().item() == 0.0
         assert hfpatch.describe(model)["applied"]["position"]["scheme"] == "yarn"
+
+
+def test_attention_path_counts_add_up_across_a_resume(tiny_run, tmp_path, monkeypatch, capsys):
+    """A cell interrupted after some of its documents and resumed counts the attention paths of all of them, as an
+    uninterrupted run does (the counts were saved only when a cell finished, so the resumed run's count covered the
+    resumed documents alone)."""
+    model_dir, docs = tiny_run
+    common = ["--model", str(model_dir), "--text-files", str(docs), "--lengths", "32", "--tokens-per-doc", "96",
+              "--max-docs", "2", "--patches", "alibi", "--no-plot"]
+    assert perplexity.main([*common, "--out", str(tmp_path / "whole")]) == 0
+    whole = json.loads((tmp_path / "whole" / "results.json").read_text())["cells"][0]["attention_path"]
+
+    real, calls = perplexity.document_nll, []
+
+    def interrupted(*a, **k):  # the second document of the cell
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    out = tmp_path / "resumed"
+    monkeypatch.setattr(perplexity, "document_nll", interrupted)
+    assert perplexity.main([*common, "--out", str(out)]) == 130
+    monkeypatch.setattr(perplexity, "document_nll", real)
+    assert perplexity.main([*common, "--out", str(out)]) == 0
+    resumed = json.loads((out / "results.json").read_text())["cells"][0]
+    assert len(resumed["documents"]) == 2 and sum(whole.values()) > 0
+    assert resumed["attention_path"] == whole
