@@ -20,8 +20,18 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from . import spec as specs
 from .adapters import Adapter, adapter_for, set_adapter
-from .apply import (AXES, apply_axes, bake, changes_weights, describe, mark_loaded, patch, state_of, touched_config,
-                    unwrap)
+from .apply import (
+    AXES,
+    apply_axes,
+    bake,
+    changes_weights,
+    describe,
+    mark_loaded,
+    patch,
+    state_of,
+    touched_config,
+    unwrap,
+)
 from .edits import MISSING, Edits
 
 

@@ -19,8 +19,8 @@ from hfpatch.cli import main as cli_main
 from hfpatch.evaluate.evaluations import ppl as perplexity
 from hfpatch.evaluate.results import comparable as strip_timing
 from hfpatch.files import Lock, Locked
-from hfpatch.tiny import save_sized as save_tiny
 from hfpatch.tiny import char_text as text_of
+from hfpatch.tiny import save_sized as save_tiny
 
 _spec = importlib.util.spec_from_file_location("soak_eval_kills", REPO / "eval" / "soak_eval_kills.py")
 soak = importlib.util.module_from_spec(_spec)
@@ -110,7 +110,7 @@ def test_a_second_run_cannot_write_the_same_results(setup, tmp_path, capsys):
 
 
 def test_a_finished_run_removes_its_lock_file(setup, tmp_path):
-    argv, path = _finished_ppl(setup, tmp_path)
+    _, path = _finished_ppl(setup, tmp_path)
     assert sorted(p.name for p in path.parent.iterdir()) == ["results.json", "table.md"]
 
 

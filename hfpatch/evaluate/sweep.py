@@ -31,8 +31,8 @@ from typing import Any, ClassVar
 from tqdm.auto import tqdm
 
 from .. import command
-from ..adapters.positions import trained_window
 from .. import spec as specs
+from ..adapters.positions import trained_window
 from ..apply import describe, loaded_with, table_limit, unwrap
 from ..lm import causal_lm_parts
 from ..models import model_fingerprint
