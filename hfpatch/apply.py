@@ -38,6 +38,9 @@ class PatchRefused(ValueError):
     """A patch that could not be applied to this model: an error inside applying it (not in the request) becomes
     this refusal, which names the family and the step, after the model was put back exactly as it was."""
 _STATE = "_hfpatch_state"  # attribute on the transformers model that holds the live PatchState
+# attribute on the transformers model that holds the spec it was loaded with (from_pretrained, a GGUF's scaling):
+# kept through unpatch and later patches, since it says where the model came from, not what it carries now
+_LOADED = "_hfpatch_loaded_with"
 
 
 @dataclass
@@ -308,14 +311,17 @@ def own_config(model: PreTrainedModel, edits: Edits) -> None:
 def unpatch(model):
     """Undo every patch: the original modules, buffers, classes and config values come back themselves.
 
-    Patches a checkpoint was saved with are part of the reloaded model and stay. Atomic: after an exception or an
-    interrupt the model is still patched, exactly as before the call.
+    A model loaded patched (`hfpatch.from_pretrained` of a folder saved patched, a GGUF file with RoPE scaling) goes
+    back to the checkpoint's base model: the patch it was loaded with is undone too (`describe()["loaded_with"]`
+    names it; patch the model with it again to get the loaded model back). Patches a checkpoint was saved with that
+    changed which weights exist (`describe()["baked"]`) are part of the reloaded model and stay. Atomic: after an
+    exception or an interrupt the model is still patched, exactly as before the call.
 
     Args:
         model: a model patched by `patch` (an unpatched model is returned as it is).
 
     Returns:
-        The same `model` object, as it was before its first patch.
+        The same `model` object: as it was before its first patch, or the checkpoint's base model.
     """
     target = unwrap(model)
     state = getattr(target, _STATE, None)
@@ -338,6 +344,29 @@ def unpatch(model):
             object.__setattr__(target, _STATE, state)
             raise
     return model
+
+
+def mark_loaded(model) -> None:
+    """Remember what `model` carries now as the patch it was loaded with (called by the loaders once the checkpoint's
+    patch is applied again): describe() reports it, and the evaluations run `none` as the model so loaded."""
+    target = unwrap(model)
+    state = getattr(target, _STATE, None)
+    object.__setattr__(target, _LOADED, copy.deepcopy(state.applied) if state and state.applied else None)
+
+
+def loaded_with(model) -> dict | None:
+    """The spec `model` was loaded with (baked stages and the patch applied again at load), None if it was loaded
+    unpatched or not by hfpatch."""
+    return copy.deepcopy(getattr(unwrap(model), _LOADED, None))
+
+
+def _unpatch_restores(model, state: PatchState | None) -> str:
+    """What unpatch(model) gives, in words, for describe()."""
+    baked = state.baked if state else {}
+    keeps = f", keeping the weight-changing {specs.describe_string(baked)} it was saved with" if baked else ""
+    if getattr(model, _LOADED, None):
+        return "the checkpoint's base model" + keeps
+    return "the model as it was before patch()" + keeps
 
 
 def calibrate(model, batches=None) -> int:
@@ -440,6 +469,9 @@ def describe(model) -> dict:
         `applied` (the patch spec), `baked` (patches a reloaded checkpoint carries), `adapter` (what hfpatch read
         off the model, with notes) and `patches` (what else `patch` accepts here, and why the rest does not apply;
         `exact_layernorm_to_rmsnorm` is None on a model without LayerNorms).
+        `loaded_with` is the patch the model was loaded with ("yarn:4"; None when it was loaded unpatched) and
+        `unpatch_restores` says what `unpatch` gives back: for a model loaded patched, the checkpoint's base model
+        (the loaded patch undone too; weight-changing patches it was saved with stay, see `baked`).
     """
     target = unwrap(model)
     adapter = adapter_for(target)
@@ -465,6 +497,8 @@ def describe(model) -> dict:
         "position_limit": position_limit(target),
         "applied": _applied(applied, facts),
         "baked": sorted(state.baked) if state else [],
+        "loaded_with": specs.describe_string(loaded) if (loaded := loaded_with(target)) else None,
+        "unpatch_restores": _unpatch_restores(target, state),
         "adapter": {"source": adapter.source, "notes": dict(adapter.notes)},
         "patches": available(target, adapter),
     }

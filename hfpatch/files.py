@@ -39,30 +39,51 @@ class Locked(ValueError):
 
 
 class Lock:
-    """An exclusive lock on the file `path` (created if absent, never deleted: deleting a lock file lets two runs
-    lock two different files of the same name), held until close(); the OS releases it when the process dies. The
-    holder writes its pid into the file, so a refused run can say which process holds it."""
+    """An exclusive lock on the file `path` (created if absent), held until close(); the OS releases it when the
+    process dies. The holder writes its pid into the file, so a refused run can say which process holds it.
+
+    close() removes the file, while still holding the lock, so a finished run leaves none behind. That is safe
+    because a lock counts only if, once taken, it is on the file `path` names: a run that opened the file before
+    the holder removed it, and locks it after, finds the name gone or naming a newer file, and tries again on that
+    one (without the check, two runs could each lock a different file of the same name). A killed run leaves its
+    file; the next run takes it over."""
 
     def __init__(self, path, what: str):
         self.path = Path(path)
-        # "a+", not "w": that would empty the holder's pid before the lock is tried
-        self._file = open(self.path, "a+")  # noqa: SIM115 - held open for the lock's life, closed by close()
-        try:
-            if fcntl is not None:
-                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._file.seek(0)
-            text = self._file.read().strip()
-            self._file.close()
-            pid = int(text) if text.isdigit() else None
-            raise Locked(f"{what} is in use by another run (process {pid if pid else 'unknown'}); wait for it to "
-                         f"end, or stop it", pid) from None
+        while True:
+            # "a+", not "w": that would empty the holder's pid before the lock is tried
+            self._file = open(self.path, "a+")  # noqa: SIM115 - held open for the lock's life, closed by close()
+            try:
+                if fcntl is not None:
+                    fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._file.seek(0)
+                text = self._file.read().strip()
+                self._file.close()
+                pid = int(text) if text.isdigit() else None
+                raise Locked(f"{what} is in use by another run (process {pid if pid else 'unknown'}); wait for it "
+                             f"to end, or stop it", pid) from None
+            if self._names_our_file():
+                break
+            self._file.close()  # removed (or replaced) by the run that held it until now: lock the file there now
         self._file.seek(0)
         self._file.truncate()
         self._file.write(f"{os.getpid()}\n")
         self._file.flush()
 
+    def _names_our_file(self) -> bool:
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        ours = os.fstat(self._file.fileno())
+        return (named.st_dev, named.st_ino) == (ours.st_dev, ours.st_ino)
+
     def close(self) -> None:
+        if self._file.closed:
+            return
+        if fcntl is not None:  # only with real locks: without them nothing tells whose file it is
+            self.path.unlink(missing_ok=True)  # still held: no other run can have taken it
         self._file.close()
 
     def __enter__(self):

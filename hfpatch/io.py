@@ -20,7 +20,18 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from . import spec as specs
 from .adapters import Adapter, adapter_for, set_adapter
-from .apply import AXES, apply_axes, bake, changes_weights, describe, patch, state_of, touched_config, unwrap
+from .apply import (
+    AXES,
+    apply_axes,
+    bake,
+    changes_weights,
+    describe,
+    mark_loaded,
+    patch,
+    state_of,
+    touched_config,
+    unwrap,
+)
 from .edits import MISSING, Edits
 
 
@@ -223,7 +234,7 @@ def from_pretrained(path, **kwargs):
         model = _model_class(config).from_pretrained(path, config=config, **kwargs)
         if "adapter" in record:
             set_adapter(model, Adapter.from_dict(record["adapter"]))
-        return patch(model, **specs.to_kwargs(live))
+        return _loaded(patch(model, **specs.to_kwargs(live)))
     # transformers builds the model through a subclass whose __init__ applies those patches (by the same code that
     # patched the saved model), then loads the checkpoint into it with its own loader (key renames, tied weights,
     # dtype, device_map), so every saved tensor finds its place.
@@ -251,7 +262,13 @@ def from_pretrained(path, **kwargs):
     set_adapter(model, adapter)
     # The reloaded structure is the model now: unpatch cannot bring back weights that are not in the folder.
     bake(model, stages, built["facts"], built["config"])
-    return patch(model, **specs.to_kwargs(live)) if live else model
+    return _loaded(patch(model, **specs.to_kwargs(live)) if live else model)
+
+
+def _loaded(model):
+    """The model, with the patch it now carries remembered as the one it was loaded with (describe())."""
+    mark_loaded(model)
+    return model
 
 
 _PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")

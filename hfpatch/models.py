@@ -26,6 +26,7 @@ from transformers.utils import (
 )
 
 from . import files
+from .apply import mark_loaded
 from .gguf import apply_to_loaded
 from .io import from_pretrained, refuse_pickled_weights, remote_code_refused
 
@@ -96,6 +97,7 @@ def load(name: str, dtype=None, device_map=None, tokenizer: bool = True, trust_r
         if gguf_file:
             model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
             apply_to_loaded(model, os.path.join(where, gguf_file))  # transformers reads no RoPE scaling from GGUF
+            mark_loaded(model)  # the file's scaling is the model as loaded (describe()["loaded_with"])
         else:
             refuse_pickled_weights(where, not allow_pickled_weights, OPT_IN["allow_pickled_weights"])
             model = from_pretrained(where, use_safetensors=None if allow_pickled_weights else True, **kwargs)

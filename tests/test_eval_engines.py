@@ -37,6 +37,8 @@ class ForeignEngine:
     """The engine protocol of sweep.ENGINES, implemented without transformers' model object."""
 
     name = "foreign"
+    reads = frozenset(sweep.MODEL_OPTIONS)  # it loads through transformers
+    unread_reason = ""
     loaded: ClassVar[list[ForeignModel]] = []
 
     def __init__(self, args):
@@ -106,3 +108,49 @@ def test_passkey_decodes_with_the_engine_own_greedy(foreign, tmp_path):
     assert model.applied_specs == ["none"]
     (cell,) = json.loads((tmp_path / "pk" / "results.json").read_text())["cells"]
     assert cell["complete"] and len(cell["trials"]) == 1
+
+
+@pytest.mark.parametrize("flag", [["--dtype", "bf16"], ["--dtype", "fp32"], ["--device", "cpu"],
+                                  ["--device-map", "auto"]])
+def test_llama_cpp_refuses_the_transformers_options_it_would_ignore(tmp_path, capsys, flag):
+    """llama.cpp runs the GGUF's own types where it was built: --dtype and the device options are refused (exit 2,
+    one line) before anything loads (so without llama-cpp-python too), not recorded as if they had run."""
+    out = tmp_path / "out"
+    assert evaluation("ppl").main(["--model", str(tmp_path / "x.gguf"), "--engine", "llama.cpp", *flag,
+                                   "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag[0] in err and "GGUF file's own weight types" in err
+    assert not out.exists()
+
+
+def test_stale_llama_cpp_exports_are_removed_and_live_ones_kept(tmp_path, monkeypatch):
+    """A killed llama.cpp run leaves its exported copies behind: the next run removes them, never a live run's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from hfpatch.evaluate import llamacpp
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    code = ("import sys, time; from hfpatch.evaluate.llamacpp import exports_folder; "
+            "p, _ = exports_folder(); open(p + '/spec0.gguf', 'w').write('x'); print(p, flush=True); time.sleep(60)")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    held = None
+    try:
+        killed, live = (p.stdout.readline().strip() for p in procs)
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait()
+        mine, held = llamacpp.exports_folder()  # this process's own, held
+        assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in (killed, live, mine))
+        assert llamacpp.remove_stale_exports() == [killed]
+        assert os.path.isdir(live) and os.path.isdir(mine) and not os.path.exists(killed)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        if held is not None:
+            os.close(held)

@@ -19,6 +19,7 @@ from conftest import REPO
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate.evaluations import ppl as perplexity
 from hfpatch.evaluate.results import comparable as strip_timing
+from hfpatch.files import Lock, Locked
 from hfpatch.tiny import char_text as text_of
 from hfpatch.tiny import char_tokenizer, sized_model
 from hfpatch.tiny import save_sized as save_tiny
@@ -108,6 +109,37 @@ def test_a_second_run_cannot_write_the_same_results(setup, tmp_path, capsys):
     stale = path.with_name("results.json.12345.tmp")
     stale.write_text("{half")
     assert perplexity.main(argv) == 0 and not stale.exists()  # a killed run's temporary file is cleared
+
+
+def test_a_finished_run_removes_its_lock_file(setup, tmp_path):
+    _, path = _finished_ppl(setup, tmp_path)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["results.json", "table.md"]
+
+
+def test_a_lock_taken_on_a_removed_lock_file_does_not_count(tmp_path, monkeypatch):
+    """The holder removes the lock file as it releases it: a run that opened that file just before, and locks it
+    just after, must not count itself the holder (a third run would lock a new file of the same name): it tries
+    again on the file the name gives now."""
+    path = tmp_path / "results.json.lock"
+    first = Lock(path, "x")
+    real_open, opened = open, []
+
+    def open_then_release(file, mode="r", *a, **k):  # the first holder releases between our open and our flock
+        f = real_open(file, mode, *a, **k)
+        opened.append(f)
+        if len(opened) == 1:
+            first.close()
+        return f
+
+    monkeypatch.setattr("builtins.open", open_then_release)
+    second = Lock(path, "x")
+    monkeypatch.undo()
+    assert len(opened) == 2 and opened[0].closed  # the removed file was given up, the new one locked
+    assert os.stat(path).st_ino == os.fstat(opened[1].fileno()).st_ino
+    with pytest.raises(Locked):
+        Lock(path, "x")  # the second run holds the file the name gives
+    second.close()
+    assert not path.exists()
 
 
 def test_fault_plan_is_reproducible():

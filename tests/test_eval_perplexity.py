@@ -17,6 +17,7 @@ import hfpatch
 from hfpatch import text
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate import sweep
+from hfpatch.evaluate.common import applied
 from hfpatch.evaluate.evaluations import ppl as perplexity
 from hfpatch.evaluate.results import comparable as strip_timing
 from hfpatch.lm import causal_lm_parts, window_nll, windows
@@ -388,7 +389,24 @@ def test_dry_run_estimates_and_scores_nothing(tiny_run, tmp_path, monkeypatch, c
                             "--patches", "none,yarn:2", "--dry-run", "--out", str(tmp_path / "o")]) == 0
     err = capsys.readouterr().err
     assert "2 cell(s) of 2 documents each and" in err and "about" in err
-    assert json.loads((tmp_path / "o" / "results.json").read_text())["cells"] == []
+    assert not (tmp_path / "o").exists()  # nothing written: no results file, no lock, not even the folder
+
+
+def test_a_dry_run_does_not_decide_the_real_runs_settings(tiny_run, tmp_path, capsys):
+    """A dry run writes nothing, so the real run that follows with other settings is not refused; a dry run on an
+    existing results file reads it (what is left, refusals of other settings) and leaves it as it was."""
+    model_dir, docs = tiny_run
+    out = tmp_path / "o"
+    common = ["--model", str(model_dir), "--text-files", str(docs), "--patches", "none", "--no-plot", "--out",
+              str(out)]
+    assert perplexity.main([*common, "--lengths", "32", "--max-docs", "1", "--dry-run"]) == 0
+    assert perplexity.main([*common, "--lengths", "32"]) == 0  # other documents: refused once a dry run wrote
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert perplexity.main([*common, "--lengths", "32", "--dry-run"]) == 0
+    assert "nothing left to run" in capsys.readouterr().err
+    assert perplexity.main([*common, "--lengths", "32", "--max-docs", "1", "--dry-run"]) == 2
+    assert "other settings" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_estimate_counts_one_document_once_however_many_cells_read_it(tiny_run, tmp_path, capsys):
@@ -433,3 +451,90 @@ def test_memory_that_cannot_fit_is_refused_before_loading(tiny_run, tmp_path, mo
     monkeypatch.setattr(budget, "available_memory", lambda device, device_map: (50 * 2**20, "CPU"))
     assert perplexity.main(argv) == 0  # a short run fits in the same 50 MiB
     assert perplexity.main([*long[:-1], str(tmp_path / "o2"), "--no-memory-check", "--dry-run"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a model loaded patched
+
+
+def _saved_with_yarn(model_dir, path):
+    """The tiny model saved patched with yarn:4 by hfpatch (with its tokenizer)."""
+    model = hfpatch.patch(hfpatch.from_pretrained(model_dir), position="yarn", factor=4)
+    hfpatch.save_pretrained(model, path, tokenizer=tiny_tokenizer())
+    return path
+
+
+def test_none_is_the_model_as_loaded_and_specs_replace_its_patch(tiny_run, tmp_path):
+    """A folder saved with yarn:4: `none` measures it as loaded whatever other specs run beside it (ntk:2 used to
+    unpatch the loaded yarn, so the none row measured the base model); ntk:2 replaces yarn on the base RoPE."""
+    model_dir, docs = tiny_run
+    saved = _saved_with_yarn(model_dir, tmp_path / "yarn4")
+    common = ["--text-files", str(docs), "--lengths", "16,48", "--tokens-per-doc", "96", "--max-docs", "2",
+              "--no-plot"]
+
+    def ppl(model, patches, out):
+        assert perplexity.main(["--model", str(model), *common, "--patches", patches, "--out", str(out)]) == 0
+        res = json.loads((out / "results.json").read_text())
+        return res, {(c["patch"], c["length"]): c["ppl"] for c in res["cells"]}
+
+    both, got = ppl(saved, "ntk:2,none", tmp_path / "both")  # ntk:2 first: `none` runs after it was removed
+    _, alone = ppl(saved, "none", tmp_path / "alone")
+    plain, base = ppl(model_dir, "none,ntk:2", tmp_path / "base")
+    for n in (16, 48):
+        assert got[("none", n)] == alone[("none", n)]
+        assert got[("ntk:2", n)] == base[("ntk:2", n)]  # over the checkpoint's base RoPE, not stacked on yarn
+    assert got[("none", 48)] != base[("none", 48)]  # the saved model is not the base one
+
+    # the none row is the saved model's own loss, computed by hand
+    model = hfpatch.from_pretrained(saved).eval()
+    texts = [(docs / n).read_text(encoding="utf-8") for n in ("a.txt", "b.txt")]
+    total = count = 0
+    for t in texts:
+        nll, n, _ = _hand(model, torch.tensor(tiny_tokenizer()(t)["input_ids"][:96]), 48, "chunks", 0)
+        total, count = total + nll, count + n
+    assert got[("none", 48)] == pytest.approx(math.exp(total / count), rel=1e-5)
+
+    assert both["model"]["loaded_with"] == "yarn:4" and plain["model"]["loaded_with"] is None
+    assert "loaded with yarn:4" in (tmp_path / "both" / "table.md").read_text().splitlines()[0]
+
+
+def test_a_spec_leaves_the_loaded_model_exactly_as_loaded(tiny_run, tmp_path):
+    model_dir, _ = tiny_run
+    model = hfpatch.from_pretrained(_saved_with_yarn(model_dir, tmp_path / "yarn4")).eval()
+    ids = torch.arange(3, 60)[None]
+    with torch.no_grad():
+        before = model(ids).logits
+    for kwargs in ({"position": "ntk", "factor": 2}, {"position": "alibi"}, {"norm": "layernorm"}):
+        with applied(model, kwargs, "spec"):
+            pass
+        with torch.no_grad():
+            assert (model(ids).logits - before).abs().max().item() == 0.0
+        assert hfpatch.describe(model)["applied"]["position"]["scheme"] == "yarn"
+
+
+def test_attention_path_counts_add_up_across_a_resume(tiny_run, tmp_path, monkeypatch, capsys):
+    """A cell interrupted after some of its documents and resumed counts the attention paths of all of them, as an
+    uninterrupted run does (the counts were saved only when a cell finished, so the resumed run's count covered the
+    resumed documents alone)."""
+    model_dir, docs = tiny_run
+    common = ["--model", str(model_dir), "--text-files", str(docs), "--lengths", "32", "--tokens-per-doc", "96",
+              "--max-docs", "2", "--patches", "alibi", "--no-plot"]
+    assert perplexity.main([*common, "--out", str(tmp_path / "whole")]) == 0
+    whole = json.loads((tmp_path / "whole" / "results.json").read_text())["cells"][0]["attention_path"]
+
+    real, calls = perplexity.document_nll, []
+
+    def interrupted(*a, **k):  # the second document of the cell
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    out = tmp_path / "resumed"
+    monkeypatch.setattr(perplexity, "document_nll", interrupted)
+    assert perplexity.main([*common, "--out", str(out)]) == 130
+    monkeypatch.setattr(perplexity, "document_nll", real)
+    assert perplexity.main([*common, "--out", str(out)]) == 0
+    resumed = json.loads((out / "results.json").read_text())["cells"][0]
+    assert len(resumed["documents"]) == 2 and sum(whole.values()) > 0
+    assert resumed["attention_path"] == whole

@@ -106,3 +106,18 @@ def test_self_extend_options_past_their_range_are_refused(options, message):
         hfpatch.patch(model, position="self-extend", **options)
     assert hfpatch.describe(model)["applied"] == {}
     assert model.config.max_position_embeddings == tiny.WINDOW
+
+
+def test_describe_says_what_the_model_was_loaded_with_and_unpatch_gives_the_base(tmp_path):
+    """A folder saved with yarn:4 reloads with yarn:4 applied again; describe() names it, and unpatch goes back to
+    the checkpoint's base model (the loaded patch undone too), which describe() says beforehand."""
+    base = tiny.build_tiny("llama")
+    hfpatch.save_pretrained(hfpatch.patch(tiny.build_tiny("llama"), position="yarn", factor=4), tmp_path / "y")
+    model = hfpatch.from_pretrained(tmp_path / "y")
+    info = hfpatch.describe(model)
+    assert info["loaded_with"] == "yarn:4" and info["unpatch_restores"] == "the checkpoint's base model"
+    assert hfpatch.describe(base)["loaded_with"] is None
+    hfpatch.unpatch(model)
+    after = hfpatch.describe(model)
+    assert after["applied"] == {} and after["loaded_with"] == "yarn:4"  # where it came from, still
+    assert after["position"]["rope_parameters"] == hfpatch.describe(base)["position"]["rope_parameters"]

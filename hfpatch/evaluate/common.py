@@ -4,6 +4,7 @@ a spec for a while, what the results file records about the run."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.metadata
 import json
 import math
@@ -15,7 +16,7 @@ import transformers
 
 from .. import __version__
 from .. import spec as specs
-from ..apply import patch, unpatch
+from ..apply import patch, state_of, unpatch
 from ..models import load
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -106,16 +107,38 @@ def load_model(args):
 
 @contextlib.contextmanager
 def applied(model, kwargs: dict, name: str):
-    if kwargs:
-        try:
-            patch(model, **kwargs)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"patch spec {name!r}: {e}") from None
+    """The model with the spec applied for a while, then back exactly as it was. `none` (no kwargs) is the model as
+    loaded; a spec replaces the patch the model was loaded with on the axes it names (ntk:2 on a model loaded with
+    yarn:4 runs ntk:2 over the checkpoint's base RoPE), and that loaded patch is applied again afterwards (unpatch
+    alone would leave the checkpoint's base model)."""
+    if not kwargs:
+        yield model
+        return
+    loaded = live_spec(model)
+    try:
+        patch(model, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"patch spec {name!r}: {e}") from None
     try:
         yield model
     finally:
-        if kwargs:
-            unpatch(model)
+        restore(model, loaded)
+
+
+def live_spec(model) -> dict:
+    """The patch applied to `model` now, beyond what is baked into its weights (the part unpatch undoes)."""
+    state = state_of(model)
+    return copy.deepcopy(state.spec) if state else {}
+
+
+def restore(model, spec: dict) -> None:
+    """Bring `model` back to carrying exactly `spec` (as live_spec gave it): every patch undone, `spec` applied
+    again."""
+    if live_spec(model) == spec:
+        return
+    unpatch(model)
+    if spec:
+        patch(model, **specs.to_kwargs(spec))
 
 
 def versions() -> dict:

@@ -22,6 +22,7 @@ Needs the optional extra llama-cpp-python (pip install 'hfpatch[llama-cpp]'); it
 from __future__ import annotations
 
 import contextlib
+import glob
 import math
 import os
 import shutil
@@ -32,6 +33,11 @@ import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: exports are then only removed by the run that made them
+    fcntl = None  # type: ignore[assignment]  # checked for None before use
 
 from .. import gguf as hg
 from .. import spec as specs
@@ -72,8 +78,10 @@ class LlamaCppModel:
         # each spec: metadata overrides cannot take a tensor or a key out.
         self.scaled = bool(self.info.keys or self.info.tensors)
         self.setting = Setting(path)
-        self._tmp = tempfile.mkdtemp(prefix="hfpatch-llamacpp-")
-        weakref.finalize(self, shutil.rmtree, self._tmp, True)  # the exported copies go with the model
+        remove_stale_exports()
+        self._tmp, held = exports_folder()
+        # the exported copies go with the model (and the lock on them with the process)
+        self._remove_exports = weakref.finalize(self, _remove_exports, self._tmp, held)
         self._exports: dict = {}
         self._llm = None
         self._key = None
@@ -139,7 +147,67 @@ class LlamaCppModel:
 
     def close(self) -> None:
         self.close_context()
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._remove_exports()
+
+
+# The copies a spec is exported to live in a folder of their own under the temporary directory, named EXPORTS + a
+# random suffix. Its owner holds a lock on the folder itself for its life (the OS releases it when the process dies,
+# killed or not), so a later run tells a killed run's leftovers (about the size of the GGUF file per spec) from a
+# live run's, in this container or another one sharing the directory, and removes them.
+EXPORTS = "hfpatch-llamacpp-"
+
+
+def exports_folder() -> tuple[str, int | None]:
+    """A new, locked folder for exported copies: (its path, the descriptor that holds the lock). It is created
+    under a name that remove_stale_exports does not look at and renamed once locked, so that no other run ever sees
+    it unlocked."""
+    tmp = tempfile.mkdtemp(prefix="." + EXPORTS)
+    held = _lock_folder(tmp)
+    path = os.path.join(os.path.dirname(tmp), os.path.basename(tmp)[1:])
+    os.rename(tmp, path)  # the lock is on the folder (its inode), not its name
+    return path, held
+
+
+def remove_stale_exports(where: str | None = None) -> list[str]:
+    """Remove the export folders of runs that ended without removing them (killed): those no process holds locked.
+    Returns the folders removed."""
+    if fcntl is None:
+        return []  # no locks on this system: nothing tells a leftover from a live run's folder
+    removed = []
+    for path in sorted(glob.glob(os.path.join(where or tempfile.gettempdir(), EXPORTS + "*"))):
+        try:
+            held = _lock_folder(path)
+        except OSError:
+            continue  # a live run's (BlockingIOError), or not ours to open
+        if held is None:
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(held)
+    return removed
+
+
+def _lock_folder(path: str) -> int | None:
+    """The descriptor of `path`, locked exclusively (BlockingIOError if another process holds it); None where the
+    OS has no such locks."""
+    if fcntl is None:
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _remove_exports(path: str, held: int | None) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    if held is not None:
+        with contextlib.suppress(OSError):
+            os.close(held)
 
     # ------------------------------------------------------------------------------------ scoring and decoding
 
@@ -192,12 +260,12 @@ class Engine:
     """What the sweep (sweep.py) calls to check, load, patch and time the model, for llama.cpp."""
 
     name = NAME
+    reads: frozenset = frozenset()  # none of the sweep's MODEL_OPTIONS (--dtype, --device, --device-map)
+    unread_reason = ("llama.cpp runs the GGUF file's own weight types, on the devices it was built for (those are "
+                     "transformers options)")
 
     def __init__(self, args):
         check_installed()
-        if args.device_map or args.device:
-            raise ValueError("--device and --device-map are transformers options; llama.cpp runs where it was "
-                             "built to run")
         path = gguf_path(args.model)
         if path is None:
             raise ValueError(f"--engine llama.cpp runs GGUF files; {args.model} is not one (convert it with "
@@ -219,7 +287,10 @@ class Engine:
                 pass
         import llama_cpp
 
-        results.data["model"] = {"name": f"{name} (llama.cpp)", "engine": NAME, "gguf": self.path,
+        found = hg.read_patch(self.path)  # the file's own scaling: what `none` runs, and what the specs replace
+        loaded = specs.describe_string(specs.request(**found.patch)) if found and found.patch else None
+        results.data["model"] = {"name": f"{name} (llama.cpp)", "loaded_with": loaded, "engine": NAME,
+                                 "gguf": self.path,
                                  "llama_cpp_python": llama_cpp.__version__, "architecture": model.info.arch,
                                  "trained_window": model.info.window, "threads": model.threads,
                                  "weights": "as stored in the GGUF file"}

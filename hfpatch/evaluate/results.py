@@ -66,11 +66,30 @@ def _same(a, b) -> bool:
 
 class Results:
     """`records`: the cell field that holds one entry per unit of work ("documents", "trials", "samples");
-    `summarize(records) -> dict`: a finished cell's numbers, recomputed on load to check them."""
+    `summarize(records) -> dict`: a finished cell's numbers, recomputed on load to check them.
+    `read_only` (a dry run): an existing file is read and checked, but nothing is created, locked or written."""
 
-    def __init__(self, path: Path, kind: str, identity: dict, records: str, summarize, overwrite: bool = False):
+    def __init__(self, path: Path, kind: str, identity: dict, records: str, summarize, overwrite: bool = False,
+                 read_only: bool = False):
         self.path = Path(path)
         self.kind, self.records, self.summarize = kind, records, summarize
+        self.read_only = read_only
+        self._lock: Lock | None = None
+        if not read_only:
+            self._open()
+        loaded = None
+        if self.path.exists() and not overwrite:
+            try:
+                loaded = self._load(identity)
+            except ValueError:
+                self.close()
+                raise
+        self.data: dict = loaded if loaded is not None else {
+            "kind": kind, "format": FORMAT, "identity": identity, "cells": [], "started": now()}
+        self.resumed = bool(self.data["cells"])
+
+    def _open(self) -> None:
+        """Create the folder, take the lock, remove what a killed run left half-written."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a file where a folder should be, a read-only place
@@ -82,16 +101,6 @@ class Results:
                              "or use another --out") from None
         for stale in self.path.parent.glob(self.path.name + ".*.tmp"):  # left by a killed run (we hold the lock)
             stale.unlink(missing_ok=True)
-        loaded = None
-        if self.path.exists() and not overwrite:
-            try:
-                loaded = self._load(identity)
-            except ValueError:
-                self.close()
-                raise
-        self.data: dict = loaded if loaded is not None else {
-            "kind": kind, "format": FORMAT, "identity": identity, "cells": [], "started": now()}
-        self.resumed = bool(self.data["cells"])
 
     def _damaged(self, what: str) -> ValueError:
         return ValueError(f"{self.path}: {what}. The file was damaged or edited by hand: repair it, or start over "
@@ -160,6 +169,8 @@ class Results:
         cell.update(self.summarize(cell[self.records]), complete=True, finished=now())
 
     def save(self, **top) -> None:
+        if self.read_only:
+            raise RuntimeError(f"{self.path} was opened read-only (a dry run): nothing may be written")
         self.data.update(top)
         self.data["updated"] = now()
         null_non_finite(self.data)  # the report, drawn from self.data, then reads what the file holds
@@ -168,7 +179,8 @@ class Results:
         os.replace(tmp, self.path)  # atomic: a killed run leaves the previous complete file, never half of one
 
     def close(self) -> None:
-        self._lock.close()
+        if self._lock is not None:
+            self._lock.close()
 
 
 def comparable(data: dict) -> dict:

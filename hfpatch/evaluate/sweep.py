@@ -31,8 +31,9 @@ from typing import Any, ClassVar
 from tqdm.auto import tqdm
 
 from .. import command
+from .. import spec as specs
 from ..adapters.positions import trained_window
-from ..apply import describe, table_limit, unwrap
+from ..apply import describe, loaded_with, table_limit, unwrap
 from ..lm import causal_lm_parts
 from ..models import model_fingerprint
 from ..text import load_tokenizer
@@ -162,12 +163,13 @@ def build_parser(ev: Evaluation) -> command.Parser:
     p = command.Parser(prog=ev.prog, description=ev.description)
     p.add_argument("--model", default="smollm2",
                    help="hub id, local folder, .gguf file, or smollm2 (the embedded default; default)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "auto"],
-                   help="weights dtype (default fp32; auto = the checkpoint's)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "auto"],
+                   help="weights dtype (default fp32; auto = the checkpoint's); transformers engine only")
     p.add_argument("--device-map", dest="device_map",
-                   help="'auto' shards the model over the GPUs present (accelerate big-model inference)")
+                   help="'auto' shards the model over the GPUs present (accelerate big-model inference); "
+                        "transformers engine only")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu); "
-                                    "ignored with --device-map")
+                                    "ignored with --device-map; transformers engine only")
     p.add_argument("--engine", default="transformers", choices=list(ENGINES),
                    help="transformers (default), or llama.cpp: the same cells run by llama.cpp on the GGUF file, "
                         "specs applied as its RoPE metadata (needs pip install 'hfpatch[llama-cpp]')")
@@ -181,7 +183,8 @@ def build_parser(ev: Evaluation) -> command.Parser:
     p.add_argument("--overwrite", action="store_true", help="discard an existing results file instead of resuming")
     p.add_argument("--no-plot", action="store_true", dest="no_plot")
     p.add_argument("--dry-run", action="store_true", dest="dry_run",
-                   help="validate, check memory, load the model and print the time estimate; run nothing")
+                   help="validate, check memory, load the model and print the time estimate; run nothing and "
+                        "write nothing")
     p.add_argument("--no-memory-check", action="store_true", dest="no_memory_check",
                    help="run even when the estimated memory exceeds what is free")
     return p
@@ -195,6 +198,7 @@ def main(ev: Evaluation, argv=None) -> int:
 def _main(ev: Evaluation, argv) -> int:
     args = build_parser(ev).parse_args(argv)
     patches = parse_patches(args.patches)  # every spec validated before any loading
+    check_engine_options(args, ENGINES[args.engine])
     engine = ENGINES[args.engine](args)
     if not args.no_memory_check:
         engine.check_longest_read(args)
@@ -204,7 +208,8 @@ def _main(ev: Evaluation, argv) -> int:
     out = Path(args.out)
     # another engine's numbers are other numbers: its results file is not continued by transformers, nor the reverse
     identity = plan.identity if engine.name == "transformers" else {**plan.identity, "engine": engine.name}
-    results = Results(out / "results.json", ev.kind, identity, ev.records, ev.summarize, args.overwrite)
+    results = Results(out / "results.json", ev.kind, identity, ev.records, ev.summarize, args.overwrite,
+                      read_only=args.dry_run)
     try:
         if results.resumed:
             print(f"{ev.prog}: resuming from {out / 'results.json'}", file=sys.stderr)
@@ -219,10 +224,10 @@ def _main(ev: Evaluation, argv) -> int:
             run = Run(model, engine.prepare(model, patches, plan, results, args.model), tok, args, engine.applied,
                       engine.paths_ran)
             estimate = engine.estimate(ev, run, plan, todo)
+            if args.dry_run:  # writes nothing: a dry run with other settings must not decide the real run's file
+                return 0
             results.data.setdefault("runs", []).append({"started": now(), "estimate_s": round(estimate, 1)})
             results.save()
-            if args.dry_run:
-                return 0
             t0 = time.perf_counter()
             _run(ev, run, todo, results)
             took = time.perf_counter() - t0
@@ -243,11 +248,21 @@ def _main(ev: Evaluation, argv) -> int:
 
 def report(ev: Evaluation, data: dict, out: Path, plot: bool) -> str:
     """The caption and tables of a results file's data (and its plot, written under `out`)."""
-    caption = ev.caption(data)
+    caption = ev.caption(data) + loaded_note(data)
     if plot:
         ev.plot(data, out / ev.plot_name, caption)
         print(f"\nplot: {out / ev.plot_name}; results: {out / 'results.json'}", file=sys.stderr)
     return f"{caption}\n\n{ev.tables(data)}"
+
+
+def loaded_note(data: dict) -> str:
+    """What the caption says of a model loaded patched (a folder saved with yarn:4, a GGUF with RoPE scaling): the
+    `none` row is that model, and every other spec replaced its patch."""
+    loaded = data.get("model", {}).get("loaded_with")
+    if not loaded:
+        return ""
+    return (f" (loaded with {loaded}: `none` is the model as loaded; each other spec replaces that patch on the "
+            "axes it names)")
 
 
 def covering(ev: Evaluation, data: dict) -> dict:
@@ -317,6 +332,24 @@ def check_memory(args, plan: Plan) -> None:
                      "--dtype bf16, or --no-memory-check to try anyway")
 
 
+# The options of how the model is loaded, with their defaults: the parser leaves them None, so that an option given
+# on the command line is told from one left out. An engine reads those it names in `reads` and refuses the others
+# rather than record settings it did not run with.
+MODEL_OPTIONS = {"dtype": "fp32", "device": None, "device_map": None}
+
+
+def check_engine_options(args, engine) -> None:
+    """Refuse the model options `engine` (a class of ENGINES) would ignore; then fill in the defaults."""
+    ignored = [f"--{k.replace('_', '-')}" for k in MODEL_OPTIONS
+               if getattr(args, k) is not None and k not in engine.reads]
+    if ignored:
+        raise ValueError(f"--engine {engine.name} does not read {' or '.join(ignored)}: {engine.unread_reason}; "
+                         "leave them out")
+    for k, default in MODEL_OPTIONS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, default)
+
+
 def _prepare(model, patches, plan: Plan, results: Results, name: str):
     parts = causal_lm_parts(model)  # a clear error for masked LMs before anything runs
     need = plan.read + plan.new_tokens
@@ -328,7 +361,9 @@ def _prepare(model, patches, plan: Plan, results: Results, name: str):
             raise ValueError(f"patch {spec!r}: the model has learned positions for {limit} tokens only, so "
                              f"{plan.read} tokens{extra} cannot run; use lengths <= {limit - plan.new_tokens}")
     target = unwrap(model)
-    results.data["model"] = {"name": name, "class": type(target).__name__, "model_type": target.config.model_type,
+    loaded = loaded_with(target)
+    results.data["model"] = {"name": name, "loaded_with": specs.describe_string(loaded) if loaded else None,
+                             "class": type(target).__name__, "model_type": target.config.model_type,
                              "trained_window": trained_window(target.config),
                              "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
                              "parameters": sum(p.numel() for p in target.parameters())}
@@ -363,9 +398,9 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
                                         lambda: {"patch": spec, **c.key, **c.fields,  # noqa: B023 - see above
                                                  "patch_kwargs": kwargs,  # noqa: B023 - see above
                                                  ev.records: [], "complete": False})
-                    paths_before = run.paths_ran(run.model)
                     for unit in left:
                         done = [0]
+                        paths_before = run.paths_ran(run.model)
 
                         def progress(n, done=done):
                             done[0] += n
@@ -376,9 +411,10 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
                         record["seconds"] = round(time.perf_counter() - t0, 3)
                         cell["complete"] = False
                         cell[ev.records].append(record)
+                        # saved with the unit's record, so that a run interrupted later keeps them counted
+                        _add_paths_since(cell, paths_before, run.paths_ran(run.model))
                         results.save()
                         bar.update(unit.tokens - done[0])
-                    _add_paths_since(cell, paths_before, run.paths_ran(run.model))
                     results.finish(cell)
                     results.save()
     finally:
@@ -394,6 +430,8 @@ class TransformersEngine:
     """The default engine: the model loaded and patched by transformers and hfpatch (the functions above)."""
 
     name = "transformers"
+    reads = frozenset(MODEL_OPTIONS)
+    unread_reason = ""
 
     def __init__(self, args):
         pass
@@ -408,7 +446,8 @@ class TransformersEngine:
 
 
 # --engine NAME -> (parsed arguments) -> an object with name, check_longest_read, check_memory, load, prepare,
-# estimate, applied, paths_ran
+# estimate, applied, paths_ran; the class says which of MODEL_OPTIONS it reads (`reads`) and why it reads no others
+# (`unread_reason`)
 ENGINES: dict[str, Callable[[argparse.Namespace], Any]] = {"transformers": TransformersEngine,
                                                             "llama.cpp": LlamaCppEngine}
 
