@@ -26,6 +26,8 @@ import transformers
 from . import tiny
 from .adapters import InferenceError, adapter_for
 from .apply import summary, unwrap
+from .norm.kinds import NORMS
+from .norm.placement import PLACEMENTS
 from .position.schemes import SCHEMES
 
 CACHE_FORMAT = 1
@@ -160,7 +162,11 @@ def counts(results: dict) -> str:
         "- " + "; ".join(f"{name}: {n(lambda p, name=name: name in p['position'])}"  # every other scheme
                          for name, rec in SCHEMES.items() if rec.rope is None),
         f"- norm swaps: {n(lambda p: bool(p['norm']))}; exact LayerNorm→RMSNorm: "
-        f"{n(lambda p: p['exact_layernorm_to_rmsnorm'])}; pre/post placement: {n(lambda p: len(p['placement']) == 2)}",
+        f"{n(lambda p: p['exact_layernorm_to_rmsnorm'])}; pre/post placement: "
+        f"{n(lambda p: {'pre', 'post'} <= set(p['placement']))}",
+        "- " + "; ".join(f"norm={name}: {n(lambda p, name=name: name in p['norm'])}" for name in NORMS),
+        "- " + "; ".join(f"placement={name}: {n(lambda p, name=name: name in p['placement'])}"
+                         for name in PLACEMENTS),
     ]
     if unswept:
         lines.append(f"- not yet measured by the family sweep (not counted above): {len(unswept)}: "
