@@ -22,10 +22,10 @@ from . import spec as specs
 from .adapters import Adapter, InferenceError, adapter_for, get_path
 from .edits import MISSING, Edits, deferred_interrupts
 from .norm import convert as norms
+from .norm import fit
 from .norm import kinds as norm_kinds
-from .norm.batchnorm import calibrate as calibrate_batchnorm
 from .norm.kinds import NORMS
-from .norm.placement import apply_placement, placement_forms
+from .norm.placement import PLACEMENTS, apply_placement, placement_forms
 from .position import paths, schemes
 from .position.schemes import SCHEMES
 from .spec import AXES
@@ -89,7 +89,8 @@ def state_of(model) -> PatchState | None:
 def changes_weights(axis: str, req: dict) -> bool:
     """Whether a patch changes which weights exist (or their shapes): such patches reload by loading the saved
     weights into the patched structure (io.from_pretrained); the others are simply applied again."""
-    return axis == "norm" or (axis == "position" and SCHEMES[req["scheme"]].changes_weights)
+    return (axis == "norm" or (axis == "placement" and PLACEMENTS[req["kind"]].changes_weights)
+            or (axis == "position" and SCHEMES[req["scheme"]].changes_weights))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -370,10 +371,13 @@ def _unpatch_restores(model, state: PatchState | None) -> str:
 
 
 def calibrate(model, batches=None) -> int:
-    """Compute the running statistics of the BatchNorms that a `norm="batchnorm"` patch put in `model`.
+    """Fit what a patch put in `model` to the model it replaced (norm/fit.py).
+
+    Fits the running statistics of `norm="batchnorm"`, the α of each `norm="dyt"` module, and the scale and bias of
+    `placement="peri"`'s output norms.
 
     Args:
-        model: a model patched with `norm="batchnorm"`.
+        model: a model patched with `norm="batchnorm"`, `norm="dyt"` or `placement="peri"`.
         batches: token ids `[batch, seq]`, a tokenizer's output, or a list of those; None: a seeded batch of
             random tokens.
 
@@ -381,9 +385,9 @@ def calibrate(model, batches=None) -> int:
         The number of norms calibrated.
 
     Raises:
-        ValueError: the model has no BatchNorm (patch it with `norm="batchnorm"` first).
+        ValueError: the model has nothing to calibrate.
     """
-    return calibrate_batchnorm(unwrap(model), batches)  # (peft's adapters sit inside the base model)
+    return fit.calibrate(unwrap(model), batches)  # (peft's adapters sit inside the base model)
 
 
 def bake(model, stages: list, facts: dict, original_config: dict) -> None:
@@ -491,6 +495,7 @@ def describe(model) -> dict:
         "class": type(target).__name__,
         "norm": norm,
         "placement": applied.get("placement", {}).get("kind") or adapter.placement_of(target.config),
+        **({"placement_layers": facts["placement"]["layers"]} if "layers" in facts.get("placement", {}) else {}),
         "position": _position(target, adapter, state),
         "attention": target.config._attn_implementation,
         "max_position_embeddings": target.config.get_text_config().max_position_embeddings,
@@ -533,6 +538,9 @@ def available(model, adapter: Adapter) -> dict:
     forms = placement_forms(adapter)
     if len(forms) < 2:
         why["placement"] = adapter.notes.get("placement") or "the blocks have no known pre/post form"
+    else:
+        why.update({f"placement={k}": f"{adapter.model_type}'s blocks have no {k} form hfpatch knows"
+                    for k in PLACEMENTS if k not in forms})
     return {
         "position": [s for s in SCHEMES if why[f"position={s}"] is None],
         "norm": offered,

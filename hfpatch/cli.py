@@ -77,7 +77,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _patch_arguments(s) -> None:
-    from .norm.kinds import NORMS  # the registry imports torch: only when `hfpatch patch` is parsed
+    from .norm.kinds import NORMS  # the registries import torch: only when `hfpatch patch` is parsed
+    from .norm.placement import PLACEMENTS
 
     s.add_argument("model")
     s.add_argument("--out", required=True, help="folder to save the patched model (and tokenizer) to; a .gguf path "
@@ -88,7 +89,10 @@ def _patch_arguments(s) -> None:
     s.add_argument("--norm", choices=list(NORMS))
     s.add_argument("--no-exact", dest="exact", action="store_false", default=None,
                    help="with --norm rmsnorm: plain swap instead of the exact (weight-folding) conversion")
-    s.add_argument("--placement", choices=["pre", "post"])
+    s.add_argument("--placement", choices=list(PLACEMENTS))
+    for name in sorted({k for rec in PLACEMENTS.values() for k in rec.options}):  # --post-fraction (mix)
+        owners = ", ".join(k for k, rec in PLACEMENTS.items() if name in rec.options)
+        s.add_argument("--" + name.replace("_", "-"), type=float, dest=name, help=f"with --placement {owners}")
     s.add_argument("--original-max-position-embeddings", type=int, dest="original_max_position_embeddings")
     for name in _FLOAT_OPTIONS:
         s.add_argument("--" + name.replace("_", "-"), type=float, dest=name)
@@ -169,7 +173,7 @@ def _run(args) -> int:
     # patch: validate the request before spending time loading the model
     kwargs = {k: getattr(args, k) for k in ("position", "factor", "norm", "exact", "placement",
                                             "original_max_position_embeddings",
-                                            "layer_types", *_FLOAT_OPTIONS)}
+                                            "layer_types", *_FLOAT_OPTIONS, *hfpatch.spec.all_placement_options())}
     kwargs.update(dict(args.opt))
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if not kwargs:

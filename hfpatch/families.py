@@ -26,6 +26,8 @@ import transformers
 from . import tiny
 from .adapters import InferenceError, adapter_for
 from .apply import NO_LAYERNORM, summary, unwrap
+from .norm.kinds import NORMS
+from .norm.placement import PLACEMENTS
 from .position.schemes import SCHEMES
 
 CACHE_FORMAT = 1
@@ -173,7 +175,10 @@ def counts(results: dict) -> str:
         f"- norm swaps: {n(lambda p: bool(p['norm']))}; exact LayerNorm→RMSNorm: "
         f"{sum(exact_layernorm_to_rmsnorm(r) is True for r in built.values())} (of "
         f"{sum(exact_layernorm_to_rmsnorm(r) is not None for r in built.values())} with LayerNorms); pre/post "
-        f"placement: {n(lambda p: len(p['placement']) == 2)}",
+        f"placement: {n(lambda p: {'pre', 'post'} <= set(p['placement']))}",
+        "- " + "; ".join(f"norm={name}: {n(lambda p, name=name: name in p['norm'])}" for name in NORMS),
+        "- " + "; ".join(f"placement={name}: {n(lambda p, name=name: name in p['placement'])}"
+                         for name in PLACEMENTS),
     ]
     if unswept:
         lines.append(f"- not yet measured by the family sweep (not counted above): {len(unswept)}: "

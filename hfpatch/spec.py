@@ -38,19 +38,46 @@ def request(position=None, factor=None, norm=None, placement=None, exact=None, *
         out["norm"] = {"kind": _choice("norm", norm, NORMS), "exact": True if exact is None else exact}
     elif exact is not None:
         raise ValueError("exact= only applies together with norm=")
+    options = dict(options)
+    placement_options = {k: options.pop(k) for k in list(options) if k in all_placement_options()}
     if placement is not None:
-        out["placement"] = {"kind": _choice("placement", placement, PLACEMENTS)}
+        out["placement"] = placement_request(placement, placement_options)
+    elif any(v is not None for v in placement_options.values()):
+        raise ValueError(f"{', '.join(sorted(placement_options))} given without placement=; name the placement it "
+                         "belongs to (placement='mix')")
     if position is None:
         given = sorted(k for k, v in {"factor": factor, **options}.items() if v is not None)
         known = schemes.all_options()
         unknown = [k for k in given if k not in known]
         if unknown:
             raise TypeError(f"patch() got unknown option(s) {', '.join(unknown)}; it accepts position=, factor=, "
-                            f"norm=, placement=, exact= and the position options {', '.join(sorted(known))}")
+                            f"norm=, placement=, exact=, the placement options "
+                            f"{', '.join(sorted(all_placement_options()))} and the position options "
+                            f"{', '.join(sorted(known))}")
         if given:
             raise ValueError(f"{', '.join(given)} given without position=; name the scheme they belong to")
         return out
     out["position"] = position_request(position, {"factor": factor, **options})
+    return out
+
+
+def all_placement_options() -> set[str]:
+    return {name for rec in PLACEMENTS.values() for name in rec.options}
+
+
+def placement_request(placement, options: dict) -> dict:
+    """Validate a placement request against the registry (norm/placement.py); only the options given are stored."""
+    kind = _choice("placement", placement, PLACEMENTS)
+    accepted = PLACEMENTS[kind].options
+    out: dict = {"kind": kind}
+    for name, value in sorted(options.items()):
+        if value is None:
+            continue
+        if name not in accepted:
+            takers = sorted(k for k, rec in PLACEMENTS.items() if name in rec.options)
+            raise ValueError(f"placement={kind!r} takes no option {name}; it belongs to placement="
+                             f"{' or '.join(repr(k) for k in takers)}")
+        out[name] = accepted[name](value)
     return out
 
 
@@ -61,7 +88,8 @@ def merge(current: dict, new: dict) -> dict:
 
 def parse(text: str) -> dict:
     """The string form used on command lines: "yarn:4", "dynamic", "longrope:4:short_factor=[1,1]",
-    "yarn:4:beta_fast=16", "norm=rmsnorm", "yarn:2+norm=layernorm+placement=post". "none" (or "") is the empty
+    "yarn:4:beta_fast=16", "norm=rmsnorm", "yarn:2+norm=layernorm+placement=post",
+    "placement=mix+post_fraction=0.5". "none" (or "") is the empty
     spec. Returns `request` keyword arguments."""
     text = text.strip()
     if text.lower() in ("", "none"):
@@ -69,7 +97,10 @@ def parse(text: str) -> dict:
     kwargs: dict = {}
     for item in text.split("+"):
         key, sep, value = item.partition("=")
-        if sep and key.strip() in ("norm", "placement", "exact") and ":" not in key:
+        part: dict
+        if sep and key.strip() in all_placement_options() and ":" not in key:
+            part = {key.strip(): _number(value.strip(), key.strip(), text)}
+        elif sep and key.strip() in ("norm", "placement", "exact") and ":" not in key:
             part = {key.strip(): {"true": True, "false": False}.get(value.strip().lower(), value.strip())}
         else:
             part = _parse_position(item.strip(), text)
@@ -78,6 +109,13 @@ def parse(text: str) -> dict:
             raise ValueError(f"in patch spec {text!r}: {', '.join(twice)} given twice")
         kwargs.update(part)
     return kwargs
+
+
+def _number(raw: str, key: str, text: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"in patch spec {text!r}: {key} {raw!r} is not a number") from None
 
 
 def _parse_position(item: str, text: str) -> dict:
@@ -109,7 +147,9 @@ def to_kwargs(spec: dict) -> dict:
     if "norm" in spec:
         kwargs.update(norm=spec["norm"]["kind"], exact=spec["norm"]["exact"])
     if "placement" in spec:
-        kwargs["placement"] = spec["placement"]["kind"]
+        place = dict(spec["placement"])
+        kwargs["placement"] = place.pop("kind")
+        kwargs.update(place)
     if "position" in spec:
         pos = dict(spec["position"])
         kwargs["position"] = pos.pop("scheme")
@@ -127,4 +167,5 @@ def describe_string(spec: dict) -> str:
         parts.append(f"norm={spec['norm']['kind']}" + ("" if spec["norm"]["exact"] else ":inexact"))
     if "placement" in spec:
         parts.append(f"placement={spec['placement']['kind']}")
+        parts += [f"{k}={v:g}" for k, v in sorted(spec["placement"].items()) if k != "kind"]
     return "+".join(parts) or "none"

@@ -32,7 +32,7 @@ LAYERS: dict[str, set[str]] = {
     "models": {"io", "files", "gguf"},  # load by name
     "serving": {"position"},  # what vLLM and SGLang read of a saved checkpoint's RoPE
     "text": {"lm", "models", "files"},  # documents and tokenizers
-    "families": {"apply", "adapters", "position", "tiny"},  # supported(): every family measured
+    "families": {"apply", "adapters", "norm", "position", "tiny"},  # supported(): every family measured
     "hfpatch": {"spec", "apply", "families", "io"},  # the public API
     "evaluate": {"hfpatch", "apply", "spec", "adapters", "lm", "models", "text", "command", "timing", "files",
                  "gguf", "host"},

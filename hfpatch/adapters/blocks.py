@@ -4,6 +4,8 @@ move a block between:
     pre:       h = x + A(N1(x));  y = h + M(N2(h))        (GPT-2 onwards, Llama, ...)
     post:      h = N1(x + A(x));  y = N2(h + M(h))        (the original Transformer)
     parallel:  y = x + A(N1(x)) + M(N2(x))                (GPT-NeoX; its post form is the sequential one)
+    peri:      h = x + O1(A(N1(x)));  y = h + O2(M(N2(h)))  (Peri-LN: output norms O1, O2 before each residual add)
+    parallel_peri:  y = x + O1(A(N1(x))) + O2(M(N2(x)))
 
 A block class gets one of them mixed in (`Edits.mix_in`, so gradient checkpointing, which wraps the class's
 forward, keeps working). The attention module is called with the block's own arguments, bound by name through the
@@ -29,6 +31,7 @@ class BlockSpec:
     mlp: str | None
     norms: tuple[str, ...]  # two
     dropouts: tuple[str | None, str | None] = (None, None)  # residual dropouts after attention / MLP
+    outputs: tuple[str, str] | None = None  # the peri forms' output norms after attention / MLP
 
 
 SPEC_ATTR = "hfpatch_block"
@@ -85,4 +88,9 @@ def run(block, spec: BlockSpec, forward, hidden_states, args, kwargs):
     if spec.placement == "parallel":
         a = _drop(block, spec.dropouts[0], _first(attn(hidden_states=n1(x), **kw)))
         return x + a + _drop(block, spec.dropouts[1], _first(mlp(n2(x))))
+    if spec.placement in ("peri", "parallel_peri") and spec.outputs is not None:
+        o1, o2 = (get_path(block, o) for o in spec.outputs)
+        h = x + _drop(block, spec.dropouts[0], o1(_first(attn(hidden_states=n1(x), **kw))))
+        m = _drop(block, spec.dropouts[1], o2(_first(mlp(n2(h if spec.placement == "peri" else x)))))
+        return h + m
     raise ValueError(f"no generic block form {spec.placement!r}")

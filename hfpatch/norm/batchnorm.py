@@ -110,7 +110,7 @@ def calibrate(model, batches=None) -> int:
     norms = [m for m in model.modules() if isinstance(m, BatchNorm)]
     if not norms:
         raise ValueError("calibrate: the model has no BatchNorm (patch it with norm='batchnorm' first)")
-    inputs = _batches(model, batches)
+    inputs = model_batches(model, batches)
     modes = [(m, m.training) for m in model.modules()]
     momenta = [m.momentum for m in norms]
     model.eval()
@@ -136,7 +136,7 @@ def calibrate(model, batches=None) -> int:
     return len(norms)
 
 
-def _batches(model, batches) -> list[dict]:
+def model_batches(model, batches) -> list[dict]:
     if batches is None:
         embeddings = model.get_input_embeddings()
         g = torch.Generator().manual_seed(1234)
@@ -168,7 +168,7 @@ def fresh_statistics_problem(model) -> str | None:
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        out = model(**_batches(model, None)[0])
+        out = model(**model_batches(model, None)[0])
     except Exception:  # a model that does not run on token ids alone (an encoder-decoder, ...): nothing to tell
         return None
     finally:

@@ -119,6 +119,7 @@ def _plain_swap(model, path, module, norm, adapter, edits, attributes):
                                                 (getattr(module, "hidden_size", None) or module.dim,))
     new = build(norm.module, shape, p.eps, p.offset, p.weight, bias, like).train(module.training)
     keep_trainable(new, p)
+    new.replaced = p.kind  # what a calibration fits the new norm to (norm/fit.py)
     for name, value in attributes.items():
         setattr(new, name, value)
     parent, name = _parent(model, path)
@@ -152,6 +153,9 @@ def keep_trainable(new: nn.Module, old: NormParams) -> None:
         param = getattr(new, name, None)
         if isinstance(param, nn.Parameter) and was is not None:
             param.requires_grad_(was.requires_grad)
+    for name, param in new.named_parameters(recurse=False):  # a kind's own parameters (DyT's α) follow the weight
+        if name not in ("weight", "bias") and weight is not None:
+            param.requires_grad_(weight.requires_grad)
 
 
 def _param(t: torch.Tensor, like: nn.Parameter | None) -> nn.Parameter:

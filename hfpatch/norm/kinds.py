@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .batchnorm import attach, fresh_statistics_problem
 from .convert import exact_rmsnorm, norm_sites
-from .modules import BatchNorm, LayerNorm, RMSNorm
+from .modules import BatchNorm, DyT, LayerNorm, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,9 @@ NORMS: dict[str, Norm] = {
                       inexact="BatchNorm is never function-preserving: it normalises each channel over the batch and "
                               "the sequence, a per-token norm over the channels",
                       prepare=_padding, check=fresh_statistics_problem),
+    "dyt": Norm(DyT, "tanh(α·x), times the weight, plus the bias (Dynamic Tanh: no statistics)",
+                inexact="DyT is never function-preserving: tanh(α·x) squashes each element on its own instead of "
+                        "dividing the token by its statistics (hfpatch.calibrate fits each α to the replaced norm)"),
 }
 
 

@@ -18,6 +18,9 @@ from ..adapters.base import class_key
 
 class NormModule(nn.Module):
     kind = ""  # the key of its record in norm/kinds.NORMS
+    # the kind of the norm this module replaced in a swap (None: it replaced none, e.g. a Peri-LN output norm): what
+    # a DyT's calibration fits its α to (norm/fit.py)
+    replaced: str | None = None
 
     def __init__(self, shape, eps, offset=0.0, bias=False, affine=True, dtype=None, device=None):
         super().__init__()
@@ -41,6 +44,19 @@ class NormModule(nn.Module):
             x = x + self.bias.float()
         return x
 
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm without its affine, in float32 (what a calibration fits the weight and bias over)."""
+        raise NotImplementedError
+
+    def sibling(self) -> NormModule:
+        """A new norm of the same kind, shape, eps, offset, dtype and device, with a unit scale and a zero bias (where
+        this one has a weight / bias): a Peri-LN output norm beside this input norm."""
+        like = next(iter(self.parameters()), None)
+        new = type(self)(self.normalized_shape, self.eps, offset=self.offset, bias=self.bias is not None,
+                         affine=self.weight is not None, dtype=None if like is None else like.dtype,
+                         device=None if like is None else like.device)
+        return new.train(self.training)
+
     def extra_repr(self):
         return f"{self.normalized_shape}, eps={self.eps}, offset={self.offset}, bias={self.bias is not None}"
 
@@ -50,10 +66,12 @@ class RMSNorm(NormModule):
 
     kind = "rmsnorm"
 
-    def forward(self, x):
+    def normalize(self, x):
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self._affine(h).to(x.dtype)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        return self._affine(self.normalize(x)).to(x.dtype)
 
 
 class LayerNorm(NormModule):
@@ -65,6 +83,36 @@ class LayerNorm(NormModule):
         # torch's fused kernel (about 3x faster than the composite ops on CPU, forward + backward)
         bias = None if self.bias is None else self.bias.float()
         return F.layer_norm(x.float(), self.normalized_shape, self._scale(), bias, self.eps).to(x.dtype)
+
+    def normalize(self, x):
+        return F.layer_norm(x.float(), self.normalized_shape, None, None, self.eps)
+
+
+class DyT(NormModule):
+    """Dynamic Tanh (Zhu et al., "Transformers without Normalization", CVPR 2025), in place of a norm:
+    tanh(α · x) · (offset + weight) + bias, with α one learnable scalar per module. No statistics: each element is
+    squashed on its own. `eps` is kept (unused) so that a later swap back gets the replaced norm's."""
+
+    kind = "dyt"
+    ALPHA0 = 0.5  # the paper's default initial α (what a swap without calibration, or a fresh model, starts from)
+
+    def __init__(self, shape, eps, offset=0.0, bias=True, affine=True, dtype=None, device=None, alpha0=ALPHA0):
+        super().__init__(shape, eps, offset, bias, affine, dtype, device)
+        self.alpha = nn.Parameter(torch.full((), float(alpha0), dtype=dtype, device=device))
+
+    def normalize(self, x):
+        return torch.tanh(self.alpha.float() * x.float())
+
+    def forward(self, x):
+        return self._affine(self.normalize(x)).to(x.dtype)
+
+    def sibling(self) -> NormModule:
+        new = DyT(self.normalized_shape, self.eps, offset=self.offset, bias=self.bias is not None,
+                  affine=self.weight is not None, dtype=self.alpha.dtype, device=self.alpha.device)
+        return new.train(self.training)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, alpha={float(self.alpha):.4g}"
 
 
 class BatchNorm(NormModule):
@@ -90,6 +138,10 @@ class BatchNorm(NormModule):
         self.use_batch_statistics = False
 
     def forward(self, x):
+        return self._affine(self.normalize(x)).to(x.dtype)
+
+    def normalize(self, x):
+        """(x − mean) / sqrt(var + eps) with the statistics forward() uses (updating the running ones in training)."""
         h = x.float()
         if self.training or self.use_batch_statistics:
             rows = h.reshape(-1, h.shape[-1])
@@ -109,7 +161,12 @@ class BatchNorm(NormModule):
                     self.num_batches_tracked.add_(1)
         else:
             mean, var = self.running_mean.float(), self.running_var.float()
-        return self._affine((h - mean) * torch.rsqrt(var + self.eps)).to(x.dtype)
+        return (h - mean) * torch.rsqrt(var + self.eps)
+
+    def sibling(self) -> NormModule:
+        new = super().sibling()
+        new.momentum, new.padding = self.momentum, self.padding  # the model's one record of padding
+        return new
 
     def extra_repr(self):
         return f"{super().extra_repr()}, momentum={self.momentum}"
