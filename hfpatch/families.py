@@ -85,7 +85,12 @@ def measure_one(model_type: str) -> dict:
 
 def measure(model_types=None, use_cache: bool = True, progress=None) -> dict:
     """{model_type: measure_one(model_type)} for the named types, or every causal-LM type of the installed
-    transformers. ValueError for a name that is not one."""
+    transformers, read against the shipped sweep (as_swept). ValueError for a name that is not one."""
+    return as_swept(measure_raw(model_types, use_cache, progress), sweep_baseline())
+
+
+def measure_raw(model_types=None, use_cache: bool = True, progress=None) -> dict:
+    """measure() before the shipped sweep is read: what hfpatch accepts, as eval/check_transformers.py records it."""
     known = tiny.causal_lm_types()
     types = list(model_types) if model_types else known
     unknown = sorted(set(types) - set(known))
@@ -118,7 +123,7 @@ def measure(model_types=None, use_cache: bool = True, progress=None) -> dict:
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"format": CACHE_FORMAT, "families": cached}, indent=1, sort_keys=True))
         os.replace(tmp, path)
-    return as_swept(out, sweep_baseline())
+    return out
 
 
 def as_swept(results: dict, baseline: dict) -> dict:
@@ -138,8 +143,8 @@ def without_failed_decoding(result: dict, checks: dict) -> dict:
     if not failed:
         return result
     patches = result["patches"]
-    why = {f"position={s}": f"position={s!r} is accepted, but cached decoding failed in the family sweep "
-           f"({v.removeprefix('FAIL: ')})" for s, v in failed.items()}
+    why = {f"position={s}": f"position={s!r} failed the family sweep's cached-decoding check: "
+           f"{v.removeprefix('FAIL: ')}" for s, v in failed.items()}
     return {**result, "patches": {**patches, "position": [s for s in patches["position"] if s not in failed],
                                   "not_available": {**patches["not_available"], **why}}}
 

@@ -174,7 +174,7 @@ def _decode(model, scheme: str, offered: dict, before, ids) -> str:
     try:
         hfpatch.patch(model, position=scheme)
     except ValueError as e:
-        return f"FAIL: offered, but patch refused: {' '.join(str(e).split())[:200]}"
+        return f"FAIL: listed as applying, but patch refused it: {' '.join(str(e).split())[:200]}"
     try:
         stepped, full = tiny.stepped_and_full(model)
         d = _diff(stepped, full)

@@ -44,5 +44,5 @@ def test_a_scheme_whose_cached_decoding_failed_in_the_sweep_is_not_listed(monkey
     assert "self-extend" not in llama["position"] and "dual-chunk" in llama["position"]
     assert "self-extend" in mistral["position"]
     why = llama["not_available"]["position=self-extend"]
-    assert "cached decoding failed in the family sweep" in why and "differs from the full forward by 0.5" in why
+    assert "failed the family sweep's cached-decoding check" in why and "differs from the full forward by 0.5" in why
     assert "self-extend: 1" in families.counts(results)  # mistral alone
