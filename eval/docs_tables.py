@@ -536,12 +536,11 @@ def patch_options():
 def families() -> dict:
     """{model_type: what hfpatch accepts}, as `hfpatch supported` measured it (eval/check_transformers.py keeps the
     file as the baseline of the transformers version it names), each family's sweep status read against the sweep
-    this version ships (the file's own was taken against the baseline before it)."""
-    from hfpatch.families import sweep_baseline, sweep_status
+    this version ships (the file's own was taken against the baseline before it), as `hfpatch supported` reads it:
+    a scheme whose cached decoding failed in that sweep is not listed."""
+    from hfpatch.families import as_swept, sweep_baseline
 
-    baseline = sweep_baseline()
-    measured = load("families/supported.json")["families"]
-    return {t: {**r, "sweep": sweep_status(t, baseline)} for t, r in measured.items()}
+    return as_swept(load("families/supported.json")["families"], sweep_baseline())
 
 
 @table("eval/results/families/supported.json", "hfpatch/data/sweep.json")
@@ -571,6 +570,8 @@ def sweep_targets() -> dict[str, float]:
 
 @table("hfpatch/data/sweep.json")
 def families_coverage():
+    from hfpatch.families import DECODE_CHECK
+
     sweep = json.loads(SWEEP.read_text())
     checks = sweep["rope_checks"]
     rows = []
@@ -580,7 +581,9 @@ def families_coverage():
                 if check != "a_yarn_native" or not r.get(check, "").startswith("n/a: the config class")]
         ok = sum(r.get(check) == "pass" for r in pool)
         rows.append([check, f"{ok} / {len(pool)} = {100 * ok / len(pool):.1f} %", f"{100 * target:.0f} %"])
-    misses = [[t, check, why] for t, r in sorted(checks.items()) for check, why in r.items() if why != "pass"]
+    # a decoding check that does not apply is the scheme not applying, which the supported table says already
+    misses = [[t, check, why] for t, r in sorted(checks.items()) for check, why in r.items()
+              if why != "pass" and not (check.startswith(DECODE_CHECK) and why.startswith("n/a"))]
     return (f"transformers {', '.join(sweep['passed_on'])}: {len(checks)} RoPE families built tiny.\n\n"
             + markdown_table(["check", "pass", "target"], rows) + "\n\nWhat did not pass, with the reason hfpatch "
             "gives (n/a: hfpatch says the patch does not apply, and why):\n\n"

@@ -7,9 +7,10 @@ Measuring every family takes a minute or two, so the result is cached per transf
 
 What `supported()` measures is what hfpatch *accepts*; the family sweep (tests/test_families.py, tests/test_tiny.py:
 yarn equal to native, exact unpatch, save/reload, alibi/nope decoding, norm swaps) is what shows it *works*. The sweep
-that this version passed ships with it (`data/sweep.json`: the transformers versions and every family it saw). A
-family of the installed transformers that the sweep has not seen is reported as "not yet measured", with the reason,
-until `eval/check_transformers.py` has swept it.
+that this version passed ships with it (`data/sweep.json`: the transformers versions, every family it saw and each
+RoPE family's checks). A position scheme whose cached-decoding check failed there for a family is not listed for it
+(the reason says what failed). A family of the installed transformers that the sweep has not seen is reported as
+"not yet measured", with the reason, until `eval/check_transformers.py` has swept it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from .position.schemes import SCHEMES
 
 CACHE_FORMAT = 1
 SWEEP_FILE = Path(__file__).parent / "data" / "sweep.json"
+# The sweep's cached-decoding check, one per scheme that replaces the position signal or the attention (every scheme
+# but the RoPE rescalings, which the sweep checks against transformers' own RoPE): "f_decode:<scheme>"
+DECODE_CHECK = "f_decode:"
+DECODE_SCHEMES = [name for name, rec in SCHEMES.items() if rec.rope is None]
 
 
 def sweep_baseline() -> dict:
@@ -82,7 +87,12 @@ def measure_one(model_type: str) -> dict:
 
 def measure(model_types=None, use_cache: bool = True, progress=None) -> dict:
     """{model_type: measure_one(model_type)} for the named types, or every causal-LM type of the installed
-    transformers. ValueError for a name that is not one."""
+    transformers, read against the shipped sweep (as_swept). ValueError for a name that is not one."""
+    return as_swept(measure_raw(model_types, use_cache, progress), sweep_baseline())
+
+
+def measure_raw(model_types=None, use_cache: bool = True, progress=None) -> dict:
+    """measure() before the shipped sweep is read: what hfpatch accepts, as eval/check_transformers.py records it."""
     known = tiny.causal_lm_types()
     types = list(model_types) if model_types else known
     unknown = sorted(set(types) - set(known))
@@ -115,8 +125,30 @@ def measure(model_types=None, use_cache: bool = True, progress=None) -> dict:
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"format": CACHE_FORMAT, "families": cached}, indent=1, sort_keys=True))
         os.replace(tmp, path)
-    baseline = sweep_baseline()
-    return {t: {**r, "sweep": sweep_status(t, baseline)} for t, r in out.items()}
+    return out
+
+
+def as_swept(results: dict, baseline: dict) -> dict:
+    """{model_type: measure_one's result} read against the shipped sweep: each with its sweep status, and without
+    the schemes whose cached decoding failed there."""
+    return {t: {**without_failed_decoding(r, baseline["rope_checks"].get(t, {})), "sweep": sweep_status(t, baseline)}
+            for t, r in results.items()}
+
+
+def without_failed_decoding(result: dict, checks: dict) -> dict:
+    """`result` (measure_one's) without the position schemes whose cached-decoding check failed in the shipped
+    sweep: they move to not_available with what failed."""
+    if "patches" not in result:
+        return result
+    failed = {s: checks[DECODE_CHECK + s] for s in result["patches"]["position"]
+              if checks.get(DECODE_CHECK + s, "").startswith("FAIL")}
+    if not failed:
+        return result
+    patches = result["patches"]
+    why = {f"position={s}": f"position={s!r} failed the family sweep's cached-decoding check: "
+           f"{v.removeprefix('FAIL: ')}" for s, v in failed.items()}
+    return {**result, "patches": {**patches, "position": [s for s in patches["position"] if s not in failed],
+                                  "not_available": {**patches["not_available"], **why}}}
 
 
 def supported(model=None, model_types=None, use_cache: bool = True) -> dict:

@@ -599,6 +599,22 @@ def greedy_check(model, prompt: int = 24, new_tokens: int = 3):
     return out.sequences, diffs
 
 
+def stepped_and_full(model, length: int = 33, steps: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the logits of a cached prefill's last token and of `steps - 1` one-token steps on its DynamicCache, the
+    uncached forward's logits at the same tokens) on `length` sample tokens. The defaults step over kv lengths
+    29..32: past the tiny sliding windows, and a length where a family that picks keys in blocks (qwen4_exp's indexer
+    of 4-token blocks) can hide the newest slot from the newest query."""
+    ids = sample_ids(length=length)
+    prefill = length - steps
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits[:, prefill - 1:-1]
+        out = model(ids[:, :prefill], use_cache=True)
+        got = [out.logits[:, -1]]
+        for i in range(prefill, length - 1):
+            got.append(model(ids[:, i:i + 1], past_key_values=out.past_key_values, use_cache=True).logits[:, -1])
+    return torch.stack(got, 1), full
+
+
 def build_tiny(model_type: str, seed: int = 0, **overrides):
     """AutoModelForCausalLM.from_config(tiny_config(...)): fp32, eval mode, seeded, the family's default attention
     implementation; checked by one forward pass on input_ids. Raises TinyBuildError (one line) where it cannot."""

@@ -10,6 +10,7 @@ from conftest import ROPE_FAMILIES, WINDOW, assert_same_fingerprint, fingerprint
 from handref import by_hand, cached_and_full, gradients_by_name, padded, rope
 
 import hfpatch
+from hfpatch import tiny
 from hfpatch.evaluate.common import parse_patches
 from hfpatch.position.dual_chunk import NAMES
 
@@ -199,6 +200,28 @@ def test_models_without_rope_are_refused(family, message):
     model = tiny_model(family)
     before = fingerprint(model)
     with pytest.raises(ValueError, match=message):
+        hfpatch.patch(model, position="dual-chunk")
+    assert_same_fingerprint(before, fingerprint(model))
+
+
+@pytest.mark.parametrize("family", ["doge", "qwen4_exp"])
+def test_cached_decoding_where_the_family_chooses_the_keys(family):
+    """doge adds a learned bias to its mask and qwen4_exp's indexer hides key blocks from a query, the newest slot
+    included: neither is an empty static-cache slot, so cached steps run and equal the full forward."""
+    model = hfpatch.patch(tiny.build_tiny(family), position="dual-chunk", chunk_size=16, local_window=2)
+    stepped, full = tiny.stepped_and_full(model)
+    assert max_diff(stepped, full) <= 1e-5
+    ids = tiny.sample_ids(length=24)
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    assert out.shape[1] > ids.shape[1]
+
+
+def test_a_model_without_a_trained_window_is_refused_with_the_reason():
+    """recurrent_gemma attends locally and its config names no window to take the defaults and the limit from."""
+    model = tiny.build_tiny("recurrent_gemma")
+    assert "dual-chunk" not in hfpatch.supported(model)["patches"]["position"]  # (its probe forward sets the state)
+    before = fingerprint(model)
+    with pytest.raises(ValueError, match="recurrent_gemma's config names none"):
         hfpatch.patch(model, position="dual-chunk")
     assert_same_fingerprint(before, fingerprint(model))
 

@@ -12,6 +12,7 @@ from handref import by_hand, cached_and_full, gradients_by_name, padded, rope
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb  # noqa: F401 (the attention below rotates with it)
 
 import hfpatch
+from hfpatch import tiny
 from hfpatch.evaluate.common import parse_patches
 from hfpatch.position import self_extend
 from hfpatch.position.self_extend import EAGER_NAME, SDPA_NAME
@@ -226,6 +227,28 @@ def test_a_deep_copy_rotates_with_its_own_rotary_module():
     hfpatch.unpatch(twin)
     assert max_diff(logits(twin, x), logits(tiny_model("llama"), x)) == 0.0
     assert max_diff(logits(model, x), patched) == 0.0
+
+
+@pytest.mark.parametrize("family", ["doge", "qwen4_exp"])
+def test_cached_decoding_where_the_family_chooses_the_keys(family):
+    """doge adds a learned bias to its mask and qwen4_exp's indexer hides key blocks from a query, the newest slot
+    included: neither is an empty static-cache slot, so cached steps run and equal the full forward."""
+    model = hfpatch.patch(tiny.build_tiny(family), position="self-extend", group_size=2, window=8)
+    stepped, full = tiny.stepped_and_full(model)
+    assert max_diff(stepped, full) <= 1e-5
+    ids = tiny.sample_ids(length=24)
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    assert out.shape[1] > ids.shape[1]
+
+
+def test_a_model_without_a_trained_window_is_refused_with_the_reason():
+    """recurrent_gemma attends locally and its config names no window to take the defaults and the limit from."""
+    model = tiny.build_tiny("recurrent_gemma")
+    assert "self-extend" not in hfpatch.supported(model)["patches"]["position"]  # (its probe forward sets the state)
+    before = fingerprint(model)
+    with pytest.raises(ValueError, match="recurrent_gemma's config names none"):
+        hfpatch.patch(model, position="self-extend")
+    assert_same_fingerprint(before, fingerprint(model))
 
 
 def test_a_static_cache_is_refused_with_a_clear_error():

@@ -31,3 +31,18 @@ def test_a_family_the_sweep_has_not_seen_is_not_yet_measured_with_the_reason(mon
     assert "not yet measured" in llama_row and "yarn" not in llama_row
     assert "not yet measured by the family sweep (not counted above): 1: llama" in table
     assert "RoPE schemes apply to 1" in table  # mistral alone is counted
+
+
+def test_a_scheme_whose_cached_decoding_failed_in_the_sweep_is_not_listed(monkeypatch):
+    real = families.sweep_baseline()
+    checks = {**real["rope_checks"]["llama"], families.DECODE_CHECK + "self-extend": "FAIL: cached decoding differs "
+              "from the full forward by 0.5"}
+    monkeypatch.setattr(families, "sweep_baseline",
+                        lambda: {**real, "rope_checks": {**real["rope_checks"], "llama": checks}})
+    results = families.measure(["llama", "mistral"], use_cache=False)
+    llama, mistral = results["llama"]["patches"], results["mistral"]["patches"]
+    assert "self-extend" not in llama["position"] and "dual-chunk" in llama["position"]
+    assert "self-extend" in mistral["position"]
+    why = llama["not_available"]["position=self-extend"]
+    assert "failed the family sweep's cached-decoding check" in why and "differs from the full forward by 0.5" in why
+    assert "self-extend: 1" in families.counts(results)  # mistral alone

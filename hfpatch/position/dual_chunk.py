@@ -104,7 +104,7 @@ class Chunks:
         return self.chunk_size - self.local_window
 
     def maps(self, query, key, position_ids, attention_mask) -> Maps:
-        rotated.check_cache(NAMES.scheme, attention_mask, query.shape[2], key.shape[2])
+        rotated.check_cache(NAMES.scheme, attention_mask, key, query.shape[2])
         q_pos, k_pos = rotated.positions(position_ids, query.shape[0], query.shape[2], key.shape[2], query.device)
         s, C, rotate = self.length, self.chunk_size, self.rotation.rotate
         q_chunk, k_chunk = q_pos.div(s, rounding_mode="floor"), k_pos.div(s, rounding_mode="floor")

@@ -96,22 +96,31 @@ def positions(position_ids, batch: int, q_len: int, kv_len: int, device) -> tupl
     return q, torch.arange(kv_len, device=device)[None] + (q[:, -1:] - (kv_len - 1))
 
 
-def check_cache(scheme: str, attention_mask, q_len: int, kv_len: int) -> None:
+def check_cache(scheme: str, attention_mask, key: torch.Tensor, q_len: int) -> None:
     """Cached keys are taken to end at the newest query: refuse a cache with empty slots after it (a StaticCache),
-    where the key positions would come out wrong. Transformers gives no mask for more queries than one but fewer than
-    keys only when the queries are the first slots of a static cache; otherwise the newest query sees its own slot,
-    the last one."""
-    if q_len == kv_len:
+    where the key positions would come out wrong. The mask alone cannot tell: families that choose which keys a query
+    sees (doge's dynamic mask, qwen4_exp's block indexer) can hide the newest slot from the newest query, and
+    transformers gives no mask for more queries than one but fewer than keys when the queries are the first slots of
+    a static cache. What only an empty slot is: hidden from every query and holding a key that is exactly zero (a
+    static cache is allocated, and reset, as zeros; a computed key never is all zeros)."""
+    kv_len = key.shape[2]
+    if q_len == kv_len or _newest_slot_seen(attention_mask, q_len, kv_len) or bool(key[:, :, -1].any()):
         return
+    raise ValueError(f"position={scheme!r} takes cached keys to be consecutive and to end at the newest query "
+                     "(a DynamicCache, what generate() uses by default); this cache has empty slots after it "
+                     "(a StaticCache?)")
+
+
+def _newest_slot_seen(attention_mask, q_len: int, kv_len: int) -> bool:
+    """Whether the model's mask lets the newest query (of some batch row and head) see the last key slot. A float
+    mask may carry a bias besides the masking (doge's dynamic mask), so a slot counts as seen unless it holds the
+    masking value (the dtype's lowest, or -inf)."""
     if attention_mask is None:
-        ends = q_len == 1
-    else:
-        last = attention_mask[:, :, -1, kv_len - 1]
-        ends = bool(last.all() if last.dtype == torch.bool else (last == 0).all())
-    if not ends:
-        raise ValueError(f"position={scheme!r} takes cached keys to be consecutive and to end at the newest query "
-                         "(a DynamicCache, what generate() uses by default); this cache has empty slots after it "
-                         "(a StaticCache?)")
+        return q_len == 1
+    last = attention_mask[:, :, -1, kv_len - 1]
+    if last.dtype == torch.bool:
+        return bool(last.any())
+    return bool((last > torch.finfo(last.dtype).min / 2).any())
 
 
 # -------------------------------------------------------------------------------------------------------- apply

@@ -160,6 +160,13 @@ REQUIREMENTS: dict[str, Requirement] = {
         lambda a, r: a.window is not None or bool(r.get("original_max_position_embeddings")),
         lambda a, s: (f"position={s!r} needs the trained window, and {a.model_type}'s config names none (no "
                       "max_position_embeddings): pass original_max_position_embeddings=")),
+    # schemes whose defaults and length limit are fractions and multiples of the trained window, with no option
+    # that stands in for it
+    "trained_window": Requirement(
+        lambda a, r: a.window is not None,
+        lambda a, s: (f"position={s!r} takes its defaults and the patched model's length limit from the trained "
+                      f"window, and {a.model_type}'s config names none (no max_position_embeddings: its attention "
+                      "is local only)")),
     "table": Requirement(
         lambda a, r: a.position_table is not None,
         lambda a, s: (f"position={s!r} stretches a learned absolute position table; {a.model_type} has "
@@ -281,7 +288,7 @@ SCHEMES: dict[str, Scheme] = {
                       limit="table", native=False, changes_weights=True),
     # Self-Extend (self_extend.py): grouped positions for far keys, exact ones for neighbours; no training
     "self-extend": Scheme(
-        apply_self_extend, ("rope", "attention_interface", "causal"),
+        apply_self_extend, ("rope", "trained_window", "attention_interface", "causal"),
         "Self-Extend (Jin et al. 2024): exact RoPE positions within W tokens, positions grouped by G beyond "
         "(defaults G = 4, W = 1/8 of the trained window); no training",
         options={"group_size": at_most(MAX_FACTOR, "it extends the window about G times, like factor", integer=True),
@@ -289,7 +296,7 @@ SCHEMES: dict[str, Scheme] = {
         split=_own_attention("tells neighbour keys from grouped ones")),
     # Dual Chunk Attention (dual_chunk.py): positions inside chunks, the query moved for keys in earlier chunks
     "dual-chunk": Scheme(
-        apply_dual_chunk, ("rope", "attention_interface", "causal"),
+        apply_dual_chunk, ("rope", "trained_window", "attention_interface", "causal"),
         "Dual Chunk Attention (An et al. 2024): keys at their position inside chunks of chunk_size - local_window "
         "tokens, queries at intra-, successive- and inter-chunk positions below chunk_size (defaults 3/4 and 1/16 of "
         "the trained window); no training", options={"chunk_size": positive_int, "local_window": positive_int},

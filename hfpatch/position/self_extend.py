@@ -77,7 +77,7 @@ class Maps:
 
     def both(self, query, key, position_ids, attention_mask):
         """(q, k) at their own positions and (q, k) at the grouped ones."""
-        rotated.check_cache(NAMES.scheme, attention_mask, query.shape[2], key.shape[2])
+        rotated.check_cache(NAMES.scheme, attention_mask, key, query.shape[2])
         q_pos, k_pos = rotated.positions(position_ids, query.shape[0], query.shape[2], key.shape[2], query.device)
         G, W, rotate = self.group_size, self.window, self.rotation.rotate
         return (rotate(query, q_pos), rotate(key, k_pos), rotate(query, grouped_query_positions(q_pos, G, W)),
