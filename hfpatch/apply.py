@@ -1,9 +1,9 @@
 """patch / unpatch / describe: validate the request, apply it all-or-nothing, remember what was done.
 
-The model is `original ∘ norm ∘ placement ∘ position`, each axis applied with its own log of edits. A new request is
-merged into the current spec; the first axis (in that order) whose request changed and every axis after it are
-undone and applied again, the axes before it are kept as they are (with their weights, trained or not). So a second
-position scheme replaces the first instead of stacking on it, repeating a spec is a no-op, and a position patch
+The model is `original ∘ norm ∘ placement ∘ position ∘ temperature`, each axis applied with its own log of edits.
+A new request is merged into the current spec; the first axis (in that order) whose request changed and every axis
+after it are undone and applied again, the axes before it are kept as they are (with their weights, trained or not).
+So a second position scheme replaces the first instead of stacking on it, repeating a spec is a no-op, and a position patch
 after a norm swap keeps the norm weights a healing run trained. If applying fails, the partial edits are undone and
 the undone ones are put back (the same objects): the model is left exactly as it was.
 """
@@ -27,7 +27,9 @@ from .norm.batchnorm import calibrate as calibrate_batchnorm
 from .norm.kinds import NORMS
 from .norm.placement import apply_placement, placement_forms
 from .position import paths, schemes
+from .position import temperature as temperatures
 from .position.schemes import SCHEMES
+from .position.temperature import TEMPERATURES
 from .spec import AXES
 from .warn import warn_caller
 
@@ -101,6 +103,8 @@ def _apply_axis(model: PreTrainedModel, adapter: Adapter, axis: str, req: dict, 
         return norms.apply_norm(model, adapter, req, NORMS[req["kind"]], adapter.placement_of(model.config), edits)
     if axis == "placement":
         return apply_placement(model, adapter, req, edits)
+    if axis == "temperature":
+        return temperatures.apply_temperature(model, adapter, req, edits)  # the values it chose for options left out
     scheme = SCHEMES[req["scheme"]]
     reason = schemes.unavailable(req["scheme"], adapter, req)
     if reason:
@@ -189,10 +193,12 @@ def _record(spec: dict, touched: dict, facts: dict, stages: list, adapter: dict)
     }
 
 
-def patch(model, position=None, factor=None, norm=None, placement=None, exact=None, **options):
+def patch(model, position=None, factor=None, norm=None, placement=None, exact=None, attention_temperature=None,
+          **options):
     """Patch `model` in place (and return it). See the README for every scheme and option."""
     target = unwrap(model)
-    request = specs.request(position=position, factor=factor, norm=norm, placement=placement, exact=exact, **options)
+    request = specs.request(position=position, factor=factor, norm=norm, placement=placement, exact=exact,
+                            attention_temperature=attention_temperature, **options)
     old: PatchState = getattr(target, _STATE, None) or PatchState(spec={})
     new_spec = specs.merge(old.spec, request)
     if new_spec == old.spec:
@@ -406,6 +412,7 @@ def describe(model) -> dict:
         "norm": norm,
         "placement": applied.get("placement", {}).get("kind") or adapter.placement_of(target.config),
         "position": _position(target, adapter, state),
+        "attention_temperature": _temperature(applied, facts),
         "attention": target.config._attn_implementation,
         "max_position_embeddings": target.config.get_text_config().max_position_embeddings,
         "position_limit": position_limit(target),
@@ -414,6 +421,13 @@ def describe(model) -> dict:
         "adapter": {"source": adapter.source, "notes": dict(adapter.notes)},
         "patches": available(target, adapter),
     }
+
+
+def _temperature(applied: dict, facts: dict) -> dict | None:
+    """The attention temperature applied, with the values it chose for options left out; None: none."""
+    if "temperature" not in applied:
+        return None
+    return {**applied["temperature"], **facts.get("temperature", {})}
 
 
 def _applied(applied: dict, facts: dict) -> dict:
@@ -438,8 +452,10 @@ def available(model, adapter: Adapter) -> dict:
     forms = placement_forms(adapter)
     if len(forms) < 2:
         why["placement"] = adapter.notes.get("placement") or "the blocks have no known pre/post form"
+    why.update({f"attention_temperature={k}": temperatures.unavailable(k, adapter) for k in TEMPERATURES})
     return {
         "position": [s for s in SCHEMES if why[f"position={s}"] is None],
+        "attention_temperature": [k for k in TEMPERATURES if why[f"attention_temperature={k}"] is None],
         "norm": offered,
         "exact_layernorm_to_rmsnorm": exact is None,
         "placement": forms,

@@ -266,6 +266,9 @@ def refusal(name: str, req: dict | None = None) -> str | None:
 def request(position=None, factor=None, **options) -> dict:
     """The validated position request of an export, or ValueError saying why a GGUF cannot carry it."""
     req = specs.request(position=position, factor=factor, **options)
+    if "temperature" in req:
+        raise ValueError("attention_temperature= has no GGUF form: llama.cpp reads a temperature only from a Llama 4 "
+                         "model's own metadata, for its NoPE layers")
     other = [axis for axis in req if axis != "position"]
     if other:
         verb = "changes" if len(other) == 1 else "change"
