@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from conftest import WINDOW, assert_same_fingerprint, fingerprint, logits, max_diff, tiny_model, tokens
-from handref import cached_and_full
+from handref import cached_and_full, padded
 
 import hfpatch
 from hfpatch.adapters import adapter_for, set_adapter
@@ -134,6 +134,18 @@ def test_cached_decoding_equals_the_full_forward(kind):
     cached, full, same = cached_and_full(model)
     assert max_diff(cached, full) < 1e-5
     assert same
+
+
+@pytest.mark.parametrize("kind", [{"kind": "logn", "window": 16}, {"kind": "llama4", "floor_scale": 8}])
+def test_left_padded_rows_scale_by_the_positions_of_their_real_tokens(kind):
+    """generate() passes position ids that count real tokens only: a left-padded row gets the logits it gets
+    alone, not those of positions shifted by its padding."""
+    model = hfpatch.patch(tiny_model("llama"), attention_temperature=kind)
+    ids, keep, pos = padded(70, "left")
+    with torch.no_grad():
+        batched = model(ids, attention_mask=keep, position_ids=pos).logits[1, 13:]
+        alone = model(ids[1:, 13:]).logits[0]
+    assert max_diff(batched, alone) < 1e-5
 
 
 def test_describe_and_supported_show_it():
