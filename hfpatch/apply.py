@@ -3,9 +3,9 @@
 The model is `original ∘ norm ∘ placement ∘ position ∘ temperature`, each axis applied with its own log of edits.
 A new request is merged into the current spec; the first axis (in that order) whose request changed and every axis
 after it are undone and applied again, the axes before it are kept as they are (with their weights, trained or not).
-So a second position scheme replaces the first instead of stacking on it, repeating a spec is a no-op, and a position patch
-after a norm swap keeps the norm weights a healing run trained. If applying fails, the partial edits are undone and
-the undone ones are put back (the same objects): the model is left exactly as it was.
+So a second position scheme replaces the first instead of stacking on it, repeating a spec is a no-op, and a position
+patch after a norm swap keeps the norm weights a healing run trained. If applying fails, the partial edits are undone
+and the undone ones are put back (the same objects): the model is left exactly as it was.
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ def parse(text: str) -> dict:
     for item in text.split("+"):
         key, sep, value = item.partition("=")
         if sep and key.strip() == "attention_temperature":
-            part = {"attention_temperature": parse_temperature(value, text)}
+            part: dict = {"attention_temperature": parse_temperature(value, text)}
         elif sep and key.strip() in ("norm", "placement", "exact") and ":" not in key:
             part = {key.strip(): {"true": True, "false": False}.get(value.strip().lower(), value.strip())}
         else:

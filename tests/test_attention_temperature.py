@@ -207,7 +207,7 @@ def test_logn_needs_a_window_where_the_config_names_none():
     set_adapter(model, dataclasses.replace(adapter_for(model), window=None))
     ids = tokens(2 * WINDOW)
     before = logits(model, ids)
-    with pytest.raises(ValueError, match="config names none.*'window': 4096"):
+    with pytest.raises(ValueError, match=r"config names none.*'window': 4096"):
         hfpatch.patch(model, attention_temperature="logn")
     assert max_diff(logits(model, ids), before) == 0.0
     assert "logn" not in hfpatch.supported(model)["patches"]["attention_temperature"]

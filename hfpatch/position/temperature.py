@@ -172,7 +172,7 @@ AttentionMaskInterface.register(SDPA_NAME, sdpa_mask)
 AttentionMaskInterface.register(EAGER_NAME, eager_mask)
 
 # the wrapper's name for each mask function the wrapped one takes
-_BY_MASK = {sdpa_mask: SDPA_NAME, eager_mask: EAGER_NAME}
+_BY_MASK: dict[Any, str] = {sdpa_mask: SDPA_NAME, eager_mask: EAGER_NAME}
 
 
 # -------------------------------------------------------------------------------------------------------- apply
