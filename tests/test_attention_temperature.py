@@ -270,3 +270,15 @@ def test_command_line_bad_temperature_is_one_line_and_exit_2(tmp_path, capsys, v
     err = capsys.readouterr().err
     assert message in err
     assert err.count("\n") == 1
+
+
+def test_a_later_position_patch_keeps_the_temperature_on_top():
+    """The temperature axis comes after position: a position patch made after it is applied under it again, so the
+    model equals the two asked for in one call."""
+    ids = tokens(3 * WINDOW)
+    later = hfpatch.patch(tiny_model("llama"), attention_temperature="logn")
+    hfpatch.patch(later, position="alibi")
+    once = hfpatch.patch(tiny_model("llama"), position="alibi", attention_temperature="logn")
+    assert later.config._attn_implementation == "hfpatch_temperature"
+    assert max_diff(logits(later, ids), logits(once, ids)) == 0.0
+    assert hfpatch.describe(later)["applied"] == hfpatch.describe(once)["applied"]
