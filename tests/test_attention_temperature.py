@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import WINDOW, assert_same_fingerprint, fingerprint, logits, max_diff, tiny_model, tokens
+from conftest import FAMILIES, WINDOW, assert_same_fingerprint, fingerprint, logits, max_diff, tiny_model, tokens
 from handref import cached_and_full, padded
 
 import hfpatch
@@ -282,3 +282,20 @@ def test_a_later_position_patch_keeps_the_temperature_on_top():
     assert later.config._attn_implementation == "hfpatch_temperature"
     assert max_diff(logits(later, ids), logits(once, ids)) == 0.0
     assert hfpatch.describe(later)["applied"] == hfpatch.describe(once)["applied"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_tiny_family_it_applies_to_keeps_its_logits_inside_the_window_and_unpatches_exactly(family):
+    """Up to floor_scale - 1 tokens the logits are the family's own, past it they change (learned tables end at
+    WINDOW, so floor_scale is half of it here); unpatch gives the family's own back exactly."""
+    model = tiny_model(family)
+    if "llama4" not in hfpatch.supported(model)["patches"]["attention_temperature"]:
+        pytest.skip(hfpatch.supported(model)["patches"]["not_available"]["attention_temperature=llama4"])
+    floor_scale = WINDOW // 2
+    short, long = tokens(floor_scale - 1), tokens(WINDOW)
+    before_short, before_long = logits(model, short), logits(model, long)
+    hfpatch.patch(model, attention_temperature={"kind": "llama4", "floor_scale": floor_scale, "attn_scale": 1.0})
+    assert max_diff(logits(model, short), before_short) == 0.0
+    assert max_diff(logits(model, long), before_long) > 0.0
+    hfpatch.unpatch(model)
+    assert max_diff(logits(model, long), before_long) == 0.0
