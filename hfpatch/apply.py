@@ -1,11 +1,11 @@
 """patch / unpatch / describe: validate the request, apply it all-or-nothing, remember what was done.
 
-The model is `original ∘ norm ∘ placement ∘ position`, each axis applied with its own log of edits. A new request is
-merged into the current spec; the first axis (in that order) whose request changed and every axis after it are
-undone and applied again, the axes before it are kept as they are (with their weights, trained or not). So a second
-position scheme replaces the first instead of stacking on it, repeating a spec is a no-op, and a position patch
-after a norm swap keeps the norm weights a healing run trained. If applying fails, the partial edits are undone and
-the undone ones are put back (the same objects): the model is left exactly as it was.
+The model is `original ∘ norm ∘ placement ∘ position ∘ temperature`, each axis applied with its own log of edits.
+A new request is merged into the current spec; the first axis (in that order) whose request changed and every axis
+after it are undone and applied again, the axes before it are kept as they are (with their weights, trained or not).
+So a second position scheme replaces the first instead of stacking on it, repeating a spec is a no-op, and a position
+patch after a norm swap keeps the norm weights a healing run trained. If applying fails, the partial edits are undone
+and the undone ones are put back (the same objects): the model is left exactly as it was.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from .norm import kinds as norm_kinds
 from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS, apply_placement, placement_forms
 from .position import paths, schemes
+from .position import temperature as temperatures
 from .position.schemes import SCHEMES
+from .position.temperature import TEMPERATURES
 from .spec import AXES
 from .warn import warn_caller
 
@@ -105,6 +107,8 @@ def _apply_axis(model: PreTrainedModel, adapter: Adapter, axis: str, req: dict, 
         return norms.apply_norm(model, adapter, req, NORMS[req["kind"]], adapter.placement_of(model.config), edits)
     if axis == "placement":
         return apply_placement(model, adapter, req, edits)
+    if axis == "temperature":
+        return temperatures.apply_temperature(model, adapter, req, edits)  # the values it chose for options left out
     scheme = SCHEMES[req["scheme"]]
     reason = schemes.unavailable(req["scheme"], adapter, req)
     if reason:
@@ -193,7 +197,8 @@ def _record(spec: dict, touched: dict, facts: dict, stages: list, adapter: dict)
     }
 
 
-def patch(model, position=None, factor=None, norm=None, placement=None, exact=None, **options):
+def patch(model, position=None, factor=None, norm=None, placement=None, exact=None, attention_temperature=None,
+          **options):
     """Patch `model` in place and return it: its position encoding, its norms, their placement, or several at once.
 
     The patch replaces what was patched on the same axis before (a second `position=` replaces the first, never
@@ -204,13 +209,16 @@ def patch(model, position=None, factor=None, norm=None, placement=None, exact=No
         model: a transformers causal LM (or a peft model wrapping one).
         position: the position scheme, e.g. `"yarn"`, `"ntk"`, `"linear"`, `"dynamic"`, `"llama3"`, `"longrope"`,
             `"self-extend"`, `"dual-chunk"`, `"alibi"`, `"nope"`, `"sinusoidal"`, `"t5"`, `"xl"`, `"learned"`,
-            `"interpolate"`, `"rope"`.
+            `"interpolate"`, `"rope"`, `"p-rope"`.
         factor: the context extension ratio (> 1), for the schemes that take one.
-        norm: `"rmsnorm"`, `"layernorm"` or `"batchnorm"`: the kind every norm becomes.
-        placement: `"pre"` or `"post"`: where the norms sit in each block.
+        norm: `"rmsnorm"`, `"layernorm"`, `"batchnorm"` or `"dyt"`: the kind every norm becomes.
+        placement: `"pre"`, `"post"`, `"peri"` or `"mix"`: where the norms sit in each block.
         exact: with `norm`, whether to convert function-preservingly where the math allows (default True).
+        attention_temperature: `"logn"` or `"llama4"` (or `{"kind": ..., option: value}`): a query scale that
+            grows with position past the trained window, on top of any position scheme.
         **options: the scheme's own options, e.g. `beta_fast=` (YaRN), `group_size=` and `window=` (Self-Extend),
-            `chunk_size=` (Dual Chunk Attention), `original_max_position_embeddings=`.
+            `chunk_size=` (Dual Chunk Attention), `keep=` (p-RoPE), `post_fraction=` (Mix-LN),
+            `original_max_position_embeddings=`.
 
     Returns:
         The same `model` object, patched.
@@ -221,7 +229,8 @@ def patch(model, position=None, factor=None, norm=None, placement=None, exact=No
         TypeError: an option of the wrong type.
     """
     target = unwrap(model)
-    request = specs.request(position=position, factor=factor, norm=norm, placement=placement, exact=exact, **options)
+    request = specs.request(position=position, factor=factor, norm=norm, placement=placement, exact=exact,
+                            attention_temperature=attention_temperature, **options)
     old: PatchState = getattr(target, _STATE, None) or PatchState(spec={})
     new_spec = specs.merge(old.spec, request)
     if new_spec == old.spec:
@@ -497,6 +506,7 @@ def describe(model) -> dict:
         "placement": applied.get("placement", {}).get("kind") or adapter.placement_of(target.config),
         **({"placement_layers": facts["placement"]["layers"]} if "layers" in facts.get("placement", {}) else {}),
         "position": _position(target, adapter, state),
+        "attention_temperature": _temperature(applied, facts),
         "attention": target.config._attn_implementation,
         "max_position_embeddings": target.config.get_text_config().max_position_embeddings,
         "position_limit": position_limit(target),
@@ -507,6 +517,13 @@ def describe(model) -> dict:
         "adapter": {"source": adapter.source, "notes": dict(adapter.notes)},
         "patches": available(target, adapter),
     }
+
+
+def _temperature(applied: dict, facts: dict) -> dict | None:
+    """The attention temperature applied, with the values it chose for options left out; None: none."""
+    if "temperature" not in applied:
+        return None
+    return {**applied["temperature"], **facts.get("temperature", {})}
 
 
 def _applied(applied: dict, facts: dict) -> dict:
@@ -541,8 +558,10 @@ def available(model, adapter: Adapter) -> dict:
     else:
         why.update({f"placement={k}": f"{adapter.model_type}'s blocks have no {k} form hfpatch knows"
                     for k in PLACEMENTS if k not in forms})
+    why.update({f"attention_temperature={k}": temperatures.unavailable(k, adapter) for k in TEMPERATURES})
     return {
         "position": [s for s in SCHEMES if why[f"position={s}"] is None],
+        "attention_temperature": [k for k in TEMPERATURES if why[f"attention_temperature={k}"] is None],
         "norm": offered,
         "exact_layernorm_to_rmsnorm": exact is None if has_layernorm else None,
         "placement": forms,

@@ -4,6 +4,7 @@ NoPE, ...) or its norms (LayerNorm, RMSNorm, pre/post placement), save it, and m
 
     hfpatch describe MODEL
     hfpatch patch MODEL --position yarn --factor 4 --out DIR
+    hfpatch patch MODEL --position yarn --factor 4 --attention-temperature logn --out DIR
     hfpatch patch MODEL.gguf --position yarn --factor 4 --out MODEL-yarn4.gguf   (llama.cpp's RoPE metadata)
     hfpatch supported
     hfpatch eval ppl ...        (hfpatch eval ppl --help)
@@ -38,6 +39,15 @@ def _key_value(text: str):
         return key.strip(), json.loads(raw)
     except json.JSONDecodeError:
         return key.strip(), raw
+
+
+def _temperature(text: str):
+    from .spec import parse_temperature
+
+    try:
+        return parse_temperature(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # Scheme options with a flag of their own; anything else goes through --opt KEY=VALUE (JSON values).
@@ -97,6 +107,9 @@ def _patch_arguments(s) -> None:
     for name in _FLOAT_OPTIONS:
         s.add_argument("--" + name.replace("_", "-"), type=float, dest=name)
     s.add_argument("--layer-types", nargs="+", dest="layer_types", help="per-layer-type RoPE (gemma3) to scale")
+    s.add_argument("--attention-temperature", type=_temperature, dest="attention_temperature", metavar="KIND",
+                   help="a query scale that grows past the trained window: logn, llama4; options after colons, "
+                        "e.g. logn:window=4096, llama4:attn_scale=0.1:floor_scale=8192")
     s.add_argument("--opt", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
                    help="any other scheme option, value as JSON (e.g. --opt 'short_factor=[1,1,1,1]')")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="load the model in this dtype")
@@ -172,12 +185,13 @@ def _run(args) -> int:
         return 0
     # patch: validate the request before spending time loading the model
     kwargs = {k: getattr(args, k) for k in ("position", "factor", "norm", "exact", "placement",
-                                            "original_max_position_embeddings",
+                                            "attention_temperature", "original_max_position_embeddings",
                                             "layer_types", *_FLOAT_OPTIONS, *hfpatch.spec.all_placement_options())}
     kwargs.update(dict(args.opt))
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if not kwargs:
-        raise UsageError("hfpatch patch: error: nothing to patch: give --position, --norm or --placement")
+        raise UsageError("hfpatch patch: error: nothing to patch: give --position, --norm, --placement or "
+                         "--attention-temperature")
     if args.out.endswith(".gguf"):  # GGUF in, GGUF out: llama.cpp's RoPE metadata, the weights as they are
         return _export_gguf(args, kwargs)
     if args.overwrite:

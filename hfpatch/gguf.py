@@ -285,6 +285,9 @@ def request(position=None, factor=None, *, trained_window: Callable[[], int] | N
     """The validated position request of an export, or ValueError saying why a GGUF cannot carry it.
     `trained_window` gives the source's trained window, for the refusals that name settings following it."""
     req = specs.request(position=position, factor=factor, **options)
+    if "temperature" in req:
+        raise ValueError("attention_temperature= has no GGUF form: llama.cpp reads a temperature only from a Llama 4 "
+                         "model's own metadata, for its NoPE layers")
     other = [axis for axis in req if axis != "position"]
     if other:
         verb = "changes" if len(other) == 1 else "change"

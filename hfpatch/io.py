@@ -124,6 +124,8 @@ def _unexpressed(model) -> list[tuple[str, str, str]]:
         out.append(("placement", applied["placement"]["kind"], "norm placement"))
     if "position" in applied and not info["position"].get("native", True):
         out.append(("position", applied["position"]["scheme"], "position encoding"))
+    if "temperature" in applied:  # no config class names one (Llama 4's is its own, for its NoPE layers)
+        out.append(("attention_temperature", applied["temperature"]["kind"], "attention (without the temperature)"))
     return out
 
 

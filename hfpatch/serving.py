@@ -170,6 +170,9 @@ def folder_differences(path) -> list[str]:
         if scheme in SCHEMES and not SCHEMES[scheme].native:
             out.append(f"position={scheme!r} is not in config.json's own terms: every engine but hfpatch serves the "
                        "model's original position encoding")
+    if "temperature" in spec:
+        out.append(f"attention_temperature={spec['temperature'].get('kind')!r} is not in config.json's own terms: "
+                   "every engine but hfpatch serves the model without it")
     return out
 
 

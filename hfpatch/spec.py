@@ -11,11 +11,12 @@ import json
 
 from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS
-from .position import schemes
+from .position import schemes, temperature
 
 # The axes of a spec, in the order they are applied (the exact norm conversion needs the blocks as built, and
-# position patches go last so that a norm or placement change does not have to redo them).
-AXES = ("norm", "placement", "position")
+# position patches go late so that a norm or placement change does not have to redo them). The attention
+# temperature comes last: it wraps whatever attention function the position scheme left the model with.
+AXES = ("norm", "placement", "position", "temperature")
 
 
 def position_request(scheme, options: dict) -> dict:
@@ -29,9 +30,12 @@ def _choice(name: str, value, choices) -> str:
     return value.strip().lower()
 
 
-def request(position=None, factor=None, norm=None, placement=None, exact=None, **options) -> dict:
+def request(position=None, factor=None, norm=None, placement=None, exact=None, attention_temperature=None,
+            **options) -> dict:
     """The keyword form of `hfpatch.patch`, validated into a partial spec (only the axes the call names)."""
     out: dict = {}
+    if attention_temperature is not None:
+        out["temperature"] = temperature.request(attention_temperature)
     if norm is not None:
         if exact is not None and not isinstance(exact, bool):
             raise ValueError(f"exact must be True or False, got {exact!r}")
@@ -51,11 +55,12 @@ def request(position=None, factor=None, norm=None, placement=None, exact=None, *
         unknown = [k for k in given if k not in known]
         if unknown:
             raise TypeError(f"patch() got unknown option(s) {', '.join(unknown)}; it accepts position=, factor=, "
-                            f"norm=, placement=, exact=, the placement options "
+                            f"norm=, placement=, exact=, attention_temperature=, the placement options "
                             f"{', '.join(sorted(all_placement_options()))} and the position options "
                             f"{', '.join(sorted(known))}")
         if given:
-            raise ValueError(f"{', '.join(given)} given without position=; name the scheme they belong to")
+            raise ValueError(f"{', '.join(given)} given without position=; name the scheme they belong to"
+                             + _temperature_hint(given))
         return out
     out["position"] = position_request(position, {"factor": factor, **options})
     return out
@@ -81,6 +86,15 @@ def placement_request(placement, options: dict) -> dict:
     return out
 
 
+def _temperature_hint(given: list) -> str:
+    """An option of the attention temperature given as a keyword of its own: say where it goes."""
+    theirs = [k for k in given if k in temperature.all_options()]
+    if not theirs:
+        return ""
+    return (f" (the attention temperature's options go with it: attention_temperature={{'kind': ..., "
+            f"{theirs[0]!r}: ...}}, or 'logn:{theirs[0]}=...' in a spec string)")
+
+
 def merge(current: dict, new: dict) -> dict:
     """A new request replaces whole axes and keeps the others: yarn then ntk gives ntk, not both stacked."""
     return {**current, **new}
@@ -89,8 +103,9 @@ def merge(current: dict, new: dict) -> dict:
 def parse(text: str) -> dict:
     """The string form used on command lines: "yarn:4", "dynamic", "longrope:4:short_factor=[1,1]",
     "yarn:4:beta_fast=16", "norm=rmsnorm", "yarn:2+norm=layernorm+placement=post",
-    "placement=mix+post_fraction=0.5". "none" (or "") is the empty
-    spec. Returns `request` keyword arguments."""
+    "placement=mix+post_fraction=0.5", "yarn:4+attention_temperature=logn",
+    "attention_temperature=llama4:floor_scale=4096". "none" (or "") is the empty spec. Returns `request` keyword
+    arguments."""
     text = text.strip()
     if text.lower() in ("", "none"):
         return {}
@@ -98,7 +113,9 @@ def parse(text: str) -> dict:
     for item in text.split("+"):
         key, sep, value = item.partition("=")
         part: dict
-        if sep and key.strip() in all_placement_options() and ":" not in key:
+        if sep and key.strip() == "attention_temperature":
+            part = {"attention_temperature": parse_temperature(value, text)}
+        elif sep and key.strip() in all_placement_options() and ":" not in key:
             part = {key.strip(): _number(value.strip(), key.strip(), text)}
         elif sep and key.strip() in ("norm", "placement", "exact") and ":" not in key:
             part = {key.strip(): {"true": True, "false": False}.get(value.strip().lower(), value.strip())}
@@ -116,6 +133,27 @@ def _number(raw: str, key: str, text: str) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"in patch spec {text!r}: {key} {raw!r} is not a number") from None
+
+
+def parse_temperature(value: str, text: str | None = None) -> str | dict:
+    """"logn" -> "logn"; "logn:window=4096" -> {"kind": "logn", "window": 4096} (values as JSON): the
+    attention_temperature= of a spec string, or the command's --attention-temperature."""
+    head, *rest = value.strip().split(":")
+    if not rest:
+        return head.strip()
+    out: dict = {"kind": head.strip()}
+    for part in rest:
+        key, sep, raw = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"in {text or value!r}: expected key=value after the attention temperature's kind, got "
+                             f"{part!r}")
+        if key.strip() in out:
+            raise ValueError(f"in {text or value!r}: {key.strip()} given twice")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
 
 
 def _parse_position(item: str, text: str) -> dict:
@@ -154,6 +192,9 @@ def to_kwargs(spec: dict) -> dict:
         pos = dict(spec["position"])
         kwargs["position"] = pos.pop("scheme")
         kwargs.update(pos)
+    if "temperature" in spec:
+        temp = spec["temperature"]
+        kwargs["attention_temperature"] = temp["kind"] if len(temp) == 1 else dict(temp)
     return kwargs
 
 
@@ -168,4 +209,8 @@ def describe_string(spec: dict) -> str:
     if "placement" in spec:
         parts.append(f"placement={spec['placement']['kind']}")
         parts += [f"{k}={v:g}" for k, v in sorted(spec["placement"].items()) if k != "kind"]
+    if "temperature" in spec:
+        temp = spec["temperature"]
+        parts.append("attention_temperature=" + ":".join([temp["kind"], *(f"{k}={json.dumps(v)}" for k, v in
+                                                                          temp.items() if k != "kind")]))
     return "+".join(parts) or "none"

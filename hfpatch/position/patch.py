@@ -16,7 +16,7 @@ from ..adapters.infer import mixer_paths
 from ..adapters.positions import ZeroPositions, layer_types, make_identity, params_of, prefix, trained_window
 from ..adapters.probe import position_sources
 from ..edits import Edits
-from . import absolute, paths
+from . import absolute, paths, rope
 from . import rotary as rot
 
 
@@ -65,11 +65,32 @@ def apply_rope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None
         if id(config) not in done:
             done[id(config)] = _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edits)
         rope_config, base, window, _ = done[id(config)]
+        rotated = {lt: int(getattr(rotary, f"{prefix(lt)}inv_freq").count_nonzero()) for lt in base}
         if rope_config is not config:
             edits.set(rotary, "config", rope_config)
         rot.rebuild(rotary, rope_config, edits)
         if scheme.per_forward is not None:  # rescaled again at every forward (dynamic-yarn)
             scheme.per_forward(rotary, base, window, opts, edits)
+        if scheme.frequencies is not None:  # a change transformers' parameters cannot express (p-RoPE)
+            scheme.frequencies(rotary, rotated, opts, edits)
+
+
+def keep_high_frequencies(rotary, rotated: dict, opts: dict, edits: Edits) -> None:
+    """p-RoPE on a live rotary module: of the `rotated[layer_type]` pairs the model rotated before the patch, the
+    highest-frequency floor(keep * n) keep their frequency and the others get 0 (no rotation). Where the native
+    "proportional" parameters already did so, nothing changes."""
+    for lt, n in rotated.items():
+        kept = rope.kept_pairs(opts.get("keep", 0.75), n)
+        if kept < 1:
+            raise ValueError(f"keep={opts.get('keep')} leaves no rotary pair of the {n} this model rotates "
+                             f"(it keeps floor(keep * {n})); use keep >= {1 / n:.3g}")
+        name = f"{prefix(lt)}inv_freq"
+        inv_freq = getattr(rotary, name)
+        order = inv_freq.abs().argsort(descending=True, stable=True)
+        masked = inv_freq.clone()
+        masked[order[kept:]] = 0.0
+        edits.set(rotary, name, masked)
+        edits.set(rotary, f"{prefix(lt)}original_inv_freq", masked.clone())
 
 
 def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edits):
@@ -108,7 +129,8 @@ def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edi
     rope_parameters = new_params[None] if targets == [None] else {**original, **new_params}
     n_positions = max_positions(scheme, window, opts)
     native = (scheme.native and config is text_config and native_form_kept(config, rope_parameters)
-              and _fits_natively(rotary, config, rope_parameters, targets))
+              and _fits_natively(rotary, config, rope_parameters, targets)
+              and (scheme.native_for is None or all(scheme.native_for(params_of(config, lt)) for lt in targets)))
     base = {lt: params_of(config, lt) for lt in targets}
     if native:
         # The config describes the patch in transformers' own terms, so plain from_pretrained reloads it.

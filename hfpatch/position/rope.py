@@ -86,6 +86,30 @@ def longrope(base: dict, window: int, opts: dict, dim: int) -> dict:
     return out
 
 
+def kept_pairs(keep: float, pairs: int) -> int:
+    """p-RoPE: how many of `pairs` rotary frequency pairs stay rotated — the highest-frequency floor(keep * pairs),
+    as transformers' "proportional" RoPE counts them."""
+    return int(keep * pairs)
+
+
+def p_rope_is_native(base: dict) -> bool:
+    """Whether transformers' "proportional" RoPE expresses p-RoPE for a layer type with these parameters: only where
+    every channel rotates (it counts frequencies over the whole head)."""
+    return base.get("partial_rotary_factor", 1.0) == 1.0
+
+
+def p_rope(base: dict, window: int, opts: dict, dim: int) -> dict:
+    """p-RoPE (Barbero et al. 2025, "Round and round we go"): only the highest-frequency fraction `keep` of the
+    rotary pairs rotates; the others get frequency 0 (cos 1, sin 0), so they carry no position. On a model that
+    rotates every channel with plain RoPE this is transformers' own "proportional" rope_type with
+    partial_rotary_factor = keep. A partial rotation (partial_rotary_factor < 1) has no native form: its own
+    frequencies are kept and the low ones zeroed on the live rotary module (position.patch.keep_high_frequencies).
+    Like `plain`, it starts from RoPE at the original theta (a checkpoint's own scaling is dropped)."""
+    if not p_rope_is_native(base):
+        return plain(base, window, opts, dim)
+    return {"rope_type": "proportional", **_carry(base), "partial_rotary_factor": opts.get("keep", 0.75)}
+
+
 def dynamic_yarn_scale(seq_len: int, window: int, cap: float | None = None) -> float:
     """YaRN paper §3.3, dynamic scaling: s = max(1, L / L_orig), optionally capped at `cap`."""
     s = max(1.0, seq_len / window)

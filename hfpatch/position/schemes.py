@@ -33,7 +33,7 @@ from . import rope
 from .alibi import apply_alibi
 from .dual_chunk import apply_dual_chunk
 from .learned import apply_learned
-from .patch import apply_interpolate, apply_nope, apply_rope, apply_sinusoidal
+from .patch import apply_interpolate, apply_nope, apply_rope, apply_sinusoidal, keep_high_frequencies
 from .relative import apply_t5, apply_xl, check_t5
 from .rotary import make_dynamic_yarn
 from .self_extend import apply_self_extend
@@ -92,6 +92,13 @@ def positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def _fraction(name, value):
+    value = number(name, value)
+    if value > 1.0:
+        raise ValueError(f"{name} must be in (0, 1] (the fraction of rotary pairs kept), got {value:g}")
+    return value
 
 
 def flag(name, value):
@@ -216,6 +223,10 @@ class Scheme:
     native: bool = True
     changes_weights: bool = False
     split: str | None = None  # why sequences cannot be split over processes while it trains (None: they can)
+    # RoPE: a change of the rebuilt rotary's frequencies that rope_parameters cannot express (p-RoPE on a partial
+    # rotation): (rotary, {layer type: pairs rotated before}, opts, edits)
+    frequencies: Callable | None = None
+    native_for: Callable | None = None  # (a layer type's base rope_parameters) -> whether native there (p-RoPE)
 
 
 # Why a scheme cannot train with its sequences split over processes (train/parallel.py): each process then holds a
@@ -229,9 +240,10 @@ def _own_attention(what: str) -> str:
 
 
 def _rope(builder, summary, factor="required", options=None, check=None, max_positions="extended", limit="window",
-          native=True, requires=("rope", "window"), per_forward=None, split=None):
+          native=True, requires=("rope", "window"), per_forward=None, split=None, frequencies=None, native_for=None):
     return Scheme(apply_rope, requires, summary, factor, {**ROPE_COMMON, **(options or {})}, check, builder,
-                  per_forward, max_positions, limit, native, split=split)
+                  per_forward, max_positions, limit, native, split=split, frequencies=frequencies,
+                  native_for=native_for)
 
 
 _REPLACE = ("known_positions",)
@@ -254,6 +266,10 @@ SCHEMES: dict[str, Scheme] = {
     "longrope": _rope(rope.longrope, "LongRoPE: per-frequency factors (short/long)",
                       options={"short_factor": numbers_list, "long_factor": numbers_list,
                                "attention_factor": positive}, check=_longrope),
+    "p-rope": _rope(rope.p_rope, "p-RoPE (Barbero et al. 2025): only the highest-frequency fraction `keep` of the "
+                    "rotary pairs rotates (default 0.75), the rest carry no position", factor="none",
+                    options={"keep": _fraction}, max_positions="window", requires=("rope",),
+                    frequencies=keep_high_frequencies, native_for=rope.p_rope_is_native),
     "alibi": Scheme(apply_alibi, (*_REPLACE, "attention_interface"),
                     "ALiBi (Press et al. 2022): no position embedding, a per-head linear distance bias",
                     options={"alibi_max_bias": positive}, limit=None, native=False,
