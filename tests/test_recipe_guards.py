@@ -274,11 +274,18 @@ def _flip_a_bit(folder):
     path.write_bytes(bytes(data))
 
 
-def _marker(folder, change):
+def _marker(folder, change, reseal=False):
+    """Edit the marker; with reseal, its own SHA-256 is made again too (a forgery consistent in every part the
+    seal covers, to reach the checks behind it)."""
     path = folder / checkpoint.MARKER
     info = json.loads(path.read_text())
     change(info)
-    path.write_text(json.dumps(info))
+    path.write_text(json.dumps(checkpoint.seal(info) if reseal else info))
+
+
+def _lr_5000x(marker):
+    scheduler = marker["states"]["scheduler"]
+    scheduler["base_lrs"] = [lr * 5000 for lr in scheduler["base_lrs"]]
 
 
 def _zero(folder, name, count=None):
@@ -294,8 +301,13 @@ def _zero(folder, name, count=None):
     (lambda f: _zero(f, "model.safetensors", 8), "model.safetensors: its content is not what was saved"),
     (lambda f: _zero(f, "optimizer.bin"), "optimizer.bin: its content is not what was saved"),
     (lambda f: _marker(f, lambda m: m.pop("states")), "no states"),
-    (lambda f: _marker(f, lambda m: m["states"]["progress"].update(step=2)), "progress is at step 2, not 4"),
-    (lambda f: _marker(f, lambda m: m["states"]["scheduler"].update(last_epoch=1)), "LR schedule is at step 1"),
+    (lambda f: _marker(f, lambda m: m["states"]["progress"].update(step=2), reseal=True),
+     "progress is at step 2, not 4"),
+    (lambda f: _marker(f, lambda m: m["states"]["scheduler"].update(last_epoch=1), reseal=True),
+     "LR schedule is at step 1"),
+    (lambda f: _marker(f, _lr_5000x), "hfpatch_checkpoint.json was edited after it was saved"),
+    (lambda f: _marker(f, lambda m: m["states"]["scheduler"].update(last_epoch=1)),
+     "hfpatch_checkpoint.json was edited after it was saved"),
     (lambda f: _marker(f, lambda m: m["files"].pop("optimizer.bin")), "optimizer.bin is not listed"),
 ])
 def test_a_tampered_checkpoint_is_skipped_for_the_older_complete_one(tmp_path, capsys, tamper, reason):
@@ -353,7 +365,7 @@ def test_a_marker_edited_consistently_is_refused_by_the_optimizers_own_count(tmp
         m["states"]["progress"]["step"] = 6
         m["states"]["scheduler"].update(last_epoch=6, _step_count=7)
 
-    _marker(folder, to_6)
+    _marker(folder, to_6, reseal=True)
     folder.rename(out / "checkpoints" / "step_6")
     with pytest.raises(config.ConfigError, match="the optimizer state has made 4 steps, the marker says 6"):
         tiny_train(tiny_cfg(out, "resume=true"))
