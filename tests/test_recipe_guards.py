@@ -4,6 +4,7 @@ progress agreeing with the files), a diverging run stops at its step with its la
 share an output_dir, and what used to end in a traceback is one line. (Kills at any moment:
 tests/test_recipe_faults.py.)"""
 
+import errno
 import importlib.util
 import json
 import os
@@ -14,6 +15,7 @@ import time
 import pytest
 import torch
 from conftest import REPO, stdlib_text
+from safetensors import SafetensorError
 
 from hfpatch.files import Lock
 from hfpatch.train import checkpoint, config, loop
@@ -327,29 +329,54 @@ def test_a_tampered_checkpoint_is_skipped_for_the_older_complete_one(tmp_path, c
     assert rows(out) == rows(whole)
 
 
-def test_a_full_disk_is_one_line_and_keeps_the_complete_checkpoints(base, tmp_path, capsys, fresh_accelerate,
-                                                                     monkeypatch):
-    """The disk fills while step_4 is written: one line that says so (exit 1), step_2 complete and resumable."""
-    import errno
+FULL = [OSError(errno.ENOSPC, "No space left on device"),
+        SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")]
 
+
+@pytest.mark.parametrize("error", FULL, ids=["OSError", "SafetensorError"])
+def test_a_full_disk_is_one_line_and_keeps_the_complete_checkpoints(base, tmp_path, capsys, fresh_accelerate,
+                                                                     monkeypatch, error):
+    """The disk fills while step_4 is written: one line that says so and names step_4 (exit 1), step_2 complete
+    and resumable, nothing of step_4 left (safetensors reports a full disk as a SafetensorError)."""
     import accelerate.utils.other as accelerate_io
 
     real, calls = accelerate_io.safe_save_file, [0]
 
-    def filling(*args, **kwargs):
+    def filling(tensors, filename, *args, **kwargs):
         calls[0] += 1
         if calls[0] == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(*args, **kwargs)
+            open(filename, "wb").write(b"half a file")
+            raise error
+        return real(tensors, filename, *args, **kwargs)
 
     monkeypatch.setattr(accelerate_io, "safe_save_file", filling)
     capsys.readouterr()
     assert run("pretrain", recipe("pretrain").main, base) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "no space left on the device" in errors[0] and "resume=true" in errors[0], errors
     out = tmp_path / "out"
+    assert len(errors) == 1 and "resume=true" in errors[0], errors
+    assert f"could not write {out / 'checkpoints' / 'step_4'}: no space left on the device" in errors[0], errors
     assert checkpoint.problem(out / "checkpoints" / "step_2") is None
-    assert not (out / "checkpoints" / "step_4").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]
+
+
+@pytest.mark.parametrize("error", FULL, ids=["OSError", "SafetensorError"])
+def test_a_full_disk_at_the_final_save_is_one_line_and_leaves_no_partial_final(base, tmp_path, capsys,
+                                                                                fresh_accelerate, monkeypatch, error):
+    import transformers.modeling_utils as modeling_utils
+
+    def full(tensors, filename, *args, **kwargs):
+        open(filename, "wb").write(b"half a file")
+        raise error
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", full)
+    capsys.readouterr()
+    assert run("pretrain", recipe("pretrain").main, base) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    out = tmp_path / "out"
+    assert len(errors) == 1 and f"could not write {out / 'final'}: no space left on the device" in errors[0], errors
+    assert not (out / "final").exists() and not (out / "final.partial").exists()
+    assert checkpoint.problem(out / "checkpoints" / "step_8") is None
 
 
 def test_a_marker_edited_consistently_is_refused_by_the_optimizers_own_count(tmp_path):
