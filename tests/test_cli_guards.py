@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import SafetensorError
 from conftest import tiny_model
+from safetensors import SafetensorError
 from test_eval_perplexity import save_tiny, text_of
 
 import hfpatch

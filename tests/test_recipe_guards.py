@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -345,7 +346,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_complete_checkpoints(base, tmp_pa
     def filling(tensors, filename, *args, **kwargs):
         calls[0] += 1
         if calls[0] == 2:
-            open(filename, "wb").write(b"half a file")
+            Path(filename).write_bytes(b"half a file")
             raise error
         return real(tensors, filename, *args, **kwargs)
 
@@ -366,7 +367,7 @@ def test_a_full_disk_at_the_final_save_is_one_line_and_leaves_no_partial_final(b
     import transformers.modeling_utils as modeling_utils
 
     def full(tensors, filename, *args, **kwargs):
-        open(filename, "wb").write(b"half a file")
+        Path(filename).write_bytes(b"half a file")
         raise error
 
     monkeypatch.setattr(modeling_utils, "safe_save_file", full)

@@ -90,7 +90,8 @@ def test_the_memory_check_keeps_a_tenth_of_free_memory_in_reserve(monkeypatch, t
     if fits:
         memory.check_fits(cfg, None)
         return
-    with pytest.raises(ValueError, match=r"21.9 GiB is free on the CPU, of which 10% is kept in reserve \(19.7 GiB usable\)"):
+    with pytest.raises(ValueError, match=r"21.9 GiB is free on the CPU, of which 10% is kept in reserve "
+                                         r"\(19.7 GiB usable\)"):
         memory.check_fits(cfg, None)
 
 

@@ -248,7 +248,7 @@ def _yaml(text: str, where: str):
     """The plain data of a YAML text (a tag such as !!python/object is refused, never imported or called; boolean
     words stay Words, a key given twice is refused), its errors as one ConfigError line."""
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a yaml.SafeLoader
+        return yaml.load(text, Loader=_Loader)  # _Loader is a yaml.SafeLoader: plain data only
     except DuplicateKey as e:
         raise ConfigError(f"{where}: {e}") from None
     except yaml.YAMLError as e:
