@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .command import Parser, UsageError, run_main
 from .evaluate import EVALUATIONS
-from .files import write_folder
+from .files import Lock, describe_os_error, write_folder
 
 
 def _key_value(text: str):
@@ -147,6 +147,16 @@ def _check_out(out: str, source: str) -> Path:
     return path
 
 
+def _locked(out: Path) -> Lock:
+    """OUT.lock beside --out, held until the patched model is saved: two runs writing one --out would share
+    OUT.partial (the second is refused, naming the first's process)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Lock(out.with_name(out.name + ".lock"), f"--out {out}")  # Locked: a ValueError, one line
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot create it or write beside it ({describe_os_error(e)})") from None
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # every following argument is lm_eval's own, --help included
@@ -204,10 +214,11 @@ def _run(args) -> int:
         import torch
 
         dtype = getattr(torch, args.dtype)
-    model, tok = load(args.model, dtype=dtype, **_loading(args))
-    hfpatch.patch(model, **kwargs)
-    # written as OUT.partial and renamed once complete: a full disk leaves OUT as it was, never half a model
-    write_folder(out, lambda tmp: hfpatch.save_pretrained(model, tmp, tokenizer=tok))
+    with _locked(out):
+        model, tok = load(args.model, dtype=dtype, **_loading(args))
+        hfpatch.patch(model, **kwargs)
+        # written as OUT.partial and renamed once complete: a full disk leaves OUT as it was, never half a model
+        write_folder(out, lambda tmp: hfpatch.save_pretrained(model, tmp, tokenizer=tok))
     info = hfpatch.describe(model)
     print(f"saved {info['family']} with {hfpatch.spec.describe_string(info['applied'])} to {args.out}")
     return 0

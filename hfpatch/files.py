@@ -13,9 +13,12 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 try:
     import fcntl
@@ -184,20 +187,55 @@ def publish(tmp: Path, path: Path) -> None:
     fsync(path.parent)
 
 
-def write_folder(path, write) -> Path:
-    """Write a folder through `write(tmp)` into `path.partial`, then publish it as `path`. When writing fails (a
-    full disk, a read-only place) the partial folder is removed and the error is a ValueError naming `path`;
-    what was at `path` before stays as it was."""
+def write_whole(path, write) -> Path:
+    """Write a folder through `write(tmp)` into `path.partial`, then publish it as `path`. When writing fails or is
+    interrupted, the partial folder is removed and what was at `path` before stays as it was; a failure of the disk
+    (a full disk, a read-only place, safetensors' own error for them included) is an OSError naming `path`."""
     path = Path(path)
     tmp = path.with_name(path.name + PARTIAL)
     try:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing
         write(tmp)
         publish(tmp, path)
-    except OSError as e:
+    except BaseException as e:  # Ctrl-C included: nothing half-written stays behind
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ValueError(f"could not write {path}: {describe_os_error(e)}") from None
+        failed = os_error_of(e)
+        if failed is None:
+            raise
+        raise OSError(failed.errno, failed.strerror, str(path)) from None
     return path
+
+
+def write_folder(path, write) -> Path:
+    """write_whole, its disk failure a ValueError naming `path` (the commands' one line)."""
+    try:
+        return write_whole(path, write)
+    except OSError as e:
+        raise ValueError(write_failure(e)) from None
+
+
+# safetensors' writer (Rust) reports the OS error inside its message: "I/O error: No space left on device (os
+# error 28)", older versions "IoError(Os { code: 28, ... })"
+_OS_ERROR = re.compile(r"\(os error (\d+)\)|code: (\d+)")
+
+
+def os_error_of(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write: `e` itself, or the one a SafetensorError reports in its message (it is not
+    an OSError, so a full disk under safetensors escaped every `except OSError`); None for any other error."""
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, SafetensorError):
+        found = _OS_ERROR.search(str(e))
+        if found:
+            code = int(found.group(1) or found.group(2))
+            return OSError(code, os.strerror(code))
+    return None
+
+
+def write_failure(e: OSError) -> str:
+    """'could not write PATH: why', for an OSError whose filename is what was being written."""
+    where = f"could not write {e.filename}: " if e.filename else ""
+    return where + describe_os_error(OSError(e.errno, e.strerror) if e.errno is not None else e)
 
 
 def describe_os_error(e: OSError) -> str:

@@ -5,14 +5,19 @@ one line and exit code 2."""
 from __future__ import annotations
 
 import errno
+import os
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_model
+from safetensors import SafetensorError
 from test_eval_perplexity import save_tiny, text_of
 
 import hfpatch
 from hfpatch.cli import main
+from hfpatch.evaluate.results import Results
+from hfpatch.files import Lock
 
 
 @pytest.fixture(autouse=True)
@@ -34,17 +39,61 @@ def model(tmp_path):
     return save_tiny(tmp_path / "model")
 
 
-def test_a_full_disk_leaves_no_half_written_model_under_the_real_name(model, tmp_path, capsys, monkeypatch):
+def _disk_full(error):
+    """safetensors' save_file that writes part of its file, then fails as a full disk does (safetensors reports it
+    as a SafetensorError, not an OSError)."""
+    def full(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"half a file")
+        raise error
+    return full
+
+
+FULL = [OSError(errno.ENOSPC, "No space left on device"),
+        SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")]
+
+
+@pytest.mark.parametrize("error", FULL, ids=["OSError", "SafetensorError"])
+def test_a_full_disk_leaves_no_half_written_model_under_the_real_name(model, tmp_path, capsys, monkeypatch, error):
     import transformers.modeling_utils as modeling_utils
 
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(modeling_utils, "safe_save_file", full)
+    monkeypatch.setattr(modeling_utils, "safe_save_file", _disk_full(error))
     out = tmp_path / "patched"
     code, err = cli(capsys, "patch", str(model), "--position", "ntk", "--factor", "2", "--out", str(out))
-    assert code == 2 and "no space left on the device" in err, err
+    assert code == 2 and f"could not write {out}: no space left on the device" in err, err
     assert not out.exists() and not (tmp_path / "patched.partial").exists()
+
+
+def test_a_second_patch_into_a_locked_out_is_refused_with_the_holders_pid(model, tmp_path, capsys):
+    """Two runs into one --out would share OUT.partial: the second is refused, naming the first's process."""
+    out = tmp_path / "patched"
+    with Lock(tmp_path / "patched.lock", "another run"):
+        code, err = cli(capsys, "patch", str(model), "--position", "ntk", "--factor", "2", "--out", str(out))
+    assert code == 2 and f"--out {out} is in use by another run (process {os.getpid()})" in err, err
+    assert not out.exists() and not (tmp_path / "patched.partial").exists()
+    assert cli(capsys, "patch", str(model), "--position", "ntk", "--factor", "2", "--out", str(out))[0] == 0
+
+
+def test_a_full_disk_while_results_json_is_written_keeps_the_previous_file(tmp_path, monkeypatch):
+    """The results file's write fails half-way: one error naming the file and the full disk, the previous complete
+    file as it was, and no results.json.<pid>.tmp left."""
+    path = tmp_path / "results.json"
+    results = Results(path, "ppl", {"model": "m"}, "documents", lambda records: {"n": len(records)})
+    results.save()
+    before = path.read_bytes()
+    real = Path.write_text
+
+    def filling(self, text, *args, **kwargs):
+        real(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", filling)
+    results.data["cells"].append({"patch": "none", "documents": [], "complete": False})
+    with pytest.raises(ValueError, match=f"could not write {path}: no space left on the device"):
+        results.save()
+    monkeypatch.undo()
+    results.close()
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "results.json.lock"]
 
 
 def test_a_full_disk_keeps_the_model_that_was_at_out(model, tmp_path, capsys, monkeypatch):

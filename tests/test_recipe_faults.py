@@ -221,7 +221,7 @@ def test_a_checkpoint_pickle_that_would_run_code_is_refused_unread(accelerator, 
     marker = json.loads((folder / checkpoint.MARKER).read_text())
     marker["files"]["optimizer.bin"] = {"bytes": (folder / "optimizer.bin").stat().st_size,  # a consistent forgery
                                         "sha256": sha256(folder / "optimizer.bin")}
-    (folder / checkpoint.MARKER).write_text(json.dumps(marker))
+    (folder / checkpoint.MARKER).write_text(json.dumps(checkpoint.seal(marker)))  # its own hash made again too
     with pytest.raises(ConfigError, match="refused unread"):
         checkpoint.resume(accelerator, True, tmp_path, {"counter": Counter()}, tmp_path / "log.jsonl")
     assert not ran.exists()

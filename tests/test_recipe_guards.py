@@ -4,16 +4,19 @@ progress agreeing with the files), a diverging run stops at its step with its la
 share an output_dir, and what used to end in a traceback is one line. (Kills at any moment:
 tests/test_recipe_faults.py.)"""
 
+import errno
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO, stdlib_text
+from safetensors import SafetensorError
 
 from hfpatch.files import Lock
 from hfpatch.train import checkpoint, config, loop
@@ -274,11 +277,18 @@ def _flip_a_bit(folder):
     path.write_bytes(bytes(data))
 
 
-def _marker(folder, change):
+def _marker(folder, change, reseal=False):
+    """Edit the marker; with reseal, its own SHA-256 is made again too (a forgery consistent in every part the
+    seal covers, to reach the checks behind it)."""
     path = folder / checkpoint.MARKER
     info = json.loads(path.read_text())
     change(info)
-    path.write_text(json.dumps(info))
+    path.write_text(json.dumps(checkpoint.seal(info) if reseal else info))
+
+
+def _lr_5000x(marker):
+    scheduler = marker["states"]["scheduler"]
+    scheduler["base_lrs"] = [lr * 5000 for lr in scheduler["base_lrs"]]
 
 
 def _zero(folder, name, count=None):
@@ -294,8 +304,13 @@ def _zero(folder, name, count=None):
     (lambda f: _zero(f, "model.safetensors", 8), "model.safetensors: its content is not what was saved"),
     (lambda f: _zero(f, "optimizer.bin"), "optimizer.bin: its content is not what was saved"),
     (lambda f: _marker(f, lambda m: m.pop("states")), "no states"),
-    (lambda f: _marker(f, lambda m: m["states"]["progress"].update(step=2)), "progress is at step 2, not 4"),
-    (lambda f: _marker(f, lambda m: m["states"]["scheduler"].update(last_epoch=1)), "LR schedule is at step 1"),
+    (lambda f: _marker(f, lambda m: m["states"]["progress"].update(step=2), reseal=True),
+     "progress is at step 2, not 4"),
+    (lambda f: _marker(f, lambda m: m["states"]["scheduler"].update(last_epoch=1), reseal=True),
+     "LR schedule is at step 1"),
+    (lambda f: _marker(f, _lr_5000x), "hfpatch_checkpoint.json was edited after it was saved"),
+    (lambda f: _marker(f, lambda m: m["states"]["scheduler"].update(last_epoch=1)),
+     "hfpatch_checkpoint.json was edited after it was saved"),
     (lambda f: _marker(f, lambda m: m["files"].pop("optimizer.bin")), "optimizer.bin is not listed"),
 ])
 def test_a_tampered_checkpoint_is_skipped_for_the_older_complete_one(tmp_path, capsys, tamper, reason):
@@ -315,29 +330,54 @@ def test_a_tampered_checkpoint_is_skipped_for_the_older_complete_one(tmp_path, c
     assert rows(out) == rows(whole)
 
 
-def test_a_full_disk_is_one_line_and_keeps_the_complete_checkpoints(base, tmp_path, capsys, fresh_accelerate,
-                                                                     monkeypatch):
-    """The disk fills while step_4 is written: one line that says so (exit 1), step_2 complete and resumable."""
-    import errno
+FULL = [OSError(errno.ENOSPC, "No space left on device"),
+        SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")]
 
+
+@pytest.mark.parametrize("error", FULL, ids=["OSError", "SafetensorError"])
+def test_a_full_disk_is_one_line_and_keeps_the_complete_checkpoints(base, tmp_path, capsys, fresh_accelerate,
+                                                                     monkeypatch, error):
+    """The disk fills while step_4 is written: one line that says so and names step_4 (exit 1), step_2 complete
+    and resumable, nothing of step_4 left (safetensors reports a full disk as a SafetensorError)."""
     import accelerate.utils.other as accelerate_io
 
     real, calls = accelerate_io.safe_save_file, [0]
 
-    def filling(*args, **kwargs):
+    def filling(tensors, filename, *args, **kwargs):
         calls[0] += 1
         if calls[0] == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(*args, **kwargs)
+            Path(filename).write_bytes(b"half a file")
+            raise error
+        return real(tensors, filename, *args, **kwargs)
 
     monkeypatch.setattr(accelerate_io, "safe_save_file", filling)
     capsys.readouterr()
     assert run("pretrain", recipe("pretrain").main, base) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "no space left on the device" in errors[0] and "resume=true" in errors[0], errors
     out = tmp_path / "out"
+    assert len(errors) == 1 and "resume=true" in errors[0], errors
+    assert f"could not write {out / 'checkpoints' / 'step_4'}: no space left on the device" in errors[0], errors
     assert checkpoint.problem(out / "checkpoints" / "step_2") is None
-    assert not (out / "checkpoints" / "step_4").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]
+
+
+@pytest.mark.parametrize("error", FULL, ids=["OSError", "SafetensorError"])
+def test_a_full_disk_at_the_final_save_is_one_line_and_leaves_no_partial_final(base, tmp_path, capsys,
+                                                                                fresh_accelerate, monkeypatch, error):
+    import transformers.modeling_utils as modeling_utils
+
+    def full(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"half a file")
+        raise error
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", full)
+    capsys.readouterr()
+    assert run("pretrain", recipe("pretrain").main, base) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    out = tmp_path / "out"
+    assert len(errors) == 1 and f"could not write {out / 'final'}: no space left on the device" in errors[0], errors
+    assert not (out / "final").exists() and not (out / "final.partial").exists()
+    assert checkpoint.problem(out / "checkpoints" / "step_8") is None
 
 
 def test_a_marker_edited_consistently_is_refused_by_the_optimizers_own_count(tmp_path):
@@ -353,7 +393,7 @@ def test_a_marker_edited_consistently_is_refused_by_the_optimizers_own_count(tmp
         m["states"]["progress"]["step"] = 6
         m["states"]["scheduler"].update(last_epoch=6, _step_count=7)
 
-    _marker(folder, to_6)
+    _marker(folder, to_6, reseal=True)
     folder.rename(out / "checkpoints" / "step_6")
     with pytest.raises(config.ConfigError, match="the optimizer state has made 4 steps, the marker says 6"):
         tiny_train(tiny_cfg(out, "resume=true"))

@@ -20,7 +20,7 @@ import math
 import os
 from pathlib import Path
 
-from ..files import Lock, Locked, describe_os_error, differences
+from ..files import Lock, Locked, describe_os_error, differences, write_failure
 
 FORMAT = 3  # 3: the identity holds the model's files by content (model_files)
 
@@ -175,8 +175,15 @@ class Results:
         self.data["updated"] = now()
         null_non_finite(self.data)  # the report, drawn from self.data, then reads what the file holds
         tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, allow_nan=False) + "\n")
-        os.replace(tmp, self.path)  # atomic: a killed run leaves the previous complete file, never half of one
+        try:
+            tmp.write_text(json.dumps(self.data, indent=1, allow_nan=False) + "\n")
+            os.replace(tmp, self.path)  # atomic: a killed run leaves the previous complete file, never half of one
+        except BaseException as e:  # a full disk, Ctrl-C mid-write: the previous complete file stays, no tmp file
+            tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                raise ValueError(f"{write_failure(OSError(e.errno, e.strerror, str(self.path)))}; it holds the "
+                                 "results finished before, and the same command resumes from them") from None
+            raise
 
     def close(self) -> None:
         if self._lock is not None:

@@ -11,9 +11,10 @@ Why a marker and a rename: accelerate's save_state writes its files one by one i
 kill leaves a folder that looks like a checkpoint (an empty step_N/ was taken for the newest one and the resume died
 on the missing weights). Here a folder only gets its step_N name by one rename, after every file, the marker
 included, is written and fsync'ed. The marker lists every file with its size and SHA-256; before a resume they are
-checked again, and the marker's own step, progress and LR schedule must agree. A folder damaged later (a bit
-flipped, a file zeroed or added, the marker edited), or written by an hfpatch without such markers, is skipped with
-the reason printed, and the resume goes on from the newest checkpoint that passes.
+checked again, so is the marker's own content against the SHA-256 it carries (SEAL: an edited LR schedule would
+otherwise resume at, say, 5000x the learning rate), and the marker's step, progress and LR schedule must agree. A
+folder damaged later (a bit flipped, a file zeroed or added, the marker edited), or written by an hfpatch without
+such markers, is skipped with the reason printed, and the resume goes on from the newest checkpoint that passes.
 
 The marker also holds the run's identity (loop.run_identity: the settings that decide the training, a hash of its
 data, the model's files): a resume with another identity is refused with what differs, never continued as if it
@@ -29,6 +30,7 @@ files, which accelerate loads with weights_only=False.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -41,36 +43,55 @@ from accelerate.utils import broadcast_object_list
 from accelerate.utils import load as load_pickle  # torch.load(weights_only=True) + numpy arrays
 
 from ..files import PARTIAL as _PARTIAL  # suffix of a folder being written (or being deleted)
-
-# publish is also used as checkpoint.publish by the loop
-from ..files import differences, publish, sha256_many, write_json
+from ..files import differences, os_error_of, publish, sha256_many, write_json
 from ..files import fsync as _fsync
 from .config import ConfigError
 
 MARKER = "hfpatch_checkpoint.json"
-FORMAT = 2  # 2: every file's SHA-256, the run's identity
+FORMAT = 3  # 2: every file's SHA-256, the run's identity; 3: the marker's own SHA-256 (SEAL)
+SEAL = "marker_sha256"
 _STEP = re.compile(r"step_(\d+)")
 
 
 def save(accelerator, root: Path, step: int, states: dict, identity: dict | None = None) -> Path:
     """accelerator.save_state for `step` under root/step_<step>; `states`: objects with a JSON-able state_dict()
     and load_state_dict() (the step counter, the LR scheduler), kept in the marker with the run's `identity`. Every
-    process must call this."""
+    process must call this. A write that fails (a full disk: an OSError naming step_<step>, whichever of torch and
+    safetensors hit it) or is interrupted leaves no step_<step>.partial behind."""
     path = root / f"step_{step}"
     tmp = path.with_name(path.name + _PARTIAL)
     if accelerator.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing this step
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
-    accelerator.wait_for_everyone()  # every process has written its part (its RNG state, its shards)
-    if accelerator.is_main_process:
-        marker = {"format": FORMAT, "step": step, "processes": accelerator.num_processes, "run": identity,
-                  "states": {name: obj.state_dict() for name, obj in states.items()}, "files": _contents(tmp)}
-        write_json(tmp / MARKER, marker)
-        publish(tmp, path)
+    try:
+        accelerator.save_state(str(tmp), safe_serialization=True)
+        accelerator.wait_for_everyone()  # every process has written its part (its RNG state, its shards)
+        if accelerator.is_main_process:
+            marker = {"format": FORMAT, "step": step, "processes": accelerator.num_processes, "run": identity,
+                      "states": {name: obj.state_dict() for name, obj in states.items()}, "files": _contents(tmp)}
+            write_json(tmp / MARKER, seal(marker))
+            publish(tmp, path)
+    except BaseException as e:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        failed = os_error_of(e)
+        if failed is None:
+            raise
+        raise OSError(failed.errno, failed.strerror, str(path)) from None
     accelerator.wait_for_everyone()
     return path
+
+
+def seal(marker: dict) -> dict:
+    """The marker with the SHA-256 of its own content (every key but that one, as JSON with sorted keys), so that
+    an edit of any of it (the LR schedule's base rates, the step, the run's identity) is found on resume."""
+    plain = json.loads(json.dumps({k: v for k, v in marker.items() if k != SEAL}))  # as the file will hold it
+    return {**plain, SEAL: _digest(plain)}
+
+
+def _digest(content: dict) -> str:
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def problem(path: Path) -> str | None:
@@ -109,6 +130,9 @@ def problem(path: Path) -> str | None:
     for name, digest in zip(names, sha256_many([path / n for n in names])):
         if digest != files[name].get("sha256"):
             return f"{name}: its content is not what was saved (its SHA-256 differs from the marker's)"
+    if info.get(SEAL) != _digest({k: v for k, v in info.items() if k != SEAL}):
+        return (f"its {MARKER} was edited after it was saved (its content's SHA-256 differs from its {SEAL}): its "
+                "step, LR schedule or run settings are not the ones saved with these files")
     return None
 
 

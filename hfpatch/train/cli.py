@@ -6,7 +6,7 @@ A bad config (unknown key, wrong type, missing data, a sequence length the patch
 cannot be loaded) is one line on stderr and exit code 2, before any training starts. output_dir is locked for the
 whole run (by the main process): a second run on it is refused with the pid of the one that holds it. A run that
 fails while it trains (a loss that is no longer finite, a full disk) is one line and exit code 1; its last complete
-checkpoint is kept.
+checkpoint is kept. Ctrl-C is one line with the command that resumes the run, and exit code 130.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import sys
 from pathlib import Path
 
 from accelerate.utils import set_seed
 
-from ..files import Lock, Locked, describe_os_error
+from ..files import Lock, Locked, describe_os_error, write_failure
 from .config import ConfigError, RunFailed, check_fresh, load  # ConfigError is also re-exported to recipes
 
 LOCK = "hfpatch.lock"  # in output_dir; held by the main process while the run lives
@@ -42,14 +43,27 @@ def run(recipe: str, main, argv=None) -> int:
         if main_process:
             print(f"{recipe}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the checkpoints are published whole, the newest complete one resumes
+        if main_process:
+            print(f"{recipe}: interrupted; continue from the newest complete checkpoint with: "
+                  f"{resume_command(recipe, args.config, args.overrides)}", file=sys.stderr)
+        return 130
     except (RunFailed, OSError) as e:
         if main_process:
             what = str(e)
             if isinstance(e, OSError):  # the checkpoints are published whole: the newest complete one is intact
-                what = f"{describe_os_error(e)}; the newest complete checkpoint is kept: resume=true continues from it"
+                what = f"{write_failure(e)}; the newest complete checkpoint is kept: resume=true continues from it"
             print(f"{recipe}: error: {' '.join(what.split())}", file=sys.stderr)
         return 1
     return 0
+
+
+def resume_command(recipe: str, config: str | None, overrides: list[str]) -> str:
+    """The command line that resumes this run: its own, resume=true in place of any resume= it had."""
+    script = sys.argv[0] if Path(sys.argv[0]).name == f"{recipe}.py" else f"recipes/{recipe}.py"
+    kept = [o for o in overrides if o.partition("=")[0].strip() != "resume"]
+    given = ["--config", config] if config else []
+    return shlex.join(["accelerate", "launch", script, *given, *kept, "resume=true"])
 
 
 @contextlib.contextmanager

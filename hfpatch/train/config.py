@@ -14,6 +14,7 @@ import difflib
 import math
 import os
 import re
+from collections.abc import Hashable
 from pathlib import Path
 
 import yaml
@@ -166,6 +167,7 @@ def _check(schema: dict, values: dict, where: str = "") -> Config:
             raise ConfigError(f"{name} is required")
         types, items = spec[0], (spec[2] if len(spec) > 2 else str)
         types = types if isinstance(types, tuple) else (types,)
+        value = str(value) if isinstance(value, Word) and str in types and bool not in types else _plain(value)
         if float in types and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if float in types and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
@@ -190,11 +192,65 @@ def _set(tree: dict, dotted: str, value) -> None:
     tree[last] = value
 
 
+class Word(str):
+    """A YAML 1.1 boolean word other than true/false (yes, no, on, off, y, n) as written: a field of type str keeps
+    the word (`precision: no` is the string "no", which YAML 1.1 reads as false), any other value reads it as the
+    boolean it means (`lora.enabled: yes`, `patch: {exact: no}`)."""
+
+    @property
+    def meaning(self) -> bool:
+        return self.lower() in ("yes", "y", "on")
+
+
+class DuplicateKey(Exception):
+    pass
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml.SafeLoader that keeps the boolean words (Word) and refuses a key given twice in one mapping (YAML's
+    own loader keeps the last value without a word)."""
+
+    def construct_yaml_bool(self, node):
+        if node.value.lower() in ("true", "false"):
+            return super().construct_yaml_bool(node)
+        return Word(node.value)
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            lines: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # << merges keys meant to be overridden
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, Hashable) and key in lines:
+                    raise DuplicateKey(f"key {key!r} is given twice (lines {lines[key]} and {line}); keep one")
+                if isinstance(key, Hashable):
+                    lines[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:bool", _Loader.construct_yaml_bool)
+
+
+def _plain(value):
+    """`value` with every Word read as the boolean it means (values no schema types: patch, model_config, lists)."""
+    if isinstance(value, Word):
+        return value.meaning
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
 def _yaml(text: str, where: str):
-    """yaml.safe_load, its errors as one ConfigError line. safe_load builds plain data only: a tag such as
-    !!python/object is refused, never imported or called."""
+    """The plain data of a YAML text (a tag such as !!python/object is refused, never imported or called; boolean
+    words stay Words, a key given twice is refused), its errors as one ConfigError line."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_Loader)  # _Loader is a yaml.SafeLoader: plain data only
+    except DuplicateKey as e:
+        raise ConfigError(f"{where}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
@@ -298,6 +354,9 @@ def _validate(cfg: Config, recipe: str) -> None:
         raise ConfigError(f"precision must be no, bf16 or fp16, got {cfg.precision!r}")
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
+    if cfg.data.max_tokens is not None and cfg.data.max_tokens <= 0:
+        raise ConfigError(f"data.max_tokens must be > 0 (the most tokens read from the data) or null (no cap), got "
+                          f"{cfg.data.max_tokens}")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
     if recipe == "pretrain" and cfg.model:
@@ -315,9 +374,10 @@ def _validate(cfg: Config, recipe: str) -> None:
     _check_trackers(cfg.log_with)
     pose = cfg.get("pose")
     if pose and pose.target_len is not None:
-        if pose.target_len <= cfg.seq_len:
-            raise ConfigError(f"pose.target_len={pose.target_len} must be greater than seq_len={cfg.seq_len}: PoSE "
-                              f"spreads seq_len positions over target_len")
+        if not cfg.seq_len < pose.target_len <= MAX_POSITIONS:
+            raise ConfigError(f"pose.target_len={pose.target_len} must be an integer greater than seq_len="
+                              f"{cfg.seq_len} (PoSE spreads seq_len positions over target_len) and at most "
+                              f"{MAX_POSITIONS} (RoPE computes its angles in float32, exact for positions up to 2^24)")
         if not 2 <= pose.chunks <= cfg.seq_len:
             raise ConfigError(f"pose.chunks must be between 2 and seq_len={cfg.seq_len}, got {pose.chunks}")
     if cfg.fused_loss and "distill" in cfg and cfg.distill.enabled:
@@ -330,6 +390,11 @@ def _validate(cfg: Config, recipe: str) -> None:
     except (ValueError, TypeError) as e:
         raise ConfigError(f"patch: {e}") from None
 
+
+# The most positions a run may train for: RoPE multiplies the position ids by its frequencies in float32, whose
+# integers are exact up to 2^24; past it neighbouring positions get the same angles. It bounds what no model's window
+# bounds (dynamic scaling, which has none).
+MAX_POSITIONS = 2**24
 
 SEED_MAX = 2**32 - 1  # numpy's seed range (accelerate's set_seed seeds numpy too)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 import hfpatch
 
+from ..files import write_whole
 from ..lm import softcap, softcap_of
 from ..models import model_fingerprint
 from . import checkpoint, memory, parallel
@@ -369,7 +369,7 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
         finish(run)
         run.memory_edits.undo()
         raise
-    except OSError:  # a full disk, on this process: its error line starts on a line of its own
+    except (OSError, KeyboardInterrupt):  # a full disk, Ctrl-C: the line that says so starts on a line of its own
         bar.close()
         raise
     bar.close()
@@ -425,8 +425,6 @@ def save_final(cfg, accelerator, loss_module, tok, path: Path):
         state = None
     else:
         state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
-    tmp = path.with_name(path.name + ".partial")  # renamed to `path` once complete
-    shutil.rmtree(tmp, ignore_errors=True)
-    hfpatch.save_pretrained(model, tmp, tokenizer=tok, **({"state_dict": state} if state is not None else {}))
-    checkpoint.publish(tmp, path)
-    return path
+    # written as final.partial, renamed to `path` once complete; a full disk is an OSError naming `path`
+    return write_whole(path, lambda tmp: hfpatch.save_pretrained(
+        model, tmp, tokenizer=tok, **({"state_dict": state} if state is not None else {})))

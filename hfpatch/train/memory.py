@@ -20,8 +20,8 @@ arithmetic of a step: the loss and the gradients equal those of the plain step (
   than a tile run the module as it is, at no cost.
 
 Before the first step, the memory a step needs is estimated from the sizes (training_bytes) and a run that cannot
-fit in what is free is refused (memory_check: false runs it anyway), instead of being killed by the OS after it
-took all of it (batch_size=100000 was OOM-killed at 20 GB).
+fit in what is free, less a reserve of 10 % of it (RESERVE), is refused (memory_check: false runs it anyway),
+instead of being killed by the OS after it took all of it (batch_size=100000 was OOM-killed at 20 GB).
 
 The feed-forward module is found through the family's adapter (`Adapter.mlp`) and given a subclass through
 `hfpatch.edits.Edits.mix_in` (never `module.forward = ...`, which gradient checkpointing would not see); the returned
@@ -140,8 +140,14 @@ def training_bytes(cfg, model, teacher=None, processes: int = 1) -> dict:
     return parts
 
 
+# Share of the free memory a run may not count on: training_bytes is a floor (the allocator's fragmentation, the
+# framework's workspaces and the rest of the machine come on top), and a run that fills memory to the last byte is
+# killed by the OS mid-step (an estimate of 22.25 GB against 23.5 GB free was).
+RESERVE = 0.10
+
+
 def check_fits(cfg, model, teacher=None) -> None:
-    """Refuse (ValueError) a run whose training_bytes exceed the memory free where it runs."""
+    """Refuse (ValueError) a run whose training_bytes exceed the memory free where it runs, less RESERVE."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpu = torch.cuda.is_available()
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if gpu else "cpu"
@@ -154,11 +160,13 @@ def check_fits(cfg, model, teacher=None) -> None:
         return
     # on the CPU this process's weights exist already: what is free was measured without them
     loaded = 0 if gpu else need["weights"] // local
-    if need["total"] - loaded <= free:
+    usable = int(free * (1 - RESERVE))
+    if need["total"] - loaded <= usable:
         return
     detail = ", ".join(f"{k} {budget.gb(v)}" for k, v in need.items() if k != "total")
     who = f" ({local} processes)" if local > 1 and not gpu else ""
     raise ValueError(f"batch_size={cfg.batch_size} x seq_len={cfg.seq_len} needs at least about "
-                     f"{budget.gb(need['total'])}{who} ({detail}) but {budget.gb(free)} is free on the {where}: lower "
-                     "batch_size (grad_accum keeps the tokens per step), turn on gradient_checkpointing, or set "
+                     f"{budget.gb(need['total'])}{who} ({detail}) but {budget.gb(free)} is free on the {where}, of "
+                     f"which {RESERVE:.0%} is kept in reserve ({budget.gb(usable)} usable): lower batch_size "
+                     "(grad_accum keeps the tokens per step), turn on gradient_checkpointing, or set "
                      "memory_check=false to try anyway")
