@@ -1,0 +1,134 @@
+"""How the code reads, in numbers: what a contributor touches to add a scheme, and how big and typed the parts are.
+
+    python -m eval.code_metrics --label after --out eval/results/code/after.json
+
+Measured by reading the source (ast), nothing is imported except the scheme registry for the scheme names:
+- files per scheme: for each position scheme, the files of the package (hfpatch/) that name it as a string literal
+  (a branch on its name, a table keyed by it, a registration); the mean and the largest count;
+- scheme-keyed tables: module-level dict/set literals with two or more scheme names among their keys, plus calls
+  to a `register` whose first argument is a scheme name, each counted once per place;
+- imports inside functions (package, eval/ scripts, recipes), and `sys.path` edits;
+- the largest file of the package and the longest function (lines);
+- the share of function arguments (self/cls excluded) that carry a type annotation, in the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "hfpatch"
+
+
+def python_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def scheme_names() -> list[str]:
+    """The registered position schemes, read from the registry's source (no import: this runs on any checkout)."""
+    from hfpatch.position import SCHEMES  # noqa: PLC0415 - the registry itself when it can be imported
+
+    return sorted(SCHEMES)
+
+
+def string_constants(tree: ast.AST) -> set[str]:
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def files_per_scheme(trees: dict[Path, ast.AST], names: list[str]) -> dict[str, int]:
+    strings = {path: string_constants(tree) for path, tree in trees.items()}
+    return {name: sum(name in s for s in strings.values()) for name in names}
+
+
+def scheme_tables(trees: dict[Path, ast.AST], names: set[str]) -> list[str]:
+    """Places keyed by scheme names: module-level dict/set literals and registration calls."""
+    found = []
+    for path, tree in trees.items():
+        rel = path.relative_to(REPO)
+        for node in getattr(tree, "body", []):
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            keys = value.keys if isinstance(value, ast.Dict) else value.elts if isinstance(value, ast.Set) else []
+            if sum(isinstance(k, ast.Constant) and k.value in names for k in keys) >= 2:  # one could be chance
+                target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+                found.append(f"{rel}:{getattr(target, 'id', '?')}")
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.args]
+        for call in calls:
+            first = call.args[0]
+            if isinstance(first, ast.Constant) and first.value in names and "register" in ast.unparse(call.func):
+                found.append(f"{rel}:{ast.unparse(call.func)}({first.value!r})")
+    return sorted(set(found))
+
+
+def functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def imports_in_functions(tree: ast.AST) -> int:
+    return sum(isinstance(n, (ast.Import, ast.ImportFrom)) for f in functions(tree) for n in ast.walk(f))
+
+
+def sys_path_edits(tree: ast.AST) -> int:
+    return sum(isinstance(n, ast.Call) and ast.unparse(n.func).startswith("sys.path.") for n in ast.walk(tree))
+
+
+def annotation_coverage(trees: dict[Path, ast.AST]) -> tuple[int, int]:
+    annotated = total = 0
+    for tree in trees.values():
+        for f in functions(tree):
+            a = f.args
+            args = [*a.posonlyargs, *a.args, *a.kwonlyargs, *([a.vararg] if a.vararg else []),
+                    *([a.kwarg] if a.kwarg else [])]
+            for arg in args:
+                if arg.arg in ("self", "cls"):
+                    continue
+                total += 1
+                annotated += arg.annotation is not None
+    return annotated, total
+
+
+def measure() -> dict:
+    parse = {p: ast.parse(p.read_text(), str(p)) for p in python_files(REPO / "hfpatch")}
+    scripts = {p: ast.parse(p.read_text(), str(p)) for root in ("eval", "recipes") for p in python_files(REPO / root)}
+    names = scheme_names()
+    per_scheme = files_per_scheme(parse, names)
+    longest = max(((f.end_lineno - f.lineno + 1, f"{p.relative_to(REPO)}:{f.name}") for p, t in parse.items()
+                   for f in functions(t)), default=(0, ""))
+    largest = max((len(p.read_text().splitlines()), str(p.relative_to(REPO))) for p in parse)
+    annotated, total = annotation_coverage(parse)
+    tables = scheme_tables(parse, set(names))
+    return {
+        "files_per_scheme": per_scheme,
+        "files_per_scheme_mean": round(sum(per_scheme.values()) / len(per_scheme), 2),
+        "files_per_scheme_max": max(per_scheme.values()),
+        "scheme_tables": tables,
+        "scheme_tables_count": len(tables),
+        "imports_in_functions": {"package": sum(map(imports_in_functions, parse.values())),
+                                 "scripts": sum(map(imports_in_functions, scripts.values()))},
+        "sys_path_edits": sum(map(sys_path_edits, [*parse.values(), *scripts.values()])),
+        "largest_file": {"path": largest[1], "lines": largest[0]},
+        "longest_function": {"name": longest[1], "lines": longest[0]},
+        "annotated_arguments": {"annotated": annotated, "total": total, "share": round(annotated / total, 3)},
+        "package_files": len(parse),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--label", required=True, help="the name of this measurement (before, after)")
+    parser.add_argument("--out", help="write the JSON here (else print it)")
+    args = parser.parse_args(argv)
+    data = {"label": args.label, **measure()}
+    text = json.dumps(data, indent=1) + "\n"
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
