@@ -3,7 +3,7 @@
 the unpatched model (RoPE, sdpa); and training steps (forward + backward) on the path the table picks for them.
 Each cell runs in a fresh process of its own, so its peak memory (max RSS) is its own; ratios come from one run.
 
-A path is forced for its cells (hfpatch.position.paths.forcing); a path that cannot run here (CUDA, flash-attn) is
+A path is forced for its cells (hfpatch.position.attention.paths.forcing); a path that cannot run here (CUDA, flash-attn) is
 left out. For the compiled flex paths the first call (compilation included) is reported apart; the timed forwards
 come after it. torch keeps compiled kernels in an on-disk cache, so a first call is slower on a fresh machine than
 on one that compiled them before (--cold-compile disables that cache for the flex cells).
@@ -44,7 +44,7 @@ SCHEMES = {
     "self-extend": ({"group_size": 8, "window": 1024}, ["pieces", "written-out"]),
 }
 TRAINED = 8192  # the model's trained window (Self-Extend's W must be inside it)
-# --device: every scheme with attention paths of its own (hfpatch.position.paths), its path chosen per call
+# --device: every scheme with attention paths of its own (hfpatch.position.attention.paths), its path chosen per call
 CHOSEN = {**{scheme: options for scheme, (options, _) in SCHEMES.items()}, "dual-chunk": {}}
 WINDOWED = {"self-extend", "dual-chunk"}  # keep the trained window: the scheme reaches beyond it
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -102,7 +102,7 @@ def worker(args) -> dict:
 
     import torch
 
-    from hfpatch.position import flex, paths
+    from hfpatch.position.attention.written import flex, paths
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -171,7 +171,7 @@ def tables(results: dict, args) -> str:
 def flash_schemes() -> list[str]:
     """The schemes with a path for models loaded with attn_implementation="flash_attention_2" (read off the path
     tables)."""
-    from hfpatch.position import paths
+    from hfpatch.position.attention.written import paths
 
     return [s for s in CHOSEN if any(p.base and "flash_attention_2" in p.base for p in paths.table(s))]
 
@@ -229,7 +229,7 @@ def device_cell(variant: str, length: int, args) -> dict:
     """One cell of the --device grid: the first call at `length` (compilation included) apart, then the timed ones."""
     import torch
 
-    from hfpatch.position import paths
+    from hfpatch.position.attention.written import paths
 
     base, _, scheme = variant.rpartition(":")
     memory = DeviceMemory(args.device)
@@ -264,7 +264,7 @@ def device_grid(args, save) -> dict:
 
     import torch
 
-    from hfpatch.position import kernels
+    from hfpatch.position.attention.written import kernels
 
     no_flash = kernels.flash_attn_missing()
     results: dict = {}

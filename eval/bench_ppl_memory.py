@@ -27,10 +27,10 @@ from benchutil import interleaved, markdown_table, median, status_kb, write_json
 def worker(args) -> dict:
     import torch
 
-    from hfpatch import text as data
-    from hfpatch.lm import causal_lm_parts, window_nll
+    from hfpatch.lm.causal import text as data
+    from hfpatch.lm.causal.causal import causal_lm_parts, window_nll
     from hfpatch.models import load
-    from hfpatch.text import load_tokenizer
+    from hfpatch.lm.causal.text import load_tokenizer
 
     tok = load_tokenizer(args.model)
     doc = data.text_files([args.text_file])[0] if args.text_file else data.default_corpus()[0]
@@ -112,7 +112,7 @@ def main(argv=None):
             f"{ratios['max_rss_ratio']:.3f}", fmt(ratios.get("forward_peak_ratio"), ".3f")]],
     ))
     # what `hfpatch eval ppl` estimates before loading the model (its memory check), next to what was measured
-    from hfpatch.evaluate import budget
+    from hfpatch.lm import budget
 
     estimate = budget.memory_needed(budget.shape_of(args.model), 4, args.length, score_chunk=args.score_chunk)
     print(f"eval ppl's estimate before loading: {budget.gb(estimate['total'])} in all "

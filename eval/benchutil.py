@@ -1,5 +1,5 @@
 """Small helpers shared by the eval/bench_*.py scripts: memory of a process, workers in processes of their own,
-timed forwards; side-by-side timing (hfpatch.timing) and tables (hfpatch.evaluate.report) for the scripts."""
+timed forwards; side-by-side timing (hfpatch.utils.timing) and tables (hfpatch.evaluate.report) for the scripts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 import time
 
 from hfpatch.evaluate.report import markdown_table  # noqa: F401 (re-exported to the bench scripts)
-from hfpatch.timing import interleaved  # noqa: F401 (re-exported to the bench scripts)
+from hfpatch.utils.timing import interleaved  # noqa: F401 (re-exported to the bench scripts)
 
 
 def median(xs):

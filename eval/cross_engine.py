@@ -25,7 +25,7 @@ from pathlib import Path
 
 import gguf
 
-from hfpatch import gguf as hg
+from hfpatch.interop import gguf as hg
 from hfpatch import spec as specs
 from hfpatch.evaluate import evaluation
 from hfpatch.evaluate.common import length_label, parse_lengths

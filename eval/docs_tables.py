@@ -269,9 +269,9 @@ def attention_paths_smollm2():
 
 # --------------------------------------------------------------------------------------------------- serving
 
-@table("hfpatch/serving.py")
+@table("hfpatch/interop/serving.py")
 def serving_engines():
-    from hfpatch.serving import markdown
+    from hfpatch.interop.serving import markdown
 
     return markdown()
 
@@ -368,7 +368,7 @@ def pose_training():
 # ---------------------------------------------------------------------------------------------------- studies
 
 def study(name: str) -> str:
-    from hfpatch.train import study_report
+    from hfpatch.studies import report as study_report
 
     return study_report.table(load(f"compare/compare_{name}.json"))
 
@@ -512,11 +512,11 @@ def patch_interrupts():
 
 # ---------------------------------------------------------------------------------------------------- patch options
 
-@table("hfpatch/position/schemes.py", "hfpatch/norm/kinds.py")
+@table("hfpatch/position/registry.py", "hfpatch/norm/kinds.py")
 def patch_options():
     """Every keyword `hfpatch.patch` takes, per scheme and norm kind, read off the registries that validate them."""
     from hfpatch.norm.kinds import NORMS
-    from hfpatch.position.schemes import SCHEMES
+    from hfpatch.position.registry import SCHEMES
 
     code = lambda names: ", ".join(f"`{n}`" for n in names) or "—"
     positions = [[f"`{name}`", rec.summary, rec.factor, code(rec.options), ", ".join(rec.requires) or "—"]

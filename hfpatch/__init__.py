@@ -13,7 +13,7 @@ __version__ = "0.3.0"
 
 # public name -> the module that defines it
 _API = {"patch": "apply", "unpatch": "apply", "describe": "apply", "calibrate": "apply",
-        "supported": "families", "save_pretrained": "io", "from_pretrained": "io"}
+        "supported": "families", "save_pretrained": "interop.io", "from_pretrained": "interop.io"}
 __all__ = ["spec", "patch", "unpatch", "describe", "calibrate", "supported", "save_pretrained", "from_pretrained",
            "__version__"]
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from . import spec
     from .apply import calibrate, describe, patch, unpatch
     from .families import supported
-    from .io import from_pretrained, save_pretrained
+    from .interop.io import from_pretrained, save_pretrained
 
 
 def __getattr__(name: str):

@@ -26,12 +26,13 @@ from .norm import fit
 from .norm import kinds as norm_kinds
 from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS, apply_placement, placement_forms
-from .position import paths, schemes
-from .position import temperature as temperatures
-from .position.schemes import SCHEMES
-from .position.temperature import TEMPERATURES
+from .position import registry as schemes
+from .position.attention import paths
+from .position.attention import temperature as temperatures
+from .position.attention.temperature import TEMPERATURES
+from .position.registry import SCHEMES
 from .spec import AXES
-from .warn import warn_caller
+from .utils.warn import warn_caller
 
 RECORD_VERSION = 2  # 2: the record carries the adapter (1: without it)
 

@@ -26,9 +26,9 @@ import sys
 import warnings
 from pathlib import Path
 
-from .command import Parser, UsageError, run_main
 from .evaluate import EVALUATIONS
-from .files import Lock, describe_os_error, write_folder
+from .utils.command import Parser, UsageError, run_main
+from .utils.files import Lock, describe_os_error, write_folder
 
 
 def _key_value(text: str):
@@ -182,7 +182,7 @@ def _run(args) -> int:
         print(markdown(results) if args.markdown else json.dumps(results, indent=2))
         return 0
     if args.command == "describe":
-        from hfpatch.serving import folder_differences
+        from hfpatch.interop.serving import folder_differences
 
         model, _ = load(args.model, tokenizer=False, **_loading(args))
         info = hfpatch.describe(model)
@@ -225,7 +225,7 @@ def _run(args) -> int:
 
 
 def _export_gguf(args, kwargs) -> int:
-    from hfpatch.gguf import export
+    from hfpatch.interop.gguf import export
     from hfpatch.models import gguf_path
     from hfpatch.spec import describe_string
 

@@ -29,7 +29,7 @@ from .adapters import InferenceError, adapter_for
 from .apply import NO_LAYERNORM, summary, unwrap
 from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS
-from .position.schemes import SCHEMES
+from .position.registry import SCHEMES
 
 CACHE_FORMAT = 1
 SWEEP_FILE = Path(__file__).parent / "data" / "sweep.json"

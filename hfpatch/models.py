@@ -25,10 +25,10 @@ from transformers.utils import (
     LEGACY_PROCESSOR_CHAT_TEMPLATE_FILE,
 )
 
-from . import files
 from .apply import mark_loaded
-from .gguf import apply_to_loaded
-from .io import from_pretrained, refuse_pickled_weights, remote_code_refused
+from .interop.gguf import apply_to_loaded
+from .interop.io import from_pretrained, refuse_pickled_weights, remote_code_refused
+from .utils import files
 
 SMOLLM2 = "smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -84,7 +84,7 @@ OPT_IN = {"trust_remote_code": "load(..., trust_remote_code=True), hfpatch --tru
 def load(name: str, dtype=None, device_map=None, tokenizer: bool = True, trust_remote_code: bool = False,
          allow_pickled_weights: bool = False):
     """(model, tokenizer or None). A model saved by hfpatch comes back patched, and so does a GGUF file with RoPE
-    scaling (exported by hfpatch.gguf.export, or by llama.cpp's converter).
+    scaling (exported by hfpatch.interop.gguf.export, or by llama.cpp's converter).
 
     trust_remote_code: run the Python code a model folder (or hub repository) carries, if it needs it; off by
     default. allow_pickled_weights: load pytorch_model.bin weights (pickles, read with torch.load(weights_only=True))

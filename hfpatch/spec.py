@@ -11,7 +11,8 @@ import json
 
 from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS
-from .position import schemes, temperature
+from .position import registry as schemes
+from .position.attention import temperature
 
 # The axes of a spec, in the order they are applied (the exact norm conversion needs the blocks as built, and
 # position patches go late so that a norm or placement change does not have to redo them). The attention

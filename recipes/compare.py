@@ -29,9 +29,10 @@ import hfpatch
 from hfpatch.evaluate.common import versions
 from hfpatch.evaluate.evaluations import passkey, ppl
 from hfpatch.models import load
-from hfpatch.train import checkpoint, data, init, loop, measure, setup, study_report
+from hfpatch.train import checkpoint, data, init, loop, setup
+from hfpatch.studies import measure, report as study_report
 from hfpatch.train.config import ConfigError
-from hfpatch.train.study import claim, load_study, newest_checkpoint, plan
+from hfpatch.studies.study import claim, load_study, newest_checkpoint, plan
 
 
 def train(run, study, tok) -> None:

@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import hfpatch
 from hfpatch.cli import main as cli_main
-from hfpatch.position import flex, kernels, paths
+from hfpatch.position.attention.written import flex, kernels, paths
 
 
 def CUDA(test):
@@ -153,7 +153,7 @@ def test_flex_handles_bidirectional_attention_and_softcapping(scheme, reference_
 
 
 def test_t5_band_is_where_the_buckets_stop_changing():
-    from hfpatch.position.relative import t5_band, t5_buckets
+    from hfpatch.position.registry.relative import t5_band, t5_buckets
 
     model = patched("t5", num_buckets=32, max_distance=128)
     bias = model.model.layers[0].self_attn.hfpatch_t5
@@ -430,7 +430,7 @@ def test_the_implementation_the_model_was_loaded_with_is_remembered():
     """Switching a model to a scheme's attention function replaces config._attn_implementation; the flash-attn paths
     still know it was loaded with flash_attention_2, also when the patched model is patched again."""
     from hfpatch.edits import Edits
-    from hfpatch.position.patch import use_attention
+    from hfpatch.position.signal import use_attention
 
     model = tiny_model("llama")
     attn = model.model.layers[0].self_attn

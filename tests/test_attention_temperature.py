@@ -16,7 +16,7 @@ import hfpatch
 from hfpatch.adapters import adapter_for, set_adapter
 from hfpatch.cli import main
 from hfpatch.evaluate.common import parse_patches
-from hfpatch.position import temperature
+from hfpatch.position.attention.written import temperature
 
 
 def logn(p: int, window: int) -> float:
@@ -238,7 +238,7 @@ def test_a_failed_or_interrupted_patch_leaves_the_model_as_it_was(monkeypatch, f
 
 
 def test_gguf_export_refuses_it():
-    from hfpatch.gguf import request
+    from hfpatch.interop.gguf import request
 
     with pytest.raises(ValueError, match="attention_temperature= has no GGUF form"):
         request(position="yarn", factor=4, attention_temperature="logn")

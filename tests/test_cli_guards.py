@@ -17,7 +17,7 @@ from test_eval_perplexity import save_tiny, text_of
 import hfpatch
 from hfpatch.cli import main
 from hfpatch.evaluate.results import Results
-from hfpatch.files import Lock
+from hfpatch.utils.files import Lock
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,8 @@ import torch
 from accelerate import Accelerator
 
 from hfpatch import tiny
-from hfpatch.train import checkpoint, measure, study
+from hfpatch.train import checkpoint
+from hfpatch.studies import measure, study
 
 
 def _checkpoints(root):

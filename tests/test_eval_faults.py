@@ -19,7 +19,7 @@ from conftest import REPO
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate.evaluations import ppl as perplexity
 from hfpatch.evaluate.results import comparable as strip_timing
-from hfpatch.files import Lock, Locked
+from hfpatch.utils.files import Lock, Locked
 from hfpatch.tiny import char_text as text_of
 from hfpatch.tiny import char_tokenizer, sized_model
 from hfpatch.tiny import save_sized as save_tiny

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from conftest import FAMILIES, tiny_model, tokens
 
 import hfpatch
-from hfpatch import text
+from hfpatch.lm.causal import text
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate import sweep
 from hfpatch.evaluate.common import applied
 from hfpatch.evaluate.evaluations import ppl as perplexity
 from hfpatch.evaluate.results import comparable as strip_timing
-from hfpatch.lm import causal_lm_parts, window_nll, windows
+from hfpatch.lm.causal.causal import causal_lm_parts, window_nll, windows
 from hfpatch.tiny import char_text as text_of
 from hfpatch.tiny import char_tokenizer as tiny_tokenizer
 from hfpatch.tiny import save_sized as save_tiny
@@ -423,7 +423,7 @@ def test_estimate_counts_one_document_once_however_many_cells_read_it(tiny_run, 
 
 def test_memory_that_cannot_fit_is_refused_before_loading(tiny_run, tmp_path, monkeypatch, capsys):
     """An estimate from the config alone (weights + activations + the scoring chunk), against the free memory."""
-    from hfpatch.evaluate import budget
+    from hfpatch.lm import budget
 
     model_dir, docs = tiny_run
     shape = budget.shape_of(str(model_dir))

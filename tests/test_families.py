@@ -35,7 +35,7 @@ from hfpatch import families, tiny
 from hfpatch.adapters import adapter_for
 from hfpatch.apply import available
 from hfpatch.families import DECODE_CHECK, DECODE_SCHEMES
-from hfpatch.position.patch import native_form_kept
+from hfpatch.position.signal import native_form_kept
 
 CHECKS = ("a_yarn_native", "b_unpatch", "c_save_reload", "d_alibi_nope_cache", "e_norms")
 TARGETS = {"a_yarn_native": 0.95, "b_unpatch": 0.95, "c_save_reload": 0.95, "d_alibi_nope_cache": 0.85,

@@ -8,7 +8,8 @@ import pytest
 from conftest import tiny_model
 
 import hfpatch
-from hfpatch import families, models
+from hfpatch import families
+from hfpatch import models
 from hfpatch.cli import main
 from hfpatch.evaluate import report
 from hfpatch.evaluate.evaluations import ppl as perplexity

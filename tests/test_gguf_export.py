@@ -1,4 +1,4 @@
-"""GGUF in, GGUF out (hfpatch.gguf): llama.cpp's RoPE metadata for every scheme a GGUF can carry, the weights
+"""GGUF in, GGUF out (hfpatch.interop.gguf): llama.cpp's RoPE metadata for every scheme a GGUF can carry, the weights
 byte for byte, the refusals, and the way back into transformers (hfpatch.models.load) as the patched model."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from conftest import WINDOW, stdlib_text, tiny_model
 from tiny_gguf import write_llama_gguf
 
 import hfpatch
-from hfpatch import gguf as hg
+from hfpatch.interop import gguf as hg
 from hfpatch.cli import main
 from hfpatch.models import load
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_model
 from tiny_gguf import write_llama_gguf
 
-from hfpatch import gguf as hg
+from hfpatch.interop import gguf as hg
 from hfpatch.cli import main
 
 gguf = pytest.importorskip("gguf", reason="GGUF export needs the gguf package (pip install 'hfpatch[gguf]')")

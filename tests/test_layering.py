@@ -14,32 +14,31 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hfpatch"
 # part -> the parts it may import. A part is a top-level module of the package or a sub-package; "hfpatch" is the
 # package's own __init__ (the public API). Lower parts first.
 LAYERS: dict[str, set[str]] = {
+    # utilities that know nothing of models
+    "registry": set(),  # one Registry class for every registry
+    "utils": set(),  # one-line command errors, locks and hashes, free memory, timing, warnings
     "edits": set(),  # the one layer that changes live objects
-    "command": set(),  # one-line errors and exit codes of every command
-    "timing": set(),  # side-by-side timing
-    "warn": set(),  # warnings that point at the user's line
-    "files": set(),  # locks, content hashes, folders written whole
-    "host": set(),  # what the machine has free
     "tiny": set(),  # tiny models of every family, from their own configs
+    # the core: reading a model, the registries and their appliers, the patch
     "adapters": {"edits"},  # architecture knowledge, read off the model
-    "position": {"adapters", "edits", "host"},  # the SCHEMES registry and its appliers
-    "norm": {"adapters", "edits", "warn"},  # the NORMS registry, norm modules, swaps, placement
+    "position": {"adapters", "edits", "registry", "utils"},  # rope/, attention/, schemes/, the SCHEMES registry
+    "norm": {"adapters", "edits", "utils"},  # the NORMS and PLACEMENTS registries, norm modules, swaps, fits
     "spec": {"position", "norm"},  # the patch spec, validated against the registries
-    "apply": {"spec", "adapters", "norm", "position", "edits", "warn"},  # patch / unpatch / describe
-    "io": {"apply", "spec", "adapters", "edits"},  # save / reload
-    "lm": {"apply", "adapters"},  # a causal LM as body + head
-    "gguf": {"spec", "apply", "adapters", "position", "edits", "files"},  # GGUF in, GGUF out: llama.cpp's RoPE metadata
-    "models": {"io", "files", "gguf"},  # load by name
-    "serving": {"position"},  # what vLLM and SGLang read of a saved checkpoint's RoPE
-    "text": {"lm", "models", "files"},  # documents and tokenizers
+    "apply": {"spec", "adapters", "norm", "position", "edits", "utils"},  # patch / unpatch / describe
+    # in and out: other formats and engines, loading by name
+    "interop": {"apply", "spec", "adapters", "edits", "position", "utils"},  # io, gguf, serving
+    "io": {"interop"},  # re-export of the old path, for one version
+    "gguf": {"interop"},  # re-export of the old path, for one version
+    "models": {"interop", "apply", "utils"},  # load by name
     "families": {"apply", "adapters", "norm", "position", "tiny"},  # supported(): every family measured
-    "hfpatch": {"spec", "apply", "families", "io"},  # the public API
-    "evaluate": {"hfpatch", "apply", "spec", "adapters", "lm", "models", "text", "command", "timing", "files",
-                 "gguf", "host"},
-    "train": {"hfpatch", "evaluate", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models",
-              "text", "timing", "command", "files"},
-    "cli": {"hfpatch", "command", "evaluate", "norm", "spec", "models", "families", "apply", "files", "gguf",
-            "serving"},
+    "hfpatch": {"spec", "apply", "families", "interop"},  # the public API
+    # running models: what evaluations and training share, then each
+    "lm": {"apply", "adapters", "models", "utils"},  # a causal LM as body + head; documents and tokenizers
+    "evaluate": {"hfpatch", "apply", "spec", "adapters", "lm", "models", "interop", "utils"},
+    "train": {"hfpatch", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models", "utils"},
+    "studies": {"hfpatch", "evaluate", "train", "apply", "spec", "adapters", "lm", "models", "norm", "position",
+                "utils"},
+    "cli": {"hfpatch", "evaluate", "norm", "spec", "models", "families", "apply", "interop", "position", "utils"},
     "__main__": {"cli"},
 }
 

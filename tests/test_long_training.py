@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import REPO, WINDOW, stdlib_text, tiny_model, tokens
 
 import hfpatch
-from hfpatch.position.schemes import SCHEMES
+from hfpatch.position.registry import SCHEMES
 from hfpatch.train import memory
 from hfpatch.train.cli import run
 from hfpatch.train.loop import CausalLMLoss

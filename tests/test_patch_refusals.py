@@ -12,7 +12,7 @@ import torch
 import hfpatch
 from hfpatch import tiny
 from hfpatch.apply import PatchRefused
-from hfpatch.position.schemes import SCHEMES
+from hfpatch.position.registry import SCHEMES
 
 
 @torch.no_grad()

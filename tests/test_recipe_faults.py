@@ -14,7 +14,7 @@ import torch
 from conftest import REPO, stdlib_text
 
 import hfpatch
-from hfpatch.files import sha256
+from hfpatch.utils.files import sha256
 from hfpatch.train import checkpoint, faults
 from hfpatch.train.config import ConfigError
 

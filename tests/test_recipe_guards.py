@@ -18,7 +18,7 @@ import torch
 from conftest import REPO, stdlib_text
 from safetensors import SafetensorError
 
-from hfpatch.files import Lock
+from hfpatch.utils.files import Lock
 from hfpatch.train import checkpoint, config, loop
 from hfpatch.train.cli import run
 

@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import REPO, stdlib_text
 
-from hfpatch.evaluate import budget
+from hfpatch.lm import budget
 from hfpatch.train import config, memory
 
 TINY = ("model_config={model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "

@@ -85,7 +85,7 @@ def test_failure_while_applying_puts_back_the_previous_objects(monkeypatch):
     """A failure inside the application (not caught by validation) also restores the previous patch's objects."""
     import dataclasses
 
-    from hfpatch.position.schemes import SCHEMES
+    from hfpatch.position.registry import SCHEMES
 
     model = tiny_model("gpt2")
     hfpatch.patch(model, norm="rmsnorm", position="interpolate", factor=2.0)

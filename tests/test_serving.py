@@ -1,4 +1,4 @@
-"""What vLLM and SGLang would serve differently from a saved checkpoint (hfpatch.serving): the warnings of
+"""What vLLM and SGLang would serve differently from a saved checkpoint (hfpatch.interop.serving): the warnings of
 `hfpatch describe` on a saved folder, checked against transformers' own attention factor and the engines' formulas
 written out; and docs/serving.md carrying the table the code holds."""
 
@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, WINDOW, tiny_model
 
 import hfpatch
-from hfpatch import serving
+from hfpatch.interop import serving
 from hfpatch.cli import main
 
 

@@ -15,7 +15,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hfpatch
-from hfpatch.train import config, init, loop, measure, setup, study, study_report
+from hfpatch.train import config, init, loop, setup
+from hfpatch.studies import measure, study, report as study_report
 from hfpatch.train.config import ConfigError
 
 SIZES = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,

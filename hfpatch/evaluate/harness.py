@@ -24,8 +24,9 @@ import torch
 
 import hfpatch
 
-from .. import command, spec
+from .. import spec
 from ..models import resolve
+from ..utils import command
 
 try:
     import lm_eval.models  # noqa: F401 (lm-eval's own models first: its registry imports them only while empty)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from .. import text as texts
+from ..lm import text as texts
 
 T = TypeVar("T")  # what a fit() build makes
 

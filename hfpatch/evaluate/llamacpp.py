@@ -2,9 +2,9 @@
 
 The same cells as the transformers engine: the same tokens (the evaluation tokenizes with the GGUF's transformers
 tokenizer and hands llama.cpp the token ids), the same windows, prompts, scoring and results file. A patch spec is
-applied the way a served GGUF carries it: the RoPE metadata `hfpatch.gguf.export` writes for it, given to llama.cpp
-as metadata overrides (`kv_overrides`), or, for schemes that live in tensors (llama3, LongRoPE) or when the file
-already carries a scaling of its own, a copy of the file exported with that spec. YaRN's betas, which the llama
+applied the way a served GGUF carries it: the RoPE metadata `hfpatch.interop.gguf.export` writes for it, given to
+llama.cpp as metadata overrides (`kv_overrides`), or, for schemes that live in tensors (llama3, LongRoPE) or when the
+file already carries a scaling of its own, a copy of the file exported with that spec. YaRN's betas, which the llama
 loader does not read from metadata, are passed as context parameters. What a GGUF cannot carry (dynamic scaling,
 ALiBi, Self-Extend, norm swaps, ...) is refused before any work, with the reason.
 
@@ -31,6 +31,7 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -39,10 +40,10 @@ try:
 except ImportError:  # not on Windows: exports are then only removed by the run that made them
     fcntl = None  # type: ignore[assignment]  # checked for None before use
 
-from .. import gguf as hg
 from .. import spec as specs
+from ..interop import gguf as hg
+from ..lm import budget
 from ..models import gguf_path
-from . import budget
 
 NAME = "llama.cpp"
 RUNTIME_OPTIONS = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}  # context parameters
@@ -83,8 +84,8 @@ class LlamaCppModel:
         # the exported copies go with the model (and the lock on them with the process)
         self._remove_exports = weakref.finalize(self, _remove_exports, self._tmp, held)
         self._exports: dict = {}
-        self._llm = None
-        self._key = None
+        self._llm: Any = None  # a llama_cpp.Llama (an optional extra)
+        self._key: tuple | None = None
 
     # --------------------------------------------------------------------------------------------- patch specs
 

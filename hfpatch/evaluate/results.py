@@ -20,7 +20,7 @@ import math
 import os
 from pathlib import Path
 
-from ..files import Lock, Locked, describe_os_error, differences, write_failure
+from ..utils.files import Lock, Locked, describe_os_error, differences, write_failure
 
 FORMAT = 3  # 3: the identity holds the model's files by content (model_files)
 

@@ -30,14 +30,14 @@ from typing import Any, ClassVar
 
 from tqdm.auto import tqdm
 
-from .. import command
 from .. import spec as specs
 from ..adapters.positions import trained_window
 from ..apply import describe, loaded_with, table_limit, unwrap
-from ..lm import causal_lm_parts
+from ..lm import budget
+from ..lm.causal import causal_lm_parts
+from ..lm.text import load_tokenizer
 from ..models import model_fingerprint
-from ..text import load_tokenizer
-from . import budget
+from ..utils import command
 from .common import applied, length_label, load_model, parse_lengths, parse_patches, versions
 from .llamacpp import Engine as LlamaCppEngine
 from .results import Results, now

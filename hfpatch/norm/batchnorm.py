@@ -23,7 +23,7 @@ import torch
 
 from ..adapters.probe import restore_modes
 from ..edits import Edits
-from ..warn import warn_caller
+from ..utils.warn import warn_caller
 from .modules import BatchNorm
 
 PADDING_ATTR = "hfpatch_padding"

@@ -16,7 +16,7 @@ from ..adapters import Adapter, get_path
 from ..adapters.base import class_key
 from ..adapters.probe import restore_modes
 from ..edits import Edits
-from ..warn import warn_caller
+from ..utils.warn import warn_caller
 from . import exact as ex
 from .modules import NormModule, NormParams, RMSNorm, build, read
 

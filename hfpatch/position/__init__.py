@@ -3,6 +3,6 @@
 table (learned.py), Self-Extend (self_extend.py), attention with the scores written out (attention.py). What the
 adapters know of a model's own position signal is in adapters/positions.py, below all of these."""
 
-from .schemes import SCHEMES
+from .registry import SCHEMES
 
 __all__ = ["SCHEMES"]

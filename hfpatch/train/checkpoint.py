@@ -42,9 +42,9 @@ from typing import Any
 from accelerate.utils import broadcast_object_list
 from accelerate.utils import load as load_pickle  # torch.load(weights_only=True) + numpy arrays
 
-from ..files import PARTIAL as _PARTIAL  # suffix of a folder being written (or being deleted)
-from ..files import differences, os_error_of, publish, sha256_many, write_json
-from ..files import fsync as _fsync
+from ..utils.files import PARTIAL as _PARTIAL  # suffix of a folder being written (or being deleted)
+from ..utils.files import differences, os_error_of, publish, sha256_many, write_json
+from ..utils.files import fsync as _fsync
 from .config import ConfigError
 
 MARKER = "hfpatch_checkpoint.json"

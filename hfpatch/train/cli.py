@@ -20,7 +20,7 @@ from pathlib import Path
 
 from accelerate.utils import set_seed
 
-from ..files import Lock, Locked, describe_os_error, write_failure
+from ..utils.files import Lock, Locked, describe_os_error, write_failure
 from .config import ConfigError, RunFailed, check_fresh, load  # ConfigError is also re-exported to recipes
 
 LOCK = "hfpatch.lock"  # in output_dir; held by the main process while the run lives

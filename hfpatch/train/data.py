@@ -1,4 +1,4 @@
-"""Training data: documents (text files, a `datasets` dataset) tokenized once (cached, see hfpatch.text),
+"""Training data: documents (text files, a `datasets` dataset) tokenized once (cached, see hfpatch.lm.text),
 joined with the EOS token between documents, packed into fixed-length sequences, and split into a training and a
 held-out set by a seeded shuffle of the packed sequences. The order in which training sequences are visited is a
 pure function of (seed, step), so an interrupted run that resumes sees exactly the batches it would have seen.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..text import documents, tokenize
+from ..lm.text import documents, tokenize
 from .config import ConfigError
 
 

@@ -34,9 +34,9 @@ from transformers import get_cosine_schedule_with_warmup
 
 import hfpatch
 
-from ..files import write_whole
-from ..lm import softcap, softcap_of
+from ..lm.causal import softcap, softcap_of
 from ..models import model_fingerprint
+from ..utils.files import write_whole
 from . import checkpoint, memory, parallel
 from .config import ConfigError, RunFailed
 from .data import batch_indices

@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from ..adapters import adapter_for, get_path
 from ..apply import unwrap
 from ..edits import Edits
-from ..evaluate import budget
+from ..lm import budget
 from .losses import auto_chunk
 
 

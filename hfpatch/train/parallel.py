@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..position.schemes import SCHEMES
+from ..position.registry import SCHEMES
 from .config import ConfigError
 
 

@@ -10,9 +10,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hfpatch
 
+from ..lm.text import load_tokenizer
 from ..models import load as load_model
-from ..position.schemes import SCHEMES
-from ..text import load_tokenizer
+from ..position.registry import SCHEMES
 from . import init, memory, parallel
 from .config import ConfigError
 

@@ -27,8 +27,8 @@ import random
 from pathlib import Path
 from typing import ClassVar
 
-from ... import text as texts
-from ...lm import greedy
+from ...lm import text as texts
+from ...lm.causal import greedy
 from .. import haystack as hs
 from .. import report, sweep
 from ..common import length_label, parse_fractions, parse_lengths

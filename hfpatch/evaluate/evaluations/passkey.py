@@ -21,7 +21,7 @@ import re
 import sys
 from typing import ClassVar
 
-from ...lm import greedy
+from ...lm.causal import greedy
 from .. import report, sweep
 from ..common import parse_fractions, parse_lengths
 

@@ -27,8 +27,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from ... import text as texts
-from ...lm import document_nll, windows
+from ...lm import text as texts
+from ...lm.causal import document_nll, windows
 from .. import report, sweep
 from ..common import finite, length_label, parse_length, parse_lengths
 

@@ -39,8 +39,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from ... import text as texts
-from ...lm import greedy
+from ...lm import text as texts
+from ...lm.causal import greedy
 from .. import haystack as hs
 from .. import report, sweep
 from ..common import length_label, parse_lengths

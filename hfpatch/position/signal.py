@@ -16,8 +16,10 @@ from ..adapters.infer import mixer_paths
 from ..adapters.positions import ZeroPositions, layer_types, make_identity, params_of, prefix, trained_window
 from ..adapters.probe import position_sources
 from ..edits import Edits
-from . import absolute, paths, rope
-from . import rotary as rot
+from .attention import paths
+from .rope import builders as rope
+from .rope import rotary as rot
+from .schemes import absolute
 
 
 def rotaries_of(model, adapter: Adapter) -> list:

@@ -13,9 +13,9 @@ import copy
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from ..adapters.positions import layer_types, params_of, prefix
-from ..edits import Edits
-from .rope import dynamic_yarn_scale, yarn_parameters_at
+from ...adapters.positions import layer_types, params_of, prefix
+from ...edits import Edits
+from .builders import dynamic_yarn_scale, yarn_parameters_at
 
 
 def compute(rotary, config, layer_type):

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from .adapters import adapter_for
-from .apply import unwrap
+from ..adapters import adapter_for
+from ..apply import unwrap
 
 
 @dataclass

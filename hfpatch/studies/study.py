@@ -15,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from . import checkpoint, config
-from .config import REQUIRED, ConfigError
+from ..train import checkpoint, config
+from ..train.config import REQUIRED, ConfigError
 
 STUDY = {
     "study": (str, REQUIRED),  # the study's name: output_dir/compare_<study>.{json,md,png}

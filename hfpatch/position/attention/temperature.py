@@ -28,14 +28,14 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..adapters import Adapter
-from ..adapters.probe import close
-from ..adapters.probe import run as probe_run
-from ..edits import Edits
+from ...adapters import Adapter
+from ...adapters.probe import close
+from ...adapters.probe import run as probe_run
+from ...edits import Edits
+from ..registry import number, positive_int
+from ..schemes.rotated import positions
+from ..signal import attention_modules
 from . import paths
-from .patch import attention_modules
-from .rotated import positions
-from .schemes import number, positive_int
 
 SDPA_NAME = "hfpatch_temperature"  # wraps functions that take sdpa's mask (sdpa, hfpatch's own functions)
 EAGER_NAME = "hfpatch_temperature_eager"  # wraps functions that take eager's float mask

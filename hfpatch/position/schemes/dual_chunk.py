@@ -37,10 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..adapters import Adapter
-from ..edits import Edits
-from . import kernels, paths, rotated, split
-from .attention import explicit_attention
+from ...adapters import Adapter
+from ...edits import Edits
+from ..attention import kernels, paths, split
+from ..attention.written import explicit_attention
+from . import rotated
 
 NAMES = rotated.Names(scheme="dual-chunk", sdpa="hfpatch_dual_chunk", eager="hfpatch_dual_chunk_eager",
                       state="hfpatch_dual_chunk")

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoConfig, AutoTokenizer
 
-from .files import cache_dir
-from .lm import check_causal_config
-from .models import resolve
+from ..models import resolve
+from ..utils.files import cache_dir
+from .causal import check_causal_config
 
 # Long modules present in every CPython >= 3.10, longest first; the default corpus is those found on disk.
 STDLIB_FILES = (

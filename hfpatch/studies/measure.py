@@ -16,13 +16,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..adapters import adapter_for
 from ..apply import unwrap
-from ..lm import logits_nll
+from ..lm.causal import logits_nll
+from ..lm.text import documents, tokenize
 from ..norm.batchnorm import batch_statistics
-from ..text import documents, tokenize
-from ..timing import medians
-from .checkpoint import cut_log
-from .config import ConfigError
-from .loop import CausalLMLoss
+from ..train.checkpoint import cut_log
+from ..train.config import ConfigError
+from ..train.loop import CausalLMLoss
+from ..utils.timing import medians
 
 # ------------------------------------------------------------------------------------------------ gradient norms
 
@@ -170,7 +170,7 @@ def recall(model, ids: torch.Tensor, distances: list[int], span: int = 32, trial
 
 
 def step_times(models: dict, batch: torch.Tensor, rounds: int) -> dict:
-    """Seconds of a training step's forward and backward per model, measured side by side (hfpatch.timing): every
+    """Seconds of a training step's forward and backward per model, measured side by side (hfpatch.utils.timing): every
     round times every model once, so a machine that gets busier slows them alike; the median over `rounds` (after
     one round of warm-up)."""
     def step(model):

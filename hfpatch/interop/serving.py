@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .position.schemes import SCHEMES
+from ..position.registry import SCHEMES
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -222,7 +222,7 @@ _TRANSFORMERS_KEYS = {
 
 
 def main(argv=None) -> int:
-    """python -m hfpatch.serving [FOLDER]: the docs table, or a saved folder's differences."""
+    """python -m hfpatch.interop.serving [FOLDER]: the docs table, or a saved folder's differences."""
     argv = sys.argv[1:] if argv is None else argv
     if argv:
         print(json.dumps(folder_differences(argv[0]), indent=2))

@@ -28,13 +28,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from ..adapters import Adapter, get_path
-from ..adapters.positions import layer_types, trained_window
-from ..adapters.probe import close
-from ..adapters.probe import run as probe_run
-from ..edits import Edits
-from . import paths
-from .patch import attention_layers, rotaries_of
+from ...adapters import Adapter, get_path
+from ...adapters.positions import layer_types, trained_window
+from ...adapters.probe import close
+from ...adapters.probe import run as probe_run
+from ...edits import Edits
+from ..attention import paths
+from ..signal import attention_layers, rotaries_of
 
 
 class OwnRotary:

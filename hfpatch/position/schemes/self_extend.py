@@ -38,10 +38,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..adapters import Adapter
-from ..edits import Edits
-from . import flex, kernels, paths, rotated, split
-from .attention import explicit_attention
+from ...adapters import Adapter
+from ...edits import Edits
+from ..attention import flex, kernels, paths, split
+from ..attention.written import explicit_attention
+from . import rotated
 
 NAMES = rotated.Names(scheme="self-extend", sdpa="hfpatch_self_extend", eager="hfpatch_self_extend_eager",
                       state="hfpatch_self_extend")

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from ..host import available_bytes
+from ...utils.host import available_bytes
 
 
 def sinusoidal_table(positions: torch.Tensor, dim: int, base: float = 10000.0) -> torch.Tensor:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..adapters import Adapter, get_path
-from ..edits import Edits
+from ...adapters import Adapter, get_path
+from ...edits import Edits
+from ..signal import remove_positions
 from .absolute import check_table_fits
-from .patch import remove_positions
 
 TABLE_ATTR = "hfpatch_position_table"  # on the first block: the nn.Embedding
 

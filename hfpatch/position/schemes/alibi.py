@@ -37,11 +37,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from ..adapters import Adapter
-from ..edits import Edits
-from . import flex, kernels, paths
-from .attention import biased_attention, causal_of
-from .patch import attention_modules, remove_positions, use_attention
+from ...adapters import Adapter
+from ...edits import Edits
+from ..attention import flex, kernels, paths
+from ..attention.written import biased_attention, causal_of
+from ..signal import attention_modules, remove_positions, use_attention
 
 SDPA_NAME = "hfpatch_alibi"
 EAGER_NAME = "hfpatch_alibi_eager"

@@ -31,9 +31,9 @@ from typing import cast
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ..host import available_bytes
-from ..lm import cache_keyword, cache_of
 from ..models import resolve
+from ..utils.host import available_bytes
+from .causal import cache_keyword, cache_of
 
 GiB = 1024**3
 

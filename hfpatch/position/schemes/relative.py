@@ -40,12 +40,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from ..adapters import Adapter
-from ..edits import Edits
-from . import flex, paths, split
+from ...adapters import Adapter
+from ...edits import Edits
+from ..attention import flex, paths, split
+from ..attention.written import biased_attention, causal_of
+from ..signal import attention_modules, remove_positions, use_attention
 from .absolute import sinusoidal_table
-from .attention import biased_attention, causal_of
-from .patch import attention_modules, remove_positions, use_attention
 
 T5_NAME, T5_EAGER = "hfpatch_t5", "hfpatch_t5_eager"
 XL_NAME, XL_EAGER = "hfpatch_xl", "hfpatch_xl_eager"

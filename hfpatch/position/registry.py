@@ -29,14 +29,14 @@ import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import rope
-from .alibi import apply_alibi
-from .dual_chunk import apply_dual_chunk
-from .learned import apply_learned
-from .patch import apply_interpolate, apply_nope, apply_rope, apply_sinusoidal, keep_high_frequencies
-from .relative import apply_t5, apply_xl, check_t5
-from .rotary import make_dynamic_yarn
-from .self_extend import apply_self_extend
+from .rope import builders as rope
+from .rope.rotary import make_dynamic_yarn
+from .schemes.alibi import apply_alibi
+from .schemes.dual_chunk import apply_dual_chunk
+from .schemes.learned import apply_learned
+from .schemes.relative import apply_t5, apply_xl, check_t5
+from .schemes.self_extend import apply_self_extend
+from .signal import apply_interpolate, apply_nope, apply_rope, apply_sinusoidal, keep_high_frequencies
 
 # ------------------------------------------------------------------------------------------------ option checks
 

@@ -1,0 +1,646 @@
+"""GGUF in, GGUF out: a RoPE patch written as llama.cpp's own RoPE metadata, and read back from it.
+
+    hfpatch.interop.gguf.export("model.gguf", "model-yarn4.gguf", position="yarn", factor=4)
+    hfpatch patch model.gguf --position yarn --factor 4 --out model-yarn4.gguf
+
+`export` copies a GGUF file with every tensor byte for byte and rewrites only what llama.cpp reads about RoPE
+scaling: `{arch}.rope.scaling.*`, `{arch}.rope.freq_base` (NTK-aware), `{arch}.context_length`, and the per-frequency
+tensors (`rope_freqs` for Llama 3.1's scaling, `rope_factors_long` / `rope_factors_short` for LongRoPE). The numbers
+come from hfpatch's own builders (position/rope.py) and transformers' RoPE functions, exactly as `hfpatch.patch`
+computes them in memory, so the defaults (YaRN's attention factor and betas, the original window) are the same.
+
+The file also carries `hfpatch.record` (JSON: the spec and the original base and window), so that `read_patch` /
+`hfpatch.models.load` give back exactly the patched model in transformers, whose GGUF loader reads only
+`rope.freq_base`. Without the record (a GGUF made elsewhere) the scheme is read from llama.cpp's metadata itself.
+An export from a file that carries the record starts from the base and window it holds, so that exporting again
+gives the file the original would have given; a scaling made elsewhere is replaced, its base kept with a warning.
+
+The output is written whole or not at all (a temporary file next to it, synced and renamed); an existing output is
+replaced only when asked (overwrite=True) and only if it is a GGUF file.
+
+What llama.cpp cannot express is refused with the reason: schemes that are not RoPE frequencies (ALiBi, T5, XL,
+learned tables, NoPE, ...), frequencies that follow the sequence length (dynamic NTK, dynamic YaRN), norm and
+placement swaps. Self-Extend is a run-time setting of llama.cpp, not metadata: the refusal names the flags.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from .. import apply
+from .. import spec as specs
+from ..adapters import adapter_for
+from ..edits import Edits
+from ..position.registry import SCHEMES
+from ..position.rope import builders
+from ..position.rope import rotary as rot
+from ..position.schemes.self_extend import default_settings
+from ..position.signal import max_positions, rotaries_of
+from ..utils.files import describe_os_error, fsync
+
+# ------------------------------------------------------------------------------------------ llama.cpp, as data
+# Read off llama.cpp's source (src/llama-model.cpp, src/llama-context.cpp, src/models/*.cpp) as vendored by
+# llama-cpp-python 0.3.36.
+
+# Architectures whose loader creates a `rope_freqs` tensor (per-frequency divisors of the angle): the only way a GGUF
+# carries Llama 3.1's frequency-dependent scaling.
+ROPE_FREQS_ARCHS = frozenset({"llama", "llama4", "deci", "refact", "nanbeige", "llada", "gemma4", "exaone", "exaone4",
+                              "exaone-moe", "granite", "granitemoe", "granitehybrid", "granite_swa", "minicpm",
+                              "arcee", "falcon-h1", "apertus", "cogvlm", "pangu-embedded", "mistral3", "step35"})
+# Architectures whose loader creates `rope_factors_long` / `rope_factors_short` (LongRoPE); most of them only when
+# the scaling type is "longrope".
+LONGROPE_ARCHS = frozenset({"llama", "deci", "refact", "granite", "granitemoe", "granite_swa", "minicpm", "minicpm3",
+                            "mistral3", "phi3", "phimoe", "apertus", "pangu-embedded", "step35"})
+# Architectures whose loader reads yarn_beta_fast / yarn_beta_slow from metadata; the others always use 32 and 1.
+YARN_BETA_ARCHS = frozenset({"grok", "mistral3"})
+YARN_BETA_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}
+DEFAULT_FREQ_BASE = 10000.0  # llama.cpp's value when a file names none
+
+TENSORS = {"freqs": "rope_freqs.weight", "long": "rope_factors_long.weight", "short": "rope_factors_short.weight"}
+RECORD_KEY = "hfpatch.record"
+RECORD_VERSION = 1
+MAGIC = b"GGUF"  # the first four bytes of every GGUF file
+
+# The keys under {arch}. that describe a RoPE scaling: an export replaces all of them (a new scheme replaces the
+# old one, as `hfpatch.patch` does), so none of the source's scaling is left to combine with the new one.
+SCALING_KEYS = ("rope.scaling.type", "rope.scaling.factor", "rope.scale_linear", "rope.scaling.attn_factor",
+                "rope.scaling.original_context_length", "rope.scaling.yarn_ext_factor",
+                "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow")
+
+
+def group_attention_flags(group_size: int, window: int) -> str:
+    """llama.cpp's run-time form of Self-Extend (G = group_size, W = window)."""
+    return f"--grp-attn-n {group_size} --grp-attn-w {window}"
+
+
+def _self_extend_reason(req: dict, trained: int) -> str:
+    default_g, default_w = default_settings(trained)
+    g, w = req.get("group_size", default_g), req.get("window", default_w)
+    flags = group_attention_flags(g, w)
+    # the values hfpatch.patch would choose for options left out, named so that llama.cpp runs the same model
+    left_out = [f"G = {g}" if key == "group_size" else f"W = {w}" for key in ("group_size", "window") if key not in req]
+    defaults = (f" ({' and '.join(left_out)}: hfpatch's default{'s' if len(left_out) > 1 else ''} for this model's "
+                f"{trained}-token trained window)" if left_out else "")
+    multiple = "" if w % g == 0 else (f" (llama.cpp needs the width to be a multiple of the group size: e.g. "
+                                      f"{group_attention_flags(g, max(g, w // g * g))})")
+    return (f"llama.cpp applies Self-Extend at run time, not from metadata: run the unchanged GGUF with {flags}"
+            f"{defaults}{multiple} in llama-completion or llama-passkey (llama-cli in older builds); llama-server no "
+            "longer has group attention")
+
+
+# Why each scheme hfpatch has but a GGUF cannot carry is refused (a callable gets the validated request and the
+# source's trained window, which the scheme's defaults follow).
+REFUSED: dict[str, str | Callable[[dict, int], str]] = {
+    "dynamic": "dynamic NTK changes the RoPE base with the sequence length, and llama.cpp's frequencies are fixed "
+               "when the context is created; export ntk (the base for one length) or yarn instead",
+    "dynamic-yarn": "dynamic YaRN changes the scale with the sequence length, and llama.cpp's frequencies are fixed "
+                    "when the context is created; export yarn with the factor you serve at",
+    "alibi": "llama.cpp applies ALiBi only inside the graphs of the architectures built with it (bloom, mpt, ...), "
+             "never from metadata, and a RoPE architecture keeps its rotation",
+    "self-extend": _self_extend_reason,
+}
+_NOT_ROPE = ("changes the model's position encoding beyond its RoPE frequencies, which llama.cpp reads from no "
+             "metadata (a GGUF export copies the weights and rewrites only RoPE metadata)")
+
+
+# ------------------------------------------------------------------------------------------------- the source
+
+@dataclass
+class RopeInfo:
+    """What a GGUF file says about its RoPE."""
+
+    arch: str
+    freq_base: float
+    context_length: int
+    window: int  # the trained window: rope.scaling.original_context_length, else context_length
+    n_rot: int  # rotated channels per head
+    keys: dict = field(default_factory=dict)  # {key without the "{arch}." prefix: value} of SCALING_KEYS present
+    tensors: dict = field(default_factory=dict)  # {name: float64 array} of the RoPE tensors present
+    record: dict | None = None
+
+
+def _value(reader, key, default=None):
+    f = reader.get_field(key)
+    return default if f is None else f.contents()
+
+
+def read_rope(reader) -> RopeInfo:
+    """The RoPE facts of an open GGUFReader; ValueError when the file names no RoPE."""
+    arch = _value(reader, "general.architecture")
+    if not arch:
+        raise ValueError("the GGUF file names no general.architecture")
+    pre = f"{arch}."
+    base = _value(reader, pre + "rope.freq_base")
+    dims = _value(reader, pre + "rope.dimension_count")
+    if base is None and dims is None:
+        raise ValueError(f"this GGUF ({arch}) has no RoPE ({pre}rope.freq_base / {pre}rope.dimension_count): RoPE "
+                         "schemes apply to RoPE models")
+    ctx = _value(reader, pre + "context_length")
+    if not ctx:
+        raise ValueError(f"this GGUF ({arch}) names no {pre}context_length (the trained window)")
+    if dims is None:
+        heads = _value(reader, pre + "attention.head_count")
+        key_length = _value(reader, pre + "attention.key_length")
+        embd = _value(reader, pre + "embedding_length")
+        if isinstance(heads, list):  # per-layer head counts
+            heads = max(heads)
+        dims = key_length or (embd // heads if embd and heads else None)
+        if not dims:
+            raise ValueError(f"this GGUF ({arch}) does not say how many channels RoPE rotates")
+    keys = {k: _value(reader, pre + k) for k in SCALING_KEYS if reader.get_field(pre + k) is not None}
+    tensors = {t.name: np.asarray(t.data, dtype=np.float64).reshape(-1) for t in reader.tensors
+               if t.name in TENSORS.values()}
+    record = _value(reader, RECORD_KEY)
+    return RopeInfo(arch, float(DEFAULT_FREQ_BASE if base is None else base), int(ctx),
+                    int(keys.get("rope.scaling.original_context_length") or ctx), int(dims), keys, tensors,
+                    json.loads(record) if record else None)
+
+
+# ---------------------------------------------------------------------------------------- the scheme, as numbers
+
+def _rope_numbers(params: dict, n_rot: int, n_positions: int):
+    """(inverse frequencies as float64, attention factor) of transformers' RoPE function for `params`."""
+    config = LlamaConfig(hidden_size=n_rot, num_attention_heads=1, head_dim=n_rot, num_hidden_layers=1,
+                         vocab_size=2, intermediate_size=2, max_position_embeddings=n_positions,
+                         rope_parameters=dict(params), bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    rope_type = params["rope_type"]
+    default = LlamaRotaryEmbedding.compute_default_rope_parameters
+    fn = default if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, attention_factor = fn(config)
+    return inv_freq.double().numpy(), float(attention_factor)
+
+
+def _yarn_attn_factor(attention_factor: float, factor: float) -> float:
+    """llama.cpp multiplies YaRN's angles by attn_factor * (1 + 0.1 ln s) (it applies the paper's default itself,
+    llama-context.cpp), so the metadata holds the attention factor divided by that default."""
+    return attention_factor / (1.0 + 0.1 * math.log(factor))
+
+
+@dataclass
+class Plan:
+    """What an export writes: metadata keys (without the "{arch}." prefix unless `absolute`) and RoPE tensors."""
+
+    keys: dict  # {key: (value, "f32" | "u32" | "str")}
+    tensors: dict  # {tensor name: float32 array}
+    spec: dict
+    n_positions: int
+
+
+def _f32(x) -> float:
+    return float(np.float32(x))
+
+
+def _plain_keys(kind: str, **extra) -> dict:
+    return {"rope.scaling.type": (kind, "str"), **extra}
+
+
+def _form_rope(info, params, opts, n_positions):
+    return _plain_keys("none"), {}
+
+
+def _form_linear(info, params, opts, n_positions):
+    return _plain_keys("linear", **{"rope.scaling.factor": (params["factor"], "f32")}), {}
+
+
+def _form_ntk(info, params, opts, n_positions):
+    return _plain_keys("none"), {}  # the raised base is the plan's rope.freq_base
+
+
+def _form_yarn(info, params, opts, n_positions):
+    if opts.get("truncate") is False:
+        raise ValueError("yarn with truncate=False: llama.cpp always rounds YaRN's correction range to whole "
+                         "channels (truncate=True)")
+    betas = {k: float(params.get(k, v)) for k, v in YARN_BETA_DEFAULTS.items()}
+    if betas != YARN_BETA_DEFAULTS and info.arch not in YARN_BETA_ARCHS:
+        raise ValueError(f"yarn with beta_fast={betas['beta_fast']:g}, beta_slow={betas['beta_slow']:g}: llama.cpp's "
+                         f"{info.arch} loader does not read YaRN's betas from metadata (only "
+                         f"{', '.join(sorted(YARN_BETA_ARCHS))} do) and uses 32 and 1; serve those, or run llama.cpp "
+                         f"with --yarn-beta-fast {betas['beta_fast']:g} --yarn-beta-slow {betas['beta_slow']:g}")
+    _, attention = _rope_numbers(params, info.n_rot, n_positions)
+    return _plain_keys("yarn", **{
+        "rope.scaling.factor": (params["factor"], "f32"),
+        "rope.scaling.attn_factor": (_yarn_attn_factor(attention, params["factor"]), "f32"),
+        "rope.scaling.yarn_ext_factor": (1.0, "f32"),
+        "rope.scaling.yarn_beta_fast": (betas["beta_fast"], "f32"),
+        "rope.scaling.yarn_beta_slow": (betas["beta_slow"], "f32"),
+    }), {}
+
+
+def _form_llama3(info, params, opts, n_positions):
+    if info.arch not in ROPE_FREQS_ARCHS:
+        raise ValueError(f"llama3 scaling lives in a rope_freqs tensor, which llama.cpp's {info.arch} loader does not "
+                         f"read (architectures that do: {', '.join(sorted(ROPE_FREQS_ARCHS))})")
+    scaled, _ = _rope_numbers(params, info.n_rot, n_positions)
+    plain, _ = _rope_numbers(builders.plain(params, 0, {}, 0), info.n_rot, n_positions)
+    # llama.cpp divides each angle by its factor: the factor is the ratio of the plain to the scaled frequency
+    return _plain_keys("none"), {TENSORS["freqs"]: (plain / scaled).astype(np.float32)}
+
+
+def _form_longrope(info, params, opts, n_positions):
+    if info.arch not in LONGROPE_ARCHS:
+        raise ValueError(f"LongRoPE lives in rope_factors_long/short tensors, which llama.cpp's {info.arch} loader "
+                         f"does not read (architectures that do: {', '.join(sorted(LONGROPE_ARCHS))})")
+    _, attention = _rope_numbers(params, info.n_rot, n_positions)
+    # No rope.scaling.factor: llama.cpp would also divide every angle by it (freq_scale); the factors carry it all.
+    keys = _plain_keys("longrope", **{"rope.scaling.attn_factor": (attention, "f32")})
+    return keys, {TENSORS["long"]: np.asarray(params["long_factor"], dtype=np.float32),
+                  TENSORS["short"]: np.asarray(params["short_factor"], dtype=np.float32)}
+
+
+# scheme -> (info, rope_parameters, options, n_positions) -> (keys, tensors): the schemes a GGUF can carry
+FORMS = {"rope": _form_rope, "linear": _form_linear, "ntk": _form_ntk, "yarn": _form_yarn, "llama3": _form_llama3,
+         "longrope": _form_longrope}
+
+
+def exportable() -> list[str]:
+    return list(FORMS)
+
+
+def refusal(name: str, req: dict | None = None, trained_window: Callable[[], int] | None = None) -> str | None:
+    """Why position=`name` cannot go into a GGUF (None: it can). With the validated request and the source's trained
+    window (called only when the reason depends on it), the reason names the settings to run instead."""
+    if name in FORMS:
+        return None
+    reason = REFUSED.get(name)
+    if callable(reason):
+        if req is None or trained_window is None:
+            return "Self-Extend is a run-time setting of llama.cpp (--grp-attn-n/--grp-attn-w)"
+        return reason(req, trained_window())
+    return reason or f"{SCHEMES[name].summary}: it {_NOT_ROPE}"
+
+
+def request(position=None, factor=None, *, trained_window: Callable[[], int] | None = None, **options) -> dict:
+    """The validated position request of an export, or ValueError saying why a GGUF cannot carry it.
+    `trained_window` gives the source's trained window, for the refusals that name settings following it."""
+    req = specs.request(position=position, factor=factor, **options)
+    if "temperature" in req:
+        raise ValueError("attention_temperature= has no GGUF form: llama.cpp reads a temperature only from a Llama 4 "
+                         "model's own metadata, for its NoPE layers")
+    other = [axis for axis in req if axis != "position"]
+    if other:
+        verb = "changes" if len(other) == 1 else "change"
+        raise ValueError(f"{'= and '.join(other)}= {verb} the model's blocks, which a GGUF export does not touch (it "
+                         "copies the weights byte for byte and rewrites only RoPE metadata); llama.cpp runs its "
+                         "architectures' own norms")
+    if "position" not in req:
+        raise ValueError("nothing to export: give position= (one of " + ", ".join(FORMS) + ")")
+    pos = req["position"]
+    reason = refusal(pos["scheme"], pos, trained_window)
+    if reason:
+        raise ValueError(f"position={pos['scheme']!r} cannot be written to a GGUF file: {reason}")
+    if "layer_types" in pos:
+        raise ValueError("layer_types= has no GGUF form: llama.cpp scales the RoPE of the global-attention layers "
+                         "of a sliding-window model and leaves the local ones")
+    return pos
+
+
+def plan(info: RopeInfo, pos: dict) -> Plan:
+    """The metadata and tensors that carry position request `pos` (validated) for the model `info` describes."""
+    name = pos["scheme"]
+    opts = {k: v for k, v in pos.items() if k not in ("scheme", "layer_types", "original_max_position_embeddings")}
+    window = pos.get("original_max_position_embeddings") or info.window
+    base = {"rope_type": "default", "rope_theta": info.freq_base}
+    builder = SCHEMES[name].rope
+    assert builder is not None, name  # request() refused every scheme without a RoPE form
+    params = builder(base, window, opts, info.n_rot)
+    if name == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if len(params[key]) != info.n_rot // 2:
+                raise ValueError(f"{key} must have one entry per rotary frequency: {info.n_rot // 2} for this model "
+                                 f"(rotary dim {info.n_rot}), got {len(params[key])}")
+    n_positions = max_positions(SCHEMES[name], window, opts) or window
+    keys, tensors = FORMS[name](info, params, opts, n_positions)
+    # rope.freq_base always: the base the scheme was computed from (NTK's raised one), never one a source carried
+    keys = {"context_length": (n_positions, "u32"), "rope.scaling.original_context_length": (window, "u32"),
+            "rope.freq_base": (params["rope_theta"], "f32"), **keys}
+    return Plan(keys, tensors, {"position": pos}, n_positions)
+
+
+# ------------------------------------------------------------------------------------------------------ writing
+
+def export(src, out, position=None, factor=None, *, overwrite: bool = False, **options) -> dict:
+    """Copy GGUF file `src` to `out` with the RoPE metadata of the position scheme (the keyword arguments of
+    `hfpatch.patch`). Every tensor is copied byte for byte; the source's own RoPE scaling is replaced, and a file
+    hfpatch exported gets its original base back first, so the result is the export from the original file. An
+    existing `out` is replaced only with overwrite=True, and only if it is a GGUF file. Returns what was written:
+    {"spec", "metadata": {full key: value}, "tensors": [names], "context_length"}."""
+    import gguf  # an optional extra (hfpatch[gguf])
+
+    src, out = os.fspath(src), os.fspath(out)
+    if not os.path.isfile(src):
+        raise ValueError(f"no such GGUF file: {src}")
+    check_output(out, src, overwrite)
+    # bad input costs no file reading, except for a refusal that names settings following the trained window
+    pos = request(position=position, factor=factor, trained_window=lambda: read_rope(open_gguf(src)).window,
+                  **options)
+    reader = open_gguf(src)
+    info = read_rope(reader)
+    if reader.get_field(f"{info.arch}.rope.scaling.yarn_log_multiplier") is not None:
+        raise ValueError(f"this {info.arch} GGUF's YaRN also enters its attention scale (rope.scaling."
+                         "yarn_log_multiplier), which hfpatch does not rewrite")
+    original = original_rope(info, src)
+    p = plan(original, pos)
+    record = {"version": RECORD_VERSION, "spec": p.spec, "rope_theta": original.freq_base, "window": original.window}
+    keys = {f"{info.arch}.{k}": v for k, v in p.keys.items()}
+    keys[RECORD_KEY] = (json.dumps(record, sort_keys=True), "str")
+    # the scaling keys and the record go and are written after the model's own keys, so the file is the same
+    # whatever scaling the source carried: the export of the original file
+    drop = {f"{info.arch}.{k}" for k in SCALING_KEYS} | {RECORD_KEY}
+    _write(gguf, reader, out, keys, drop, p.tensors, set(TENSORS.values()))
+    return {"spec": p.spec, "metadata": {k: v for k, (v, _) in keys.items()}, "tensors": sorted(p.tensors),
+            "context_length": p.n_positions}
+
+
+def check_output(out: str, src: str, overwrite: bool) -> None:
+    """ValueError, before any work, when the export cannot or must not write `out`."""
+    if not out.endswith(".gguf"):
+        raise ValueError(f"the output must be a .gguf file, got {out}")
+    if os.path.isdir(out):
+        raise ValueError(f"the output {out} is a folder; give the path of a .gguf file to write")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise ValueError(f"the output's folder {folder} does not exist; create it first")
+    if not os.path.lexists(out):
+        return
+    if os.path.exists(out) and os.path.samefile(src, out):
+        raise ValueError(f"the output {out} is the source file; write to another path")
+    if not overwrite:
+        raise ValueError(f"the output {out} exists; give overwrite=True (hfpatch patch --overwrite) to replace it, "
+                         "or another path")
+    if not is_gguf(out):
+        raise ValueError(f"the output {out} exists and is not a GGUF file; it is never overwritten, even with "
+                         "overwrite=True: move it away or write to another path")
+
+
+def is_gguf(path: str) -> bool:
+    """Whether `path` is a file that starts with GGUF's magic bytes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+def open_gguf(path: str):
+    """A GGUFReader of `path`, or ValueError when the file cannot be parsed as GGUF (gguf-py then fails deep in its
+    parser: "cannot reshape array...", "GGUF magic invalid", an index out of range...)."""
+    import gguf  # an optional extra (hfpatch[gguf])
+
+    try:
+        return gguf.GGUFReader(path)
+    except OSError as e:
+        raise ValueError(f"could not read {path}: {describe_os_error(e)}") from None
+    except Exception as e:  # any parse failure of a damaged file: the reader checks nothing up front
+        size = os.path.getsize(path)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or damaged?): {size:,} bytes; the GGUF "
+                         f"reader stopped at: {first}") from None
+
+
+def original_rope(info: RopeInfo, path: str) -> RopeInfo:
+    """The RoPE of the model before any scaling the file carries: what an export starts from. A file hfpatch
+    exported records its original base and window; a scaling made elsewhere gets a warning, as its base (which NTK
+    scaling raises) cannot be told from the model's own and is kept."""
+    found = _from_record(info) if info.record is not None else None
+    if found is not None:
+        return RopeInfo(info.arch, found.rope_theta, found.window, found.window, info.n_rot)
+    scaled = scaling_carried(info)
+    if scaled:
+        stale = " (its hfpatch record no longer matches its metadata)" if info.record is not None else ""
+        warnings.warn(f"{path} carries a RoPE scaling that hfpatch did not export{stale}: {', '.join(scaled)}. The "
+                      f"export replaces it, and keeps rope.freq_base = {info.freq_base:g} and the trained window "
+                      f"{info.window} as the model's own; if another tool raised that base (NTK scaling), export from "
+                      "the original file instead", UserWarning, stacklevel=3)
+    return RopeInfo(info.arch, info.freq_base, info.window, info.window, info.n_rot)
+
+
+def scaling_carried(info: RopeInfo) -> list[str]:
+    """What in the file's metadata says it carries a RoPE scaling (["key=value", tensor names...]; [] for none)."""
+    k = info.keys
+    found = [f"rope.scaling.type={k['rope.scaling.type']}"] if k.get("rope.scaling.type", "none") != "none" else []
+    found += [f"{key}={k[key]:g}" for key in ("rope.scaling.factor", "rope.scale_linear") if k.get(key) not in
+              (None, 0.0, 1.0)]
+    if info.context_length != info.window:  # an extended window over the trained one
+        found.append(f"context_length={info.context_length} over rope.scaling.original_context_length={info.window}")
+    return found + sorted(info.tensors)
+
+
+def _write(gguf, reader, out: str, keys: dict, drop: set, new_tensors: dict, drop_tensors: set) -> None:
+    """Write `out`: the reader's metadata less `drop`, with `keys` (each where the key it replaces was, unless that
+    one is dropped; the others at the end), the new tensors first, then every other tensor but `drop_tensors` byte
+    for byte. Written to a file next to `out`, synced and renamed at the end, so a failure (a full disk, a read-only
+    place, an interrupt) leaves what was at `out` as it was and no partial file; an OSError is a ValueError saying
+    what went wrong."""
+    tmp = f"{out}.{os.getpid()}.tmp"
+    try:
+        _write_file(gguf, reader, tmp, keys, drop, new_tensors, drop_tensors)
+        os.replace(tmp, out)
+        fsync(os.path.dirname(os.path.abspath(out)))
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, OSError):
+            raise ValueError(f"could not write {out}: {describe_os_error(e)}") from None
+        raise
+
+
+def _write_file(gguf, reader, path: str, keys: dict, drop: set, new_tensors: dict, drop_tensors: set) -> None:
+    """_write's content, into `path` (synced to the disk before it returns)."""
+    types = {"f32": gguf.GGUFValueType.FLOAT32, "u32": gguf.GGUFValueType.UINT32, "str": gguf.GGUFValueType.STRING}
+    arch = _value(reader, "general.architecture")
+    writer = gguf.GGUFWriter(path, arch, endianess=reader.endianess)
+    writer.data_alignment = reader.alignment
+    try:
+        pending = dict(keys)
+        for f in reader.fields.values():
+            if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
+                continue  # written by GGUFWriter itself
+            if f.name in drop:
+                continue  # a scaling key: written (if at all) at the end, as from a file that never carried it
+            if f.name in pending:
+                value, kind = pending.pop(f.name)
+                writer.add_key_value(f.name, value, types[kind])
+            else:
+                sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+        for name, (value, kind) in pending.items():
+            writer.add_key_value(name, value, types[kind])
+        kept = [t for t in reader.tensors if t.name not in drop_tensors]
+        for name, array in new_tensors.items():
+            writer.add_tensor_info(name, array.shape, array.dtype, array.nbytes, gguf.GGMLQuantizationType.F32)
+        for t in kept:
+            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for array in new_tensors.values():
+            writer.write_tensor_data(array)
+        for t in kept:
+            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+        writer.flush()
+        for f in writer.fout or []:
+            os.fsync(f.fileno())  # on the disk before the rename makes it the output
+    finally:
+        writer.close()
+
+
+# ------------------------------------------------------------------------------------------------------ reading
+
+@dataclass
+class Found:
+    """The RoPE a GGUF file describes, in hfpatch's terms: the original base and window (what transformers' own
+    GGUF loader should have built) and the patch on top (hfpatch.patch keyword arguments, None for plain RoPE)."""
+
+    rope_theta: float
+    window: int
+    patch: dict | None
+    source: str  # "record" | "metadata"
+
+
+def read_patch(path) -> Found | None:
+    """The RoPE scaling a GGUF file carries, or None when it carries none (plain RoPE as transformers loads it)."""
+    path = os.path.realpath(os.fspath(path))
+    st = os.stat(path)
+    # the inode and ctime too: a file copied over another with its times kept (cp -p) has the old size and mtime,
+    # but every write changes the ctime
+    return copy.deepcopy(_read_patch(path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)))
+
+
+@functools.lru_cache(maxsize=16)
+def _read_patch(path: str, version: tuple) -> Found | None:
+    """read_patch, once per version of a file (`version`: its stat): parsing a GGUF's metadata (its vocabulary)
+    takes seconds."""
+    reader = open_gguf(path)
+    try:
+        info = read_rope(reader)
+    except ValueError:
+        return None  # no RoPE: nothing for hfpatch to read
+    if info.record is not None:
+        found = _from_record(info)
+        if found is not None:
+            return found
+        warnings.warn(f"{path}: the RoPE metadata no longer matches the hfpatch record it carries (edited after "
+                      "export?); reading llama.cpp's metadata instead", stacklevel=2)
+    return _from_metadata(info)
+
+
+def _from_record(info: RopeInfo) -> Found | None:
+    """The record's spec, if exporting it from the recorded base gives the metadata the file holds."""
+    rec = info.record
+    if not isinstance(rec, dict) or rec.get("version") != RECORD_VERSION or "spec" not in rec:
+        return None
+    base = RopeInfo(info.arch, float(rec["rope_theta"]), int(rec["window"]), int(rec["window"]), info.n_rot)
+    try:
+        pos = rec["spec"]["position"]
+        expected = plan(base, pos)
+    except (KeyError, TypeError, ValueError):
+        return None
+    now = {"context_length": info.context_length, "rope.freq_base": info.freq_base, **info.keys}
+    for key, (value, _) in expected.keys.items():
+        have = now.get(key)
+        if have is None or (isinstance(value, str) and have != value) or \
+                (not isinstance(value, str) and not math.isclose(_f32(value), _f32(have), rel_tol=1e-6)):
+            return None
+    if set(expected.tensors) != set(info.tensors) or any(
+            not np.allclose(info.tensors[n], expected.tensors[n], rtol=1e-6, atol=0) for n in expected.tensors):
+        return None
+    return Found(base.freq_base, base.window, specs.to_kwargs({"position": pos}), "record")
+
+
+def _from_metadata(info: RopeInfo) -> Found | None:
+    """llama.cpp's own reading of the scaling keys and tensors, as an hfpatch patch (a GGUF made elsewhere)."""
+    k = info.keys
+    kind = k.get("rope.scaling.type", "linear")  # llama.cpp's default when the key is absent
+    factor = k.get("rope.scaling.factor") or k.get("rope.scale_linear") or 0.0
+    attn = k.get("rope.scaling.attn_factor", 1.0)
+    window = info.window
+    opts: dict[str, object] = {"original_max_position_embeddings": window}
+    patch: dict[str, object] | None
+    if kind == "yarn" and factor > 1:
+        if k.get("rope.scaling.yarn_ext_factor", 1.0) != 1.0:
+            warnings.warn(f"yarn_ext_factor={k['rope.scaling.yarn_ext_factor']} has no transformers form; read as 1",
+                          stacklevel=3)
+        effective = attn * (1.0 + 0.1 * math.log(factor))  # what llama.cpp multiplies the angles by
+        if not math.isclose(attn, 1.0, rel_tol=1e-6):
+            opts["attention_factor"] = effective
+        if info.arch in YARN_BETA_ARCHS:
+            for name, default in YARN_BETA_DEFAULTS.items():
+                value = k.get(f"rope.scaling.yarn_{name}")
+                if value is not None and value != default:
+                    opts[name] = float(value)
+        patch = {"position": "yarn", "factor": float(factor), **opts}
+    elif kind == "longrope" and TENSORS["long"] in info.tensors and TENSORS["short"] in info.tensors:
+        ratio = info.context_length / window
+        if ratio <= 1:
+            warnings.warn(f"LongRoPE factors with a context length ({info.context_length}) no longer than the "
+                          f"original window ({window}): read as plain RoPE", stacklevel=3)
+            return None
+        patch = {"position": "longrope", "factor": ratio, "attention_factor": float(attn),
+                 "long_factor": info.tensors[TENSORS["long"]].tolist(),
+                 "short_factor": info.tensors[TENSORS["short"]].tolist(), **opts}
+    elif TENSORS["freqs"] in info.tensors and info.arch in ROPE_FREQS_ARCHS:
+        patch = _llama3_from_freqs(info)
+        if patch is None:
+            return None
+    elif kind == "linear" and factor > 1:
+        patch = {"position": "linear", "factor": float(factor), **opts}
+    else:
+        return None
+    return Found(info.freq_base, window, patch, "metadata")
+
+
+def _llama3_from_freqs(info: RopeInfo) -> dict | None:
+    """Llama 3.1's parameters from a rope_freqs tensor (the converter writes no others): the largest divisor is the
+    factor; the divisors between 1 and it follow 1/f = (1 - t)/s + t with t linear in 1/wavelength, which gives
+    low/high_freq_factor for the window (Meta's convention low_freq_factor = 1 where the file names no window)."""
+    freqs = info.tensors[TENSORS["freqs"]]
+    s = float(freqs.max())
+    plain, _ = _rope_numbers({"rope_type": "default", "rope_theta": info.freq_base}, info.n_rot, info.window)
+    u = plain / (2 * math.pi)  # 1 / wavelength
+    mid = (freqs > 1 + 1e-6) & (freqs < s * (1 - 1e-6))
+    if s <= 1 or mid.sum() < 2:
+        warnings.warn("a rope_freqs tensor that does not follow Llama 3.1's formula: read as plain RoPE", stacklevel=4)
+        return None
+    t = (1 / freqs[mid] - 1 / s) / (1 - 1 / s)
+    alpha, beta = np.polyfit(u[mid], t, 1)  # t = window/(high-low) * u - low/(high-low)
+    if "rope.scaling.original_context_length" in info.keys:
+        window = info.window
+        low = -beta * window / alpha
+    else:
+        low = 1.0
+        window = -alpha / beta
+    high = low + window / alpha
+    patch = {"position": "llama3", "factor": s, "low_freq_factor": float(round(low, 6)),
+             "high_freq_factor": float(round(high, 6)), "original_max_position_embeddings": round(window)}
+    return patch
+
+
+def apply_to_loaded(model, path) -> None:
+    """After transformers loaded GGUF file `path` (reading only rope.freq_base and context_length), make the model
+    the one the file describes: the original base and window, then the recorded or read patch."""
+    found = read_patch(path)
+    if found is None:
+        return
+    target = apply.unwrap(model)
+    config = target.config.get_text_config()
+    params = dict(config.rope_parameters)
+    if "rope_type" not in params:  # a config nested per layer type: transformers' GGUF loader builds none
+        raise ValueError(f"{path}: per-layer-type RoPE is not read from GGUF files")
+    config.rope_parameters = {**builders.plain(params, found.window, {}, 0), "rope_theta": found.rope_theta}
+    config.max_position_embeddings = found.window
+    for rotary, rcfg in rotaries_of(target, adapter_for(target)):
+        rot.rebuild(rotary, rcfg, Edits())  # this is the original model: nothing to undo
+    if found.patch:
+        apply.patch(target, **found.patch)
