@@ -30,7 +30,7 @@ def naive_full_bias(module, query, key, value, attention_mask, dropout=0.0, scal
     """ALiBi as a materialized [1, H, q, kv] float bias (causal -inf included) passed to sdpa."""
     import torch
 
-    from hfpatch.position.registry.alibi import SLOPES_ATTR, alibi_bias
+    from hfpatch.position.schemes.alibi import SLOPES_ATTR, alibi_bias
 
     q_len, kv_len = query.shape[2], key.shape[2]
     groups = query.shape[1] // key.shape[1]
@@ -69,7 +69,7 @@ def accuracy(lengths, heads=8, dim=32):
     import torch
     import torch.nn.functional as F
 
-    from hfpatch.position.registry.alibi import alibi_bias, alibi_slopes, factorise
+    from hfpatch.position.schemes.alibi import alibi_bias, alibi_slopes, factorise
 
     out = {}
     slopes = torch.tensor(alibi_slopes(heads))

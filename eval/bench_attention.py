@@ -102,7 +102,7 @@ def worker(args) -> dict:
 
     import torch
 
-    from hfpatch.position.attention.written import flex, paths
+    from hfpatch.position.attention import flex, paths
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -171,7 +171,7 @@ def tables(results: dict, args) -> str:
 def flash_schemes() -> list[str]:
     """The schemes with a path for models loaded with attn_implementation="flash_attention_2" (read off the path
     tables)."""
-    from hfpatch.position.attention.written import paths
+    from hfpatch.position.attention import paths
 
     return [s for s in CHOSEN if any(p.base and "flash_attention_2" in p.base for p in paths.table(s))]
 
@@ -229,7 +229,7 @@ def device_cell(variant: str, length: int, args) -> dict:
     """One cell of the --device grid: the first call at `length` (compilation included) apart, then the timed ones."""
     import torch
 
-    from hfpatch.position.attention.written import paths
+    from hfpatch.position.attention import paths
 
     base, _, scheme = variant.rpartition(":")
     memory = DeviceMemory(args.device)
@@ -264,7 +264,7 @@ def device_grid(args, save) -> dict:
 
     import torch
 
-    from hfpatch.position.attention.written import kernels
+    from hfpatch.position.attention import kernels
 
     no_flash = kernels.flash_attn_missing()
     results: dict = {}

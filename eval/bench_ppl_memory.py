@@ -27,10 +27,10 @@ from benchutil import interleaved, markdown_table, median, status_kb, write_json
 def worker(args) -> dict:
     import torch
 
-    from hfpatch.lm.causal import text as data
-    from hfpatch.lm.causal.causal import causal_lm_parts, window_nll
+    from hfpatch.lm import text as data
+    from hfpatch.lm.causal import causal_lm_parts, window_nll
     from hfpatch.models import load
-    from hfpatch.lm.causal.text import load_tokenizer
+    from hfpatch.lm.text import load_tokenizer
 
     tok = load_tokenizer(args.model)
     doc = data.text_files([args.text_file])[0] if args.text_file else data.default_corpus()[0]

@@ -47,7 +47,7 @@ def worker(args):
     from transformers import LlamaForCausalLM
 
     import hfpatch
-    from hfpatch.position.registry import self_extend
+    from hfpatch.position.schemes import self_extend
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(config(args.layers, args.trained)).eval()
@@ -78,7 +78,7 @@ def accuracy(lengths, group_size, window, rows=8):
     import torch
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from hfpatch.position.registry.self_extend import _pieces, grouped_key_positions, grouped_query_positions
+    from hfpatch.position.schemes.self_extend import _pieces, grouped_key_positions, grouped_query_positions
 
     rotary = LlamaRotaryEmbedding(config(1, window))
     d = 64

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 import hfpatch
-from hfpatch.lm.causal.text import default_corpus
+from hfpatch.lm.text import default_corpus
 from hfpatch.train import checkpoint, faults
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import sys
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from hfpatch.lm.causal.text import documents
+from hfpatch.lm.text import documents
 
 
 def main(argv=None) -> int:

@@ -110,7 +110,7 @@ def smollm2():
 
 def stdlib_text(chars=400_000) -> str:
     """Real text that every install has: Python standard library sources."""
-    from hfpatch.lm.causal.text import default_corpus
+    from hfpatch.lm.text import default_corpus
 
     text = ""
     for doc in default_corpus():

@@ -11,8 +11,8 @@ from conftest import FAMILIES, ROPE_FAMILIES, logits, max_diff, tiny_model, toke
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
 import hfpatch
-from hfpatch.position.registry.absolute import sinusoidal_table
-from hfpatch.position.registry.alibi import EAGER_NAME, SDPA_NAME, alibi_slopes, factorise
+from hfpatch.position.schemes.absolute import sinusoidal_table
+from hfpatch.position.schemes.alibi import EAGER_NAME, SDPA_NAME, alibi_slopes, factorise
 
 
 # ------------------------------------------------------------------------------------------------------------ slopes
@@ -209,7 +209,7 @@ def test_factorisation_is_exact_in_low_precision(dtype, tol):
 
 def test_denormal_flushing_is_scoped():
     """The ALiBi call flushes denormals and restores the previous mode, whichever it was."""
-    from hfpatch.position.registry.alibi import _flushing, no_denormals
+    from hfpatch.position.schemes.alibi import _flushing, no_denormals
 
     if not torch.set_flush_denormal(False):
         pytest.skip("this CPU cannot flush denormals")

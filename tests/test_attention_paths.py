@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import hfpatch
 from hfpatch.cli import main as cli_main
-from hfpatch.position.attention.written import flex, kernels, paths
+from hfpatch.position.attention import flex, kernels, paths
 
 
 def CUDA(test):
@@ -153,7 +153,7 @@ def test_flex_handles_bidirectional_attention_and_softcapping(scheme, reference_
 
 
 def test_t5_band_is_where_the_buckets_stop_changing():
-    from hfpatch.position.registry.relative import t5_band, t5_buckets
+    from hfpatch.position.schemes.relative import t5_band, t5_buckets
 
     model = patched("t5", num_buckets=32, max_distance=128)
     bias = model.model.layers[0].self_attn.hfpatch_t5

@@ -16,7 +16,7 @@ import hfpatch
 from hfpatch.adapters import adapter_for, set_adapter
 from hfpatch.cli import main
 from hfpatch.evaluate.common import parse_patches
-from hfpatch.position.attention.written import temperature
+from hfpatch.position.attention import temperature
 
 
 def logn(p: int, window: int) -> float:

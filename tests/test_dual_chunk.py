@@ -12,7 +12,7 @@ from handref import by_hand, cached_and_full, gradients_by_name, padded, rope
 import hfpatch
 from hfpatch import tiny
 from hfpatch.evaluate.common import parse_patches
-from hfpatch.position.registry.dual_chunk import NAMES
+from hfpatch.position.schemes.dual_chunk import NAMES
 
 # ------------------------------------------------------------------------------------------------ hand reference
 
@@ -114,7 +114,7 @@ def test_gradients_match_the_eager_path():
 def test_distances_stay_below_the_chunk_size():
     """Every query-key distance the three maps make is below chunk_size, at any length; the successive map keeps
     the first local_window queries of a chunk at their true distance to the previous chunk."""
-    from hfpatch.position.registry import dual_chunk as dc
+    from hfpatch.position.schemes import dual_chunk as dc
 
     C, w = 48, 5
     s = C - w

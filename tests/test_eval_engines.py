@@ -14,7 +14,7 @@ from conftest import stdlib_text
 
 from hfpatch.evaluate import evaluation, sweep
 from hfpatch.evaluate.common import load_model
-from hfpatch.lm.causal.causal import causal_lm_parts, document_nll, greedy
+from hfpatch.lm.causal import causal_lm_parts, document_nll, greedy
 from hfpatch.tiny import save_sized as save_tiny
 
 

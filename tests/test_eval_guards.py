@@ -143,7 +143,7 @@ def test_a_tokenizer_changed_in_place_is_not_served_stale_ids():
     the same object (same vocabulary size) gives new ids, the ones an uncached tokenization gives."""
     from tokenizers import normalizers, processors
 
-    from hfpatch.lm.causal.text import Document, tokenize
+    from hfpatch.lm.text import Document, tokenize
 
     tok = tiny_tokenizer()
     doc = Document("d", "Hello World. ABC")

@@ -19,7 +19,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noq
 
 from hfpatch.cli import main as cli_main  # noqa: E402
 from hfpatch.evaluate import harness  # noqa: E402
-from hfpatch.lm.causal.causal import windows  # noqa: E402
+from hfpatch.lm.causal import windows  # noqa: E402
 from hfpatch.tiny import save_sized as save_tiny  # noqa: E402
 from hfpatch.tiny import char_text as text_of  # noqa: E402
 from hfpatch.tiny import char_tokenizer as tiny_tokenizer  # noqa: E402

@@ -16,7 +16,7 @@ from hfpatch.cli import main as cli_main
 from hfpatch.evaluate.evaluations import passkey
 from hfpatch.evaluate.evaluations.passkey import FILLER, build_prompt, is_correct, make_key
 from hfpatch.evaluate.results import comparable as strip_timing
-from hfpatch.lm.causal.causal import causal_lm_parts, greedy
+from hfpatch.lm.causal import causal_lm_parts, greedy
 from hfpatch.tiny import save_sized as save_tiny
 from hfpatch.tiny import char_tokenizer as tiny_tokenizer
 

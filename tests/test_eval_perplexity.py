@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from conftest import FAMILIES, tiny_model, tokens
 
 import hfpatch
-from hfpatch.lm.causal import text
+from hfpatch.lm import text
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate import sweep
 from hfpatch.evaluate.common import applied
 from hfpatch.evaluate.evaluations import ppl as perplexity
 from hfpatch.evaluate.results import comparable as strip_timing
-from hfpatch.lm.causal.causal import causal_lm_parts, window_nll, windows
+from hfpatch.lm.causal import causal_lm_parts, window_nll, windows
 from hfpatch.tiny import char_text as text_of
 from hfpatch.tiny import char_tokenizer as tiny_tokenizer
 from hfpatch.tiny import save_sized as save_tiny

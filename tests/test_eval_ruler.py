@@ -18,7 +18,7 @@ from hfpatch.evaluate import haystack as hs
 from hfpatch.evaluate.evaluations import ruler
 from hfpatch.evaluate.results import comparable as strip_timing
 from hfpatch.evaluate.stats import wilson
-from hfpatch.lm.causal.causal import causal_lm_parts, greedy
+from hfpatch.lm.causal import causal_lm_parts, greedy
 from hfpatch.tiny import save_sized as save_tiny
 from hfpatch.tiny import char_tokenizer as tiny_tokenizer
 

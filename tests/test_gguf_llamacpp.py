@@ -15,7 +15,7 @@ import hfpatch
 from hfpatch.interop import gguf as hg
 from hfpatch.evaluate import evaluation
 from hfpatch.evaluate.llamacpp import LlamaCppModel
-from hfpatch.lm.causal.causal import causal_lm_parts, document_nll, greedy
+from hfpatch.lm.causal import causal_lm_parts, document_nll, greedy
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp engine needs llama-cpp-python "
                                                     "(pip install 'hfpatch[llama-cpp]')")

@@ -12,7 +12,7 @@ import torch
 
 import hfpatch
 from hfpatch import tiny
-from hfpatch.position.registry import absolute
+from hfpatch.position.schemes import absolute
 
 
 def _weights(model) -> dict:

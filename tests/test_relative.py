@@ -12,9 +12,9 @@ from conftest import assert_same_fingerprint, fingerprint, logits, max_diff, tin
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import hfpatch
-from hfpatch.position.attention.written import written as attention
-from hfpatch.position.registry.learned import TABLE_ATTR
-from hfpatch.position.registry.relative import T5_TABLE, XL_ATTR, XLPositions, t5_buckets
+from hfpatch.position.attention import written as attention
+from hfpatch.position.schemes.learned import TABLE_ATTR
+from hfpatch.position.schemes.relative import T5_TABLE, XL_ATTR, XLPositions, t5_buckets
 
 
 def randomize_new_parameters(model, seed=0):

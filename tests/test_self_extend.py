@@ -14,8 +14,8 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotary
 import hfpatch
 from hfpatch import tiny
 from hfpatch.evaluate.common import parse_patches
-from hfpatch.position.registry import self_extend
-from hfpatch.position.registry.self_extend import EAGER_NAME, SDPA_NAME
+from hfpatch.position.schemes import self_extend
+from hfpatch.position.schemes.self_extend import EAGER_NAME, SDPA_NAME
 
 # ------------------------------------------------------------------------------------------------ hand reference
 
