@@ -50,13 +50,35 @@ def _temperature(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-# Scheme options with a flag of their own; anything else goes through --opt KEY=VALUE (JSON values).
-_FLOAT_OPTIONS = ("beta_fast", "beta_slow", "attention_factor", "low_freq_factor", "high_freq_factor")
+def _boolean(text: str) -> bool:
+    value = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(text.strip().lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
+def _scheme_name(text: str) -> str:
+    """As patch(position=...) reads a scheme's name: any case, "_" for "-"."""
+    return text.strip().lower().replace("_", "-")
+
+
+def _numbers(text: str) -> list:
+    """A list of numbers: JSON ("[1, 1.5]") or comma-separated ("1,1.5")."""
+    try:
+        value = json.loads(text) if text.strip().startswith("[") else [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers, as [1, 1.5] or 1,1.5; got {text!r}") from None
+    return value
+
+
+# An option's form on the command line (registry.Option.kind) -> add_argument keywords
+_FORMS: dict[str, dict] = {"number": {"type": float}, "integer": {"type": int}, "flag": {"type": _boolean},
+                           "numbers": {"type": _numbers}, "names": {"nargs": "+"}}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; with `command`, only that subcommand's arguments are defined (the others' need the registries,
-    which import torch: `hfpatch --help` would take seconds)."""
+    """The parser; with `command`, only that subcommand's arguments are defined (the patch command's come from the
+    registries, which import torch: `hfpatch --help` would take seconds). Each subcommand names its handler."""
     description, _, examples = __doc__.partition("\n\n")
     p = Parser(prog="hfpatch", description=description, epilog="examples:\n" + examples,
                formatter_class=argparse.RawDescriptionHelpFormatter)  # the examples keep their lines
@@ -65,53 +87,74 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     d = sub.add_parser("describe", help="what the model is and what can be patched (JSON)")
     d.add_argument("model")
     _loading_flags(d)
+    d.set_defaults(func=_describe)
 
     s = sub.add_parser("patch", help="patch a model and save it")
     if command in (None, "patch"):
         _patch_arguments(s)
+    s.set_defaults(func=_patch)
 
     u = sub.add_parser("supported", help="every causal-LM model type of the installed transformers and the patches "
                                          "each accepts, measured on a tiny model of each (JSON, or --markdown)")
     u.add_argument("model_types", nargs="*", metavar="MODEL_TYPE", help="only these model types (default: all)")
     u.add_argument("--markdown", action="store_true", help="a Markdown table and the counts instead of JSON")
     u.add_argument("--no-cache", action="store_true", help="measure again instead of reading the cached result")
+    u.set_defaults(func=_supported)
 
     e = sub.add_parser("eval", help="evaluate patch specs: " + ", ".join(EVALUATIONS))
     e.add_argument("what", choices=list(EVALUATIONS))
     e.add_argument("rest", nargs=argparse.REMAINDER,
                    help="the arguments of that evaluation (see hfpatch eval ppl --help)")
+    e.set_defaults(func=_eval)
 
     sub.add_parser("lm-eval", help="lm-evaluation-harness's lm_eval command with --model hfpatch registered "
                                    "(every lm_eval argument follows: hfpatch lm-eval --help)")
     return p
 
 
+def scheme_options() -> dict[str, tuple]:
+    """Every position option of the registry: name -> (its Option, the schemes that take it), in registry order."""
+    from .position import SCHEMES  # the registries import torch: only when `hfpatch patch` is parsed
+
+    out: dict[str, tuple] = {}
+    for scheme_name, scheme in SCHEMES.items():
+        for name, option in scheme.options.items():
+            first, owners = out.get(name, (option, []))
+            if first.kind != option.kind:  # one flag, one form: the registry must agree with itself
+                raise TypeError(f"option {name}: {owners[0]} takes a {first.kind}, {scheme_name} a {option.kind}")
+            out[name] = (first, [*owners, scheme_name])
+    return out
+
+
 def _patch_arguments(s) -> None:
-    from .norm.kinds import NORMS  # the registries import torch: only when `hfpatch patch` is parsed
+    from .norm.kinds import NORMS
     from .norm.placement import PLACEMENTS
+    from .position import SCHEMES
+    from .position.attention.temperature import TEMPERATURES
 
     s.add_argument("model")
     s.add_argument("--out", required=True, help="folder to save the patched model (and tokenizer) to; a .gguf path "
                                                 "with a .gguf model: a copy with llama.cpp's RoPE metadata")
-    s.add_argument("--position",
-                   help="position scheme, e.g. yarn, ntk, linear, dynamic, dynamic-yarn, llama3, longrope, rope")
-    s.add_argument("--factor", type=float, help="context extension ratio (> 1)")
-    s.add_argument("--norm", choices=list(NORMS))
+    s.add_argument("--position", choices=list(SCHEMES), metavar="SCHEME", type=_scheme_name,
+                   help="the position scheme: " + ", ".join(SCHEMES) + " (what each does and takes: hfpatch docs, "
+                        "Patch options)")
+    s.add_argument("--factor", type=float, help="context extension ratio (> 1), for the schemes that take one: "
+                   + ", ".join(n for n, rec in SCHEMES.items() if rec.factor != "none"))
+    for name, (option, owners) in scheme_options().items():
+        s.add_argument("--" + name.replace("_", "-"), dest=name, **_FORMS[option.kind],
+                       help=f"{option.help} [{', '.join(owners)}]")
+    s.add_argument("--norm", choices=list(NORMS), help="the kind every norm becomes")
     s.add_argument("--no-exact", dest="exact", action="store_false", default=None,
                    help="with --norm rmsnorm: plain swap instead of the exact (weight-folding) conversion")
-    s.add_argument("--placement", choices=list(PLACEMENTS))
+    s.add_argument("--placement", choices=list(PLACEMENTS), help="where the norms sit in each block")
     for name in sorted({k for rec in PLACEMENTS.values() for k in rec.options}):  # --post-fraction (mix)
         owners = ", ".join(k for k, rec in PLACEMENTS.items() if name in rec.options)
         s.add_argument("--" + name.replace("_", "-"), type=float, dest=name, help=f"with --placement {owners}")
-    s.add_argument("--original-max-position-embeddings", type=int, dest="original_max_position_embeddings")
-    for name in _FLOAT_OPTIONS:
-        s.add_argument("--" + name.replace("_", "-"), type=float, dest=name)
-    s.add_argument("--layer-types", nargs="+", dest="layer_types", help="per-layer-type RoPE (gemma3) to scale")
     s.add_argument("--attention-temperature", type=_temperature, dest="attention_temperature", metavar="KIND",
-                   help="a query scale that grows past the trained window: logn, llama4; options after colons, "
-                        "e.g. logn:window=4096, llama4:attn_scale=0.1:floor_scale=8192")
+                   help="a query scale that grows past the trained window: " + ", ".join(TEMPERATURES)
+                        + "; options after colons, e.g. logn:window=4096, llama4:attn_scale=0.1:floor_scale=8192")
     s.add_argument("--opt", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
-                   help="any other scheme option, value as JSON (e.g. --opt 'short_factor=[1,1,1,1]')")
+                   help="any option as KEY=VALUE, the value as JSON (e.g. --opt 'short_factor=[1,1,1,1]')")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="load the model in this dtype")
     s.add_argument("--overwrite", action="store_true",
                    help="with a .gguf --out: replace an existing GGUF file there (never a file of another kind)")
@@ -167,38 +210,59 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
+    return args.func(args)
+
+
+def _eval(args) -> int:
+    """hfpatch eval NAME ...: the evaluations parse their own arguments and print their own errors."""
+    from hfpatch.evaluate import evaluation
+
+    return evaluation(args.what).main(args.rest)
+
+
+def _supported(args) -> int:
+    from hfpatch.families import markdown, measure
+
+    results = measure(args.model_types or None, use_cache=not args.no_cache,
+                      progress=lambda t: print(f"measured {t}", file=sys.stderr, flush=True))
+    print(markdown(results) if args.markdown else json.dumps(results, indent=2))
+    return 0
+
+
+def _describe(args) -> int:
+    import hfpatch
+    from hfpatch.interop.serving import folder_differences
+    from hfpatch.models import load
+
+    model, _ = load(args.model, tokenizer=False, **_loading(args))
+    info = hfpatch.describe(model)
+    serving = folder_differences(args.model)  # a saved folder: what vLLM / SGLang would serve differently
+    if serving:
+        info["serving"] = serving
+    print(json.dumps(info, indent=2, default=str))
+    for line in serving:
+        print(f"hfpatch: warning: {line}", file=sys.stderr)
+    return 0
+
+
+def _patch_kwargs(args) -> dict:
+    """The keyword arguments of hfpatch.patch the command line gives: every flag the registries defined, then
+    --opt KEY=VALUE."""
+    import hfpatch
+
+    names = ("position", "factor", "norm", "exact", "placement", "attention_temperature", *scheme_options(),
+             *hfpatch.spec.all_placement_options())
+    kwargs = {k: getattr(args, k) for k in names}
+    kwargs.update(dict(args.opt))
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def _patch(args) -> int:
+    """hfpatch patch: validate the request before spending time loading the model, then patch and save."""
     import hfpatch
     from hfpatch.models import load
 
-    if args.command == "eval":  # the evaluations parse their own arguments and print their own errors
-        from hfpatch.evaluate import evaluation
-
-        return evaluation(args.what).main(args.rest)
-    if args.command == "supported":
-        from hfpatch.families import markdown, measure
-
-        results = measure(args.model_types or None, use_cache=not args.no_cache,
-                          progress=lambda t: print(f"measured {t}", file=sys.stderr, flush=True))
-        print(markdown(results) if args.markdown else json.dumps(results, indent=2))
-        return 0
-    if args.command == "describe":
-        from hfpatch.interop.serving import folder_differences
-
-        model, _ = load(args.model, tokenizer=False, **_loading(args))
-        info = hfpatch.describe(model)
-        serving = folder_differences(args.model)  # a saved folder: what vLLM / SGLang would serve differently
-        if serving:
-            info["serving"] = serving
-        print(json.dumps(info, indent=2, default=str))
-        for line in serving:
-            print(f"hfpatch: warning: {line}", file=sys.stderr)
-        return 0
-    # patch: validate the request before spending time loading the model
-    kwargs = {k: getattr(args, k) for k in ("position", "factor", "norm", "exact", "placement",
-                                            "attention_temperature", "original_max_position_embeddings",
-                                            "layer_types", *_FLOAT_OPTIONS, *hfpatch.spec.all_placement_options())}
-    kwargs.update(dict(args.opt))
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    kwargs = _patch_kwargs(args)
     if not kwargs:
         raise UsageError("hfpatch patch: error: nothing to patch: give --position, --norm, --placement or "
                          "--attention-temperature")

@@ -29,6 +29,14 @@ class Registry(Mapping[str, T], Generic[T]):
         self.what = what
         self._records: dict[str, T] = {}
 
+    @classmethod
+    def of(cls, what: str, records: Mapping[str, T]) -> Registry[T]:
+        """A registry holding `records`, registered in their order."""
+        registry: Registry[T] = cls(what)
+        for name, record in records.items():
+            registry.register(name, record)
+        return registry
+
     def register(self, name: str, record: T) -> T:
         """Add `record` under `name` and return it; a name already registered raises ValueError."""
         if name in self._records:

@@ -22,7 +22,7 @@ LAYERS: dict[str, set[str]] = {
     # the core: reading a model, the registries and their appliers, the patch
     "adapters": {"edits"},  # architecture knowledge, read off the model
     "position": {"adapters", "edits", "registry", "utils"},  # rope/, attention/, schemes/, the SCHEMES registry
-    "norm": {"adapters", "edits", "utils"},  # the NORMS and PLACEMENTS registries, norm modules, swaps, fits
+    "norm": {"adapters", "edits", "registry", "utils"},  # the NORMS and PLACEMENTS registries, norm modules, swaps, fits
     "spec": {"position", "norm"},  # the patch spec, validated against the registries
     "apply": {"spec", "adapters", "norm", "position", "edits", "utils"},  # patch / unpatch / describe
     # in and out: other formats and engines, loading by name
@@ -34,8 +34,9 @@ LAYERS: dict[str, set[str]] = {
     "hfpatch": {"spec", "apply", "families", "interop"},  # the public API
     # running models: what evaluations and training share, then each
     "lm": {"apply", "adapters", "models", "utils"},  # a causal LM as body + head; documents and tokenizers
-    "evaluate": {"hfpatch", "apply", "spec", "adapters", "lm", "models", "interop", "utils"},
-    "train": {"hfpatch", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models", "utils"},
+    "evaluate": {"hfpatch", "apply", "spec", "adapters", "lm", "models", "interop", "registry", "utils"},
+    "train": {"hfpatch", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models", "registry",
+              "utils"},
     "studies": {"hfpatch", "evaluate", "train", "apply", "spec", "adapters", "lm", "models", "norm", "position",
                 "utils"},
     "cli": {"hfpatch", "evaluate", "norm", "spec", "models", "families", "apply", "interop", "position", "utils"},

@@ -37,6 +37,7 @@ from ..lm import budget
 from ..lm.causal import causal_lm_parts
 from ..lm.text import load_tokenizer
 from ..models import model_fingerprint
+from ..registry import Registry
 from ..utils import command
 from .common import applied, length_label, load_model, parse_lengths, parse_patches, versions
 from .llamacpp import Engine as LlamaCppEngine
@@ -448,8 +449,8 @@ class TransformersEngine:
 # --engine NAME -> (parsed arguments) -> an object with name, check_longest_read, check_memory, load, prepare,
 # estimate, applied, paths_ran; the class says which of MODEL_OPTIONS it reads (`reads`) and why it reads no others
 # (`unread_reason`)
-ENGINES: dict[str, Callable[[argparse.Namespace], Any]] = {"transformers": TransformersEngine,
-                                                            "llama.cpp": LlamaCppEngine}
+ENGINES: Registry[Callable[[argparse.Namespace], Any]] = Registry.of(
+    "evaluation engine", {"transformers": TransformersEngine, "llama.cpp": LlamaCppEngine})
 
 
 def _add_paths_since(cell: dict, before: dict, now: dict) -> None:

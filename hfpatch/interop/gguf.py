@@ -35,9 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from transformers import LlamaConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from .. import apply
 from .. import spec as specs
@@ -46,7 +43,13 @@ from ..edits import Edits
 from ..position.registry import SCHEMES
 from ..position.rope import builders
 from ..position.rope import rotary as rot
-from ..position.schemes.self_extend import default_settings
+from ..position.rope.llamacpp import (
+    ROPE_FREQS_ARCHS,
+    TENSORS,
+    YARN_BETA_ARCHS,
+    YARN_BETA_DEFAULTS,
+    rope_numbers,
+)
 from ..position.signal import max_positions, rotaries_of
 from ..utils.files import describe_os_error, fsync
 
@@ -54,21 +57,8 @@ from ..utils.files import describe_os_error, fsync
 # Read off llama.cpp's source (src/llama-model.cpp, src/llama-context.cpp, src/models/*.cpp) as vendored by
 # llama-cpp-python 0.3.36.
 
-# Architectures whose loader creates a `rope_freqs` tensor (per-frequency divisors of the angle): the only way a GGUF
-# carries Llama 3.1's frequency-dependent scaling.
-ROPE_FREQS_ARCHS = frozenset({"llama", "llama4", "deci", "refact", "nanbeige", "llada", "gemma4", "exaone", "exaone4",
-                              "exaone-moe", "granite", "granitemoe", "granitehybrid", "granite_swa", "minicpm",
-                              "arcee", "falcon-h1", "apertus", "cogvlm", "pangu-embedded", "mistral3", "step35"})
-# Architectures whose loader creates `rope_factors_long` / `rope_factors_short` (LongRoPE); most of them only when
-# the scaling type is "longrope".
-LONGROPE_ARCHS = frozenset({"llama", "deci", "refact", "granite", "granitemoe", "granite_swa", "minicpm", "minicpm3",
-                            "mistral3", "phi3", "phimoe", "apertus", "pangu-embedded", "step35"})
-# Architectures whose loader reads yarn_beta_fast / yarn_beta_slow from metadata; the others always use 32 and 1.
-YARN_BETA_ARCHS = frozenset({"grok", "mistral3"})
-YARN_BETA_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}
 DEFAULT_FREQ_BASE = 10000.0  # llama.cpp's value when a file names none
 
-TENSORS = {"freqs": "rope_freqs.weight", "long": "rope_factors_long.weight", "short": "rope_factors_short.weight"}
 RECORD_KEY = "hfpatch.record"
 RECORD_VERSION = 1
 MAGIC = b"GGUF"  # the first four bytes of every GGUF file
@@ -80,37 +70,9 @@ SCALING_KEYS = ("rope.scaling.type", "rope.scaling.factor", "rope.scale_linear",
                 "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow")
 
 
-def group_attention_flags(group_size: int, window: int) -> str:
-    """llama.cpp's run-time form of Self-Extend (G = group_size, W = window)."""
-    return f"--grp-attn-n {group_size} --grp-attn-w {window}"
 
 
-def _self_extend_reason(req: dict, trained: int) -> str:
-    default_g, default_w = default_settings(trained)
-    g, w = req.get("group_size", default_g), req.get("window", default_w)
-    flags = group_attention_flags(g, w)
-    # the values hfpatch.patch would choose for options left out, named so that llama.cpp runs the same model
-    left_out = [f"G = {g}" if key == "group_size" else f"W = {w}" for key in ("group_size", "window") if key not in req]
-    defaults = (f" ({' and '.join(left_out)}: hfpatch's default{'s' if len(left_out) > 1 else ''} for this model's "
-                f"{trained}-token trained window)" if left_out else "")
-    multiple = "" if w % g == 0 else (f" (llama.cpp needs the width to be a multiple of the group size: e.g. "
-                                      f"{group_attention_flags(g, max(g, w // g * g))})")
-    return (f"llama.cpp applies Self-Extend at run time, not from metadata: run the unchanged GGUF with {flags}"
-            f"{defaults}{multiple} in llama-completion or llama-passkey (llama-cli in older builds); llama-server no "
-            "longer has group attention")
-
-
-# Why each scheme hfpatch has but a GGUF cannot carry is refused (a callable gets the validated request and the
-# source's trained window, which the scheme's defaults follow).
-REFUSED: dict[str, str | Callable[[dict, int], str]] = {
-    "dynamic": "dynamic NTK changes the RoPE base with the sequence length, and llama.cpp's frequencies are fixed "
-               "when the context is created; export ntk (the base for one length) or yarn instead",
-    "dynamic-yarn": "dynamic YaRN changes the scale with the sequence length, and llama.cpp's frequencies are fixed "
-                    "when the context is created; export yarn with the factor you serve at",
-    "alibi": "llama.cpp applies ALiBi only inside the graphs of the architectures built with it (bloom, mpt, ...), "
-             "never from metadata, and a RoPE architecture keeps its rotation",
-    "self-extend": _self_extend_reason,
-}
+# Why a scheme that changes more than RoPE's frequencies cannot go into a GGUF, where its record names no reason
 _NOT_ROPE = ("changes the model's position encoding beyond its RoPE frequencies, which llama.cpp reads from no "
              "metadata (a GGUF export copies the weights and rewrites only RoPE metadata)")
 
@@ -170,22 +132,8 @@ def read_rope(reader) -> RopeInfo:
 
 # ---------------------------------------------------------------------------------------- the scheme, as numbers
 
-def _rope_numbers(params: dict, n_rot: int, n_positions: int):
-    """(inverse frequencies as float64, attention factor) of transformers' RoPE function for `params`."""
-    config = LlamaConfig(hidden_size=n_rot, num_attention_heads=1, head_dim=n_rot, num_hidden_layers=1,
-                         vocab_size=2, intermediate_size=2, max_position_embeddings=n_positions,
-                         rope_parameters=dict(params), bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    rope_type = params["rope_type"]
-    default = LlamaRotaryEmbedding.compute_default_rope_parameters
-    fn = default if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
-    inv_freq, attention_factor = fn(config)
-    return inv_freq.double().numpy(), float(attention_factor)
 
 
-def _yarn_attn_factor(attention_factor: float, factor: float) -> float:
-    """llama.cpp multiplies YaRN's angles by attn_factor * (1 + 0.1 ln s) (it applies the paper's default itself,
-    llama-context.cpp), so the metadata holds the attention factor divided by that default."""
-    return attention_factor / (1.0 + 0.1 * math.log(factor))
 
 
 @dataclass
@@ -202,83 +150,39 @@ def _f32(x) -> float:
     return float(np.float32(x))
 
 
-def _plain_keys(kind: str, **extra) -> dict:
-    return {"rope.scaling.type": (kind, "str"), **extra}
 
 
-def _form_rope(info, params, opts, n_positions):
-    return _plain_keys("none"), {}
 
 
-def _form_linear(info, params, opts, n_positions):
-    return _plain_keys("linear", **{"rope.scaling.factor": (params["factor"], "f32")}), {}
 
 
-def _form_ntk(info, params, opts, n_positions):
-    return _plain_keys("none"), {}  # the raised base is the plan's rope.freq_base
 
 
-def _form_yarn(info, params, opts, n_positions):
-    if opts.get("truncate") is False:
-        raise ValueError("yarn with truncate=False: llama.cpp always rounds YaRN's correction range to whole "
-                         "channels (truncate=True)")
-    betas = {k: float(params.get(k, v)) for k, v in YARN_BETA_DEFAULTS.items()}
-    if betas != YARN_BETA_DEFAULTS and info.arch not in YARN_BETA_ARCHS:
-        raise ValueError(f"yarn with beta_fast={betas['beta_fast']:g}, beta_slow={betas['beta_slow']:g}: llama.cpp's "
-                         f"{info.arch} loader does not read YaRN's betas from metadata (only "
-                         f"{', '.join(sorted(YARN_BETA_ARCHS))} do) and uses 32 and 1; serve those, or run llama.cpp "
-                         f"with --yarn-beta-fast {betas['beta_fast']:g} --yarn-beta-slow {betas['beta_slow']:g}")
-    _, attention = _rope_numbers(params, info.n_rot, n_positions)
-    return _plain_keys("yarn", **{
-        "rope.scaling.factor": (params["factor"], "f32"),
-        "rope.scaling.attn_factor": (_yarn_attn_factor(attention, params["factor"]), "f32"),
-        "rope.scaling.yarn_ext_factor": (1.0, "f32"),
-        "rope.scaling.yarn_beta_fast": (betas["beta_fast"], "f32"),
-        "rope.scaling.yarn_beta_slow": (betas["beta_slow"], "f32"),
-    }), {}
 
 
-def _form_llama3(info, params, opts, n_positions):
-    if info.arch not in ROPE_FREQS_ARCHS:
-        raise ValueError(f"llama3 scaling lives in a rope_freqs tensor, which llama.cpp's {info.arch} loader does not "
-                         f"read (architectures that do: {', '.join(sorted(ROPE_FREQS_ARCHS))})")
-    scaled, _ = _rope_numbers(params, info.n_rot, n_positions)
-    plain, _ = _rope_numbers(builders.plain(params, 0, {}, 0), info.n_rot, n_positions)
-    # llama.cpp divides each angle by its factor: the factor is the ratio of the plain to the scaled frequency
-    return _plain_keys("none"), {TENSORS["freqs"]: (plain / scaled).astype(np.float32)}
 
 
-def _form_longrope(info, params, opts, n_positions):
-    if info.arch not in LONGROPE_ARCHS:
-        raise ValueError(f"LongRoPE lives in rope_factors_long/short tensors, which llama.cpp's {info.arch} loader "
-                         f"does not read (architectures that do: {', '.join(sorted(LONGROPE_ARCHS))})")
-    _, attention = _rope_numbers(params, info.n_rot, n_positions)
-    # No rope.scaling.factor: llama.cpp would also divide every angle by it (freq_scale); the factors carry it all.
-    keys = _plain_keys("longrope", **{"rope.scaling.attn_factor": (attention, "f32")})
-    return keys, {TENSORS["long"]: np.asarray(params["long_factor"], dtype=np.float32),
-                  TENSORS["short"]: np.asarray(params["short_factor"], dtype=np.float32)}
 
 
-# scheme -> (info, rope_parameters, options, n_positions) -> (keys, tensors): the schemes a GGUF can carry
-FORMS = {"rope": _form_rope, "linear": _form_linear, "ntk": _form_ntk, "yarn": _form_yarn, "llama3": _form_llama3,
-         "longrope": _form_longrope}
 
 
 def exportable() -> list[str]:
-    return list(FORMS)
+    """The schemes a GGUF can carry: those whose record names a llama.cpp form."""
+    return [name for name, scheme in SCHEMES.items() if scheme.gguf is not None]
 
 
 def refusal(name: str, req: dict | None = None, trained_window: Callable[[], int] | None = None) -> str | None:
     """Why position=`name` cannot go into a GGUF (None: it can). With the validated request and the source's trained
     window (called only when the reason depends on it), the reason names the settings to run instead."""
-    if name in FORMS:
+    scheme = SCHEMES[name]
+    if scheme.gguf is not None:
         return None
-    reason = REFUSED.get(name)
+    reason = scheme.gguf_refusal
     if callable(reason):
         if req is None or trained_window is None:
             return "Self-Extend is a run-time setting of llama.cpp (--grp-attn-n/--grp-attn-w)"
         return reason(req, trained_window())
-    return reason or f"{SCHEMES[name].summary}: it {_NOT_ROPE}"
+    return reason or f"{scheme.summary}: it {_NOT_ROPE}"
 
 
 def request(position=None, factor=None, *, trained_window: Callable[[], int] | None = None, **options) -> dict:
@@ -295,7 +199,7 @@ def request(position=None, factor=None, *, trained_window: Callable[[], int] | N
                          "copies the weights byte for byte and rewrites only RoPE metadata); llama.cpp runs its "
                          "architectures' own norms")
     if "position" not in req:
-        raise ValueError("nothing to export: give position= (one of " + ", ".join(FORMS) + ")")
+        raise ValueError("nothing to export: give position= (one of " + ", ".join(exportable()) + ")")
     pos = req["position"]
     reason = refusal(pos["scheme"], pos, trained_window)
     if reason:
@@ -312,16 +216,11 @@ def plan(info: RopeInfo, pos: dict) -> Plan:
     opts = {k: v for k, v in pos.items() if k not in ("scheme", "layer_types", "original_max_position_embeddings")}
     window = pos.get("original_max_position_embeddings") or info.window
     base = {"rope_type": "default", "rope_theta": info.freq_base}
-    builder = SCHEMES[name].rope
-    assert builder is not None, name  # request() refused every scheme without a RoPE form
-    params = builder(base, window, opts, info.n_rot)
-    if name == "longrope":
-        for key in ("short_factor", "long_factor"):
-            if len(params[key]) != info.n_rot // 2:
-                raise ValueError(f"{key} must have one entry per rotary frequency: {info.n_rot // 2} for this model "
-                                 f"(rotary dim {info.n_rot}), got {len(params[key])}")
-    n_positions = max_positions(SCHEMES[name], window, opts) or window
-    keys, tensors = FORMS[name](info, params, opts, n_positions)
+    scheme = SCHEMES[name]
+    assert scheme.rope is not None and scheme.gguf is not None, name  # request() refused the others
+    params = scheme.rope(base, window, opts, info.n_rot)
+    n_positions = max_positions(scheme, window, opts) or window
+    keys, tensors = scheme.gguf(info, params, opts, n_positions)
     # rope.freq_base always: the base the scheme was computed from (NTK's raised one), never one a source carried
     keys = {"context_length": (n_positions, "u32"), "rope.scaling.original_context_length": (window, "u32"),
             "rope.freq_base": (params["rope_theta"], "f32"), **keys}
@@ -607,7 +506,7 @@ def _llama3_from_freqs(info: RopeInfo) -> dict | None:
     low/high_freq_factor for the window (Meta's convention low_freq_factor = 1 where the file names no window)."""
     freqs = info.tensors[TENSORS["freqs"]]
     s = float(freqs.max())
-    plain, _ = _rope_numbers({"rope_type": "default", "rope_theta": info.freq_base}, info.n_rot, info.window)
+    plain, _ = rope_numbers({"rope_type": "default", "rope_theta": info.freq_base}, info.n_rot, info.window)
     u = plain / (2 * math.pi)  # 1 / wavelength
     mid = (freqs > 1 + 1e-6) & (freqs < s * (1 - 1e-6))
     if s <= 1 or mid.sum() < 2:

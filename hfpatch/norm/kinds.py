@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..registry import Registry
 from .batchnorm import attach, fresh_statistics_problem
 from .convert import exact_rmsnorm, norm_sites
 from .modules import BatchNorm, DyT, LayerNorm, RMSNorm
@@ -61,7 +62,7 @@ def _padding(model, edits) -> dict:
     return {"padding": attach(model, edits)}
 
 
-NORMS: dict[str, Norm] = {
+NORMS: Registry[Norm] = Registry.of("norm kind", {
     "rmsnorm": Norm(RMSNorm, "x / rms(x), times the weight", exact=exact_rmsnorm, bias=False),
     "layernorm": Norm(LayerNorm, "(x - mean) / std, times the weight, plus the bias",
                       inexact="RMSNorm -> LayerNorm cannot preserve the function: LayerNorm removes the mean, RMSNorm "
@@ -73,7 +74,7 @@ NORMS: dict[str, Norm] = {
     "dyt": Norm(DyT, "tanh(α·x), times the weight, plus the bias (Dynamic Tanh: no statistics)",
                 inexact="DyT is never function-preserving: tanh(α·x) squashes each element on its own instead of "
                         "dividing the token by its statistics (hfpatch.calibrate fits each α to the replaced norm)"),
-}
+})
 
 
 def unavailable(kind: str, model, adapter) -> str | None:

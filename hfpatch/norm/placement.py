@@ -31,6 +31,7 @@ import torch
 from ..adapters import Adapter, get_path
 from ..adapters.blocks import SPEC_ATTR, BlockSpec, GenericBlock
 from ..edits import Edits
+from ..registry import Registry
 from .kinds import NORMS
 from .modules import NormModule, build, read
 
@@ -68,14 +69,14 @@ class Placement:
     changes_weights: bool = False  # it adds parameters (reloads by loading into the patched structure)
 
 
-PLACEMENTS: dict[str, Placement] = {  # what patch(placement=...) accepts
+PLACEMENTS: Registry[Placement] = Registry.of("placement", {  # what patch(placement=...) accepts
     "pre": Placement("each sublayer reads a norm of the stream: h = h + F(N(h))", ("generic", "bert")),
     "post": Placement("a norm after each residual add: h = N(h + F(h))", ("generic", "bert")),
     "peri": Placement("a norm on each sublayer's input and on its output: h = h + N_out(F(N_in(h)))",
                       ("generic",), changes_weights=True),
     "mix": Placement("post-norm in the first post_fraction of the blocks, pre-norm in the rest",
                      ("generic", "bert"), options={"post_fraction": _fraction}, defaults={"post_fraction": 0.25}),
-}
+})
 
 # The peri forms' output norms, as attributes of each block (after attention, after the MLP)
 OUTPUT_NORMS = ("hfpatch_attention_output_norm", "hfpatch_mlp_output_norm")

@@ -28,9 +28,14 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from ..registry import Registry
+from .attention import paths
 from .rope import builders as rope
+from .rope import llamacpp as cpp
 from .rope.rotary import make_dynamic_yarn
+from .schemes import alibi, dual_chunk, relative, self_extend
 from .schemes.alibi import apply_alibi
 from .schemes.dual_chunk import apply_dual_chunk
 from .schemes.learned import apply_learned
@@ -121,14 +126,38 @@ def names(name, value):
     return sorted(set(value))
 
 
+@dataclass(frozen=True)
+class Option:
+    """One keyword argument a scheme takes: its check (name, value) -> the normalized value, one line of help (the
+    command line and the docs read it), and its form on the command line ("number", "integer", "flag", "numbers":
+    a JSON or comma-separated list, "names": one or more words)."""
+
+    check: Callable[[str, Any], Any]
+    help: str
+    kind: str = "number"
+
+
 # Options every RoPE rescaling scheme takes.
-ROPE_COMMON = {"original_max_position_embeddings": positive_int, "layer_types": names}
-# YaRN's options are the ones its builder passes on (rope.YARN_OPTIONS): positive numbers, but for these
+ROPE_COMMON = {
+    "original_max_position_embeddings": Option(positive_int, "the trained window, where the config names none or "
+                                               "another", "integer"),
+    "layer_types": Option(names, "per-layer-type RoPE (gemma3): the layer types to scale (default: the global "
+                          "ones)", "names"),
+}
 _ROTATIONS = at_most(1e6, "a number of rotations over the trained window")
-YARN_OPTIONS = {name: {"mscale": real, "mscale_all_dim": real, "truncate": flag,
-                       "attention_factor": at_most(100.0, "it multiplies every attention logit by its square"),
-                       "beta_fast": _ROTATIONS, "beta_slow": _ROTATIONS}.get(name, positive)
-                for name in rope.YARN_OPTIONS}
+# YaRN's options are the ones its builder passes on (rope.YARN_OPTIONS)
+YARN_OPTIONS = {
+    "attention_factor": Option(at_most(100.0, "it multiplies every attention logit by its square"),
+                               "the factor cos and sin are multiplied by (default 0.1 ln(factor) + 1)"),
+    "beta_fast": Option(_ROTATIONS, "YaRN's β: pairs rotating more often than this over the window keep their "
+                        "frequency (default 32)"),
+    "beta_slow": Option(_ROTATIONS, "YaRN's α: pairs rotating less often than this are interpolated fully "
+                        "(default 1)"),
+    "mscale": Option(real, "DeepSeek's mscale (the attention factor's numerator)"),
+    "mscale_all_dim": Option(real, "DeepSeek's mscale_all_dim (the attention factor's denominator)"),
+    "truncate": Option(flag, "round the correction range to whole channels (default true)", "flag"),
+}
+assert set(YARN_OPTIONS) == set(rope.YARN_OPTIONS), "every option YaRN's builder passes on has its check here"
 
 
 def _betas(req):
@@ -214,7 +243,7 @@ class Scheme:
     requires: tuple[str, ...]
     summary: str
     factor: str = "none"  # "required" | "optional" | "none"
-    options: dict = field(default_factory=dict)  # name -> validator(name, value) -> normalized value
+    options: dict[str, Option] = field(default_factory=dict)  # keyword -> its check and help
     check: Callable | None = None  # validation across options, on the normalized request
     rope: Callable | None = None  # RoPE rescaling: builder -> rope_parameters
     per_forward: Callable | None = None  # RoPE rescaled at every forward: (rotary, base, window, opts, edits)
@@ -227,6 +256,11 @@ class Scheme:
     # rotation): (rotary, {layer type: pairs rotated before}, opts, edits)
     frequencies: Callable | None = None
     native_for: Callable | None = None  # (a layer type's base rope_parameters) -> whether native there (p-RoPE)
+    paths: tuple = ()  # its own attention function's ways to compute a call, fastest first (attention/paths.py)
+    # GGUF: the form that writes it as llama.cpp's RoPE metadata (position/rope/llamacpp.py), or why a GGUF cannot
+    # carry it (a text, or (request, trained window) -> text naming what to run instead); neither: not RoPE
+    gguf: Callable | None = None
+    gguf_refusal: str | Callable[[dict, int], str] | None = None
 
 
 # Why a scheme cannot train with its sequences split over processes (train/parallel.py): each process then holds a
@@ -240,84 +274,132 @@ def _own_attention(what: str) -> str:
 
 
 def _rope(builder, summary, factor="required", options=None, check=None, max_positions="extended", limit="window",
-          native=True, requires=("rope", "window"), per_forward=None, split=None, frequencies=None, native_for=None):
+          native=True, requires=("rope", "window"), per_forward=None, split=None, frequencies=None, native_for=None,
+          gguf=None, gguf_refusal=None):
     return Scheme(apply_rope, requires, summary, factor, {**ROPE_COMMON, **(options or {})}, check, builder,
                   per_forward, max_positions, limit, native, split=split, frequencies=frequencies,
-                  native_for=native_for)
+                  native_for=native_for, gguf=gguf, gguf_refusal=gguf_refusal)
+
+
+# Why a GGUF cannot carry a RoPE whose frequencies follow the sequence length
+_FIXED_AT_CONTEXT = "llama.cpp's frequencies are fixed when the context is created"
 
 
 _REPLACE = ("known_positions",)
 
-SCHEMES: dict[str, Scheme] = {
-    "rope": _rope(rope.plain, "plain RoPE at the original theta (undoes a checkpoint's scaling)", factor="none",
-                  max_positions="window", requires=("rope",)),
-    "linear": _rope(rope.linear, "position interpolation (Chen et al. 2023): positions / factor"),
-    "ntk": _rope(rope.ntk, "NTK-aware base change: theta * factor^(d/(d-2))"),
-    "dynamic": _rope(rope.dynamic, "dynamic NTK: the base grows with the sequence past the window",
-                     factor="optional", max_positions="window", limit=None, split=_DYNAMIC),
-    "yarn": _rope(rope.yarn, "YaRN (Peng et al. 2023): NTK-by-parts + attention scaling", options=YARN_OPTIONS,
-                  check=_betas),
-    "dynamic-yarn": _rope(rope.dynamic_yarn, "YaRN with s = max(1, L / window), recomputed per forward",
-                          factor="optional", limit=None, native=False, check=_betas, per_forward=make_dynamic_yarn,
-                          options={k: YARN_OPTIONS[k] for k in ("attention_factor", "beta_fast", "beta_slow",
-                                                                 "truncate")}, split=_DYNAMIC),
-    "llama3": _rope(rope.llama3, "Llama 3.1's frequency-dependent interpolation",
-                    options={"low_freq_factor": positive, "high_freq_factor": positive}, check=_llama3),
-    "longrope": _rope(rope.longrope, "LongRoPE: per-frequency factors (short/long)",
-                      options={"short_factor": numbers_list, "long_factor": numbers_list,
-                               "attention_factor": positive}, check=_longrope),
-    "p-rope": _rope(rope.p_rope, "p-RoPE (Barbero et al. 2025): only the highest-frequency fraction `keep` of the "
-                    "rotary pairs rotates (default 0.75), the rest carry no position", factor="none",
-                    options={"keep": _fraction}, max_positions="window", requires=("rope",),
-                    frequencies=keep_high_frequencies, native_for=rope.p_rope_is_native),
-    "alibi": Scheme(apply_alibi, (*_REPLACE, "attention_interface"),
-                    "ALiBi (Press et al. 2022): no position embedding, a per-head linear distance bias",
-                    options={"alibi_max_bias": positive}, limit=None, native=False,
-                    split=("its attention function takes key positions from the local shard's indices and one slope "
-                           "per head of the whole model")),
-    "nope": Scheme(apply_nope, _REPLACE, "no position signal at all (causal attention only)", limit=None,
-                   native=False),
-    "sinusoidal": Scheme(apply_sinusoidal, _REPLACE, "the fixed sinusoidal table added to the input, times "
-                         "pe_scale (default 1: the paper's ±1 amplitude)",
-                         options={"pe_scale": at_most(1e3, "the amplitude of the table added to the embeddings")},
-                         limit=None, native=False),
-    "interpolate": Scheme(apply_interpolate, ("table",), "a learned table stretched by linear interpolation",
-                          factor="required", limit="table", changes_weights=True),
-    # Position encodings with new parameters, for from-scratch comparisons (position/relative.py, learned.py): they
-    # reload by loading the saved weights into the patched structure; plain transformers cannot express them.
-    "t5": Scheme(apply_t5, (*_REPLACE, "attention_interface"),
-                 "T5's relative bias (Raffel et al. 2020): a learned scalar per (distance bucket, head), shared by the "
-                 "layers, zero at start", options={"num_buckets": at_most(4096, "T5 uses 32", integer=True),
-                          "max_distance": at_most(2 ** 20, "T5 uses 128; distances past it share the last bucket",
-                                                  integer=True)},
-                 check=check_t5, limit=None, native=False, changes_weights=True,
-                 split=_own_attention("buckets query-key distances")),
-    "xl": Scheme(apply_xl, (*_REPLACE, "attention_interface"),
-                 "Transformer-XL's relative encoding (Dai et al. 2019): content and position terms, sinusoidal "
-                 "relative embeddings projected per layer, global biases u and v; zero at start",
-                 limit=None, native=False, changes_weights=True,
-                 split=_own_attention("computes query-key distances")),
-    "learned": Scheme(apply_learned, (*_REPLACE, "no_table"),
-                      "a trainable absolute position table added to the input (RoPE removed), initialised small; "
-                      "the length limit is its size", options={"table_size": positive_int,
-                               "init_std": at_most(10.0, "the standard deviation of the new table's entries")},
-                      limit="table", native=False, changes_weights=True),
-    # Self-Extend (self_extend.py): grouped positions for far keys, exact ones for neighbours; no training
-    "self-extend": Scheme(
-        apply_self_extend, ("rope", "trained_window", "attention_interface", "causal"),
-        "Self-Extend (Jin et al. 2024): exact RoPE positions within W tokens, positions grouped by G beyond "
-        "(defaults G = 4, W = 1/8 of the trained window); no training",
-        options={"group_size": at_most(MAX_FACTOR, "it extends the window about G times, like factor", integer=True),
-                 "window": positive_int}, native=False,
-        split=_own_attention("tells neighbour keys from grouped ones")),
-    # Dual Chunk Attention (dual_chunk.py): positions inside chunks, the query moved for keys in earlier chunks
-    "dual-chunk": Scheme(
-        apply_dual_chunk, ("rope", "trained_window", "attention_interface", "causal"),
-        "Dual Chunk Attention (An et al. 2024): keys at their position inside chunks of chunk_size - local_window "
-        "tokens, queries at intra-, successive- and inter-chunk positions below chunk_size (defaults 3/4 and 1/16 of "
-        "the trained window); no training", options={"chunk_size": positive_int, "local_window": positive_int},
-        native=False, limit=None, split=_own_attention("tells chunks apart")),
-}
+SCHEMES: Registry[Scheme] = Registry("position scheme")
+register = SCHEMES.register
+
+register("rope", _rope(rope.plain, "plain RoPE at the original theta (undoes a checkpoint's scaling)", factor="none",
+                       max_positions="window", requires=("rope",), gguf=cpp.rope_form))
+register("linear", _rope(rope.linear, "position interpolation (Chen et al. 2023): positions / factor",
+                         gguf=cpp.linear_form))
+register("ntk", _rope(rope.ntk, "NTK-aware base change: theta * factor^(d/(d-2))", gguf=cpp.ntk_form))
+register("dynamic", _rope(rope.dynamic, "dynamic NTK: the base grows with the sequence past the window",
+                          factor="optional", max_positions="window", limit=None, split=_DYNAMIC,
+                          gguf_refusal=(f"dynamic NTK changes the RoPE base with the sequence length, and "
+                                        f"{_FIXED_AT_CONTEXT}; export ntk (the base for one length) or yarn instead")))
+register("yarn", _rope(rope.yarn, "YaRN (Peng et al. 2023): NTK-by-parts + attention scaling", options=YARN_OPTIONS,
+                       check=_betas, gguf=cpp.yarn_form))
+register("dynamic-yarn", _rope(
+    rope.dynamic_yarn, "YaRN with s = max(1, L / window), recomputed per forward", factor="optional", limit=None,
+    native=False, check=_betas, per_forward=make_dynamic_yarn, split=_DYNAMIC,
+    options={k: YARN_OPTIONS[k] for k in ("attention_factor", "beta_fast", "beta_slow", "truncate")},
+    gguf_refusal=(f"dynamic YaRN changes the scale with the sequence length, and {_FIXED_AT_CONTEXT}; export yarn "
+                  "with the factor you serve at")))
+register("llama3", _rope(
+    rope.llama3, "Llama 3.1's frequency-dependent interpolation", check=_llama3, gguf=cpp.llama3_form,
+    options={"low_freq_factor": Option(positive, "wavelengths longer than window / this are interpolated fully "
+                                                 "(default 1)"),
+             "high_freq_factor": Option(positive, "wavelengths shorter than window / this keep their frequency "
+                                                  "(default 4)")}))
+register("longrope", _rope(
+    rope.longrope, "LongRoPE: per-frequency factors (short/long)", check=_longrope, gguf=cpp.longrope_form,
+    options={"short_factor": Option(numbers_list, "one rescale factor per rotary pair, within the trained window",
+                                    "numbers"),
+             "long_factor": Option(numbers_list, "one rescale factor per rotary pair, past the trained window",
+                                   "numbers"),
+             "attention_factor": Option(positive, "the factor cos and sin are multiplied by (default "
+                                                  "sqrt(1 + ln(factor) / ln(window)))")}))
+register("p-rope", _rope(
+    rope.p_rope, "p-RoPE (Barbero et al. 2025): only the highest-frequency fraction `keep` of the rotary pairs "
+    "rotates (default 0.75), the rest carry no position", factor="none", max_positions="window", requires=("rope",),
+    options={"keep": Option(_fraction, "the fraction of rotary pairs that keep rotating, highest frequencies first "
+                                       "(default 0.75)")},
+    frequencies=keep_high_frequencies, native_for=rope.p_rope_is_native))
+register("alibi", Scheme(
+    apply_alibi, (*_REPLACE, "attention_interface"),
+    "ALiBi (Press et al. 2022): no position embedding, a per-head linear distance bias",
+    options={"alibi_max_bias": Option(positive, "the largest slope exponent: slopes 2^(-max_bias * h / H) "
+                                                "(default 8)")},
+    limit=None, native=False, paths=alibi.PATHS,
+    split="its attention function takes key positions from the local shard's indices and one slope per head of the "
+          "whole model",
+    gguf_refusal=("llama.cpp applies ALiBi only inside the graphs of the architectures built with it (bloom, mpt, "
+                  "...), never from metadata, and a RoPE architecture keeps its rotation")))
+register("nope", Scheme(apply_nope, _REPLACE, "no position signal at all (causal attention only)", limit=None,
+                        native=False))
+register("sinusoidal", Scheme(
+    apply_sinusoidal, _REPLACE, "the fixed sinusoidal table added to the input, times pe_scale (default 1: the "
+    "paper's ±1 amplitude)",
+    options={"pe_scale": Option(at_most(1e3, "the amplitude of the table added to the embeddings"),
+                                "the amplitude of the table added to the embeddings (default 1)")},
+    limit=None, native=False))
+register("interpolate", Scheme(apply_interpolate, ("table",), "a learned table stretched by linear interpolation",
+                               factor="required", limit="table", changes_weights=True))
+# Position encodings with new parameters, for from-scratch comparisons (schemes/relative.py, learned.py): they
+# reload by loading the saved weights into the patched structure; plain transformers cannot express them.
+register("t5", Scheme(
+    apply_t5, (*_REPLACE, "attention_interface"),
+    "T5's relative bias (Raffel et al. 2020): a learned scalar per (distance bucket, head), shared by the layers, "
+    "zero at start",
+    options={"num_buckets": Option(at_most(4096, "T5 uses 32", integer=True), "distance buckets (T5: 32)",
+                                   "integer"),
+             "max_distance": Option(at_most(2 ** 20, "T5 uses 128; distances past it share the last bucket",
+                                            integer=True),
+                                    "distances past it share the last bucket (T5: 128)", "integer")},
+    check=check_t5, limit=None, native=False, changes_weights=True, paths=relative.T5_PATHS,
+    split=_own_attention("buckets query-key distances")))
+register("xl", Scheme(
+    apply_xl, (*_REPLACE, "attention_interface"),
+    "Transformer-XL's relative encoding (Dai et al. 2019): content and position terms, sinusoidal relative "
+    "embeddings projected per layer, global biases u and v; zero at start",
+    limit=None, native=False, changes_weights=True, paths=relative.XL_PATHS,
+    split=_own_attention("computes query-key distances")))
+register("learned", Scheme(
+    apply_learned, (*_REPLACE, "no_table"),
+    "a trainable absolute position table added to the input (RoPE removed), initialised small; the length limit is "
+    "its size",
+    options={"table_size": Option(positive_int, "rows of the new table: the patched model's length limit",
+                                  "integer"),
+             "init_std": Option(at_most(10.0, "the standard deviation of the new table's entries"),
+                                "the standard deviation of the new table's entries")},
+    limit="table", native=False, changes_weights=True))
+# Self-Extend (schemes/self_extend.py): grouped positions for far keys, exact ones for neighbours; no training
+register("self-extend", Scheme(
+    apply_self_extend, ("rope", "trained_window", "attention_interface", "causal"),
+    "Self-Extend (Jin et al. 2024): exact RoPE positions within W tokens, positions grouped by G beyond (defaults "
+    "G = 4, W = 1/8 of the trained window); no training",
+    options={"group_size": Option(at_most(MAX_FACTOR, "it extends the window about G times, like factor",
+                                          integer=True), "G: far positions are grouped by G (default 4)", "integer"),
+             "window": Option(positive_int, "W: the neighbour window kept at exact positions (default 1/8 of the "
+                                            "trained window)", "integer")},
+    native=False, paths=self_extend.PATHS, split=_own_attention("tells neighbour keys from grouped ones"),
+    gguf_refusal=self_extend.llamacpp_refusal))
+# Dual Chunk Attention (schemes/dual_chunk.py): positions inside chunks, the query moved for earlier chunks
+register("dual-chunk", Scheme(
+    apply_dual_chunk, ("rope", "trained_window", "attention_interface", "causal"),
+    "Dual Chunk Attention (An et al. 2024): keys at their position inside chunks of chunk_size - local_window tokens, "
+    "queries at intra-, successive- and inter-chunk positions below chunk_size (defaults 3/4 and 1/16 of the "
+    "trained window); no training",
+    options={"chunk_size": Option(positive_int, "the chunk size (default 3/4 of the trained window)", "integer"),
+             "local_window": Option(positive_int, "the neighbour window of successive chunks (default 1/16 of the "
+                                                  "trained window)", "integer")},
+    native=False, limit=None, paths=dual_chunk.PATHS, split=_own_attention("tells chunks apart")))
+
+for _name, _scheme in SCHEMES.items():  # a scheme's attention paths are its record's
+    if _scheme.paths:
+        paths.register(_name, _scheme.paths)
 
 
 def options_of(name: str) -> set[str]:
@@ -353,7 +435,7 @@ def request(scheme, options: dict) -> dict:
         raise ValueError(f"position={name!r} needs factor= (a finite number > 1, the context extension ratio)")
     out = {"scheme": name}
     for key in sorted(options):
-        out[key] = factor(key, options[key]) if key == "factor" else s.options[key](key, options[key])
+        out[key] = factor(key, options[key]) if key == "factor" else s.options[key].check(key, options[key])
     if s.check:
         s.check(out)
     return out

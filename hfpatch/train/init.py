@@ -25,6 +25,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..edits import Edits
+from ..registry import Registry
 
 SCALE_CONFIG_KEY = "hfpatch_embedding_scale"  # in the model's config: the factor a loaded model must get back
 
@@ -96,7 +97,7 @@ def paper(model: PreTrainedModel) -> None:
     xavier_linears(model)
 
 
-INITS = {"hf": hf, "paper": paper}  # what the `init:` key accepts
+INITS = Registry.of("initialisation", {"hf": hf, "paper": paper})  # what the `init:` key accepts
 
 
 def apply(model: PreTrainedModel, init: str) -> PreTrainedModel:

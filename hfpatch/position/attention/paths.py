@@ -25,6 +25,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ...registry import Registry
+
 ALL_DEVICES = frozenset({"cpu", "cuda"})
 LOW = frozenset({torch.float16, torch.bfloat16})
 
@@ -102,7 +104,7 @@ def refusal(path: Path, call: Call, *, size: bool = True) -> str | None:
     return None
 
 
-_TABLES: dict[str, tuple[Path, ...]] = {}
+_TABLES: Registry[tuple[Path, ...]] = Registry("attention path table")
 
 
 def register(scheme: str, table: Iterable[Path]) -> None:
@@ -110,7 +112,7 @@ def register(scheme: str, table: Iterable[Path]) -> None:
     listed = tuple(table)
     if not listed or listed[-1].devices != ALL_DEVICES or listed[-1].masks != Path.masks:
         raise ValueError(f"{scheme}: the last path must take every call (the written-out one)")
-    _TABLES[scheme] = listed
+    _TABLES.register(scheme, listed)
 
 
 def table(scheme: str) -> tuple[Path, ...]:

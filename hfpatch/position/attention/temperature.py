@@ -32,6 +32,7 @@ from ...adapters import Adapter
 from ...adapters.probe import close
 from ...adapters.probe import run as probe_run
 from ...edits import Edits
+from ...registry import Registry
 from ..registry import number, positive_int
 from ..schemes.rotated import positions
 from ..signal import attention_modules
@@ -77,7 +78,7 @@ class Temperature:
     exact_within: str = "the trained window"  # where s = 1, so the logits are the model's own (docs, describe)
 
 
-TEMPERATURES: dict[str, Temperature] = {
+TEMPERATURES: Registry[Temperature] = Registry.of("attention temperature", {
     "logn": Temperature(logn_scale, "Qwen's logn attention: the query times max(1, log(p) / log(W)), p the 1-based "
                         "position, W the trained window (window= overrides it)", {"window": _window},
                         needs_window=True),
@@ -86,7 +87,7 @@ TEMPERATURES: dict[str, Temperature] = {
                           {"attn_scale": _attn_scale, "floor_scale": positive_int},
                           defaults={"attn_scale": 0.1, "floor_scale": 8192},  # transformers' Llama4TextConfig's
                           exact_within="positions below floor_scale - 1"),
-}
+})
 
 
 def request(value) -> dict:

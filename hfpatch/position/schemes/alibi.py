@@ -189,7 +189,6 @@ PATHS = (
     paths.Path("written-out", _written_out, "scores and bias written out, a block of queries at a time",
                dropout=True, softcap=True, bidirectional=True),
 )
-paths.register("alibi", PATHS)
 AttentionInterface.register(SDPA_NAME, alibi_sdpa)
 AttentionInterface.register(EAGER_NAME, alibi_eager)
 AttentionMaskInterface.register(SDPA_NAME, sdpa_mask)

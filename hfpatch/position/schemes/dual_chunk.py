@@ -224,7 +224,6 @@ def dual_chunk_eager(module, query, key, value, attention_mask, scaling=None, dr
     return _explicit(m, value, attention_mask, scaling, dropout, module.training, kwargs.get("softcap"), block=False)
 
 
-paths.register(NAMES.scheme, PATHS)
 rotated.register(NAMES, dual_chunk_sdpa, dual_chunk_eager)
 
 

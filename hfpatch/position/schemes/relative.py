@@ -291,8 +291,6 @@ XL_PATHS = (
     paths.Path("written-out", _written_out(_xl_terms), "content and position scores written out, a block of "
                "queries at a time", dropout=True, softcap=True, bidirectional=True),
 )
-paths.register("t5", T5_PATHS)
-paths.register("xl", XL_PATHS)
 for _scheme, _name, _eager_name, _terms in (("t5", T5_NAME, T5_EAGER, _t5_terms), ("xl", XL_NAME, XL_EAGER, _xl_terms)):
     AttentionInterface.register(_name, _attention(_scheme))
     AttentionInterface.register(_eager_name, _eager(_terms))

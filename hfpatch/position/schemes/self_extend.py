@@ -42,6 +42,7 @@ from ...adapters import Adapter
 from ...edits import Edits
 from ..attention import flex, kernels, paths, split
 from ..attention.written import explicit_attention
+from ..rope.llamacpp import group_attention_flags
 from . import rotated
 
 NAMES = rotated.Names(scheme="self-extend", sdpa="hfpatch_self_extend", eager="hfpatch_self_extend_eager",
@@ -213,7 +214,6 @@ def self_extend_eager(module, query, key, value, attention_mask, scaling=None, d
                      kwargs.get("softcap"), block=False)
 
 
-paths.register(NAMES.scheme, PATHS)
 rotated.register(NAMES, self_extend_sdpa, self_extend_eager)
 
 
@@ -237,3 +237,20 @@ def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) 
     rotated.install(model, adapter, NAMES, states, lambda m: dataclasses.replace(m, window=_EVERYTHING_NEAR), edits)
     edits.set(model.config.get_text_config(), "max_position_embeddings", extended_window(trained, G, W))
     return {"group_size": G, "window": W}
+
+
+def llamacpp_refusal(req: dict, trained: int) -> str:
+    """Why a GGUF cannot carry Self-Extend, naming llama.cpp's flags for the settings `patch` would use (`req`, and
+    the defaults of a `trained`-token window for what it leaves out)."""
+    default_g, default_w = default_settings(trained)
+    g, w = req.get("group_size", default_g), req.get("window", default_w)
+    flags = group_attention_flags(g, w)
+    # the values hfpatch.patch would choose for options left out, named so that llama.cpp runs the same model
+    left_out = [f"G = {g}" if key == "group_size" else f"W = {w}" for key in ("group_size", "window") if key not in req]
+    defaults = (f" ({' and '.join(left_out)}: hfpatch's default{'s' if len(left_out) > 1 else ''} for this model's "
+                f"{trained}-token trained window)" if left_out else "")
+    multiple = "" if w % g == 0 else (f" (llama.cpp needs the width to be a multiple of the group size: e.g. "
+                                      f"{group_attention_flags(g, max(g, w // g * g))})")
+    return (f"llama.cpp applies Self-Extend at run time, not from metadata: run the unchanged GGUF with {flags}"
+            f"{defaults}{multiple} in llama-completion or llama-passkey (llama-cli in older builds); llama-server no "
+            "longer has group attention")
