@@ -14,8 +14,6 @@ from their results files.
 """
 
 import argparse
-import importlib.util
-import json
 import os
 import sys
 import time
@@ -26,13 +24,15 @@ from accelerate import PartialState
 from accelerate.utils import set_seed
 
 import hfpatch
+from hfpatch import evaluate as evaluations
 from hfpatch.evaluate.common import versions
-from hfpatch.evaluate.evaluations import passkey, ppl
 from hfpatch.models import load
-from hfpatch.train import checkpoint, data, init, loop, setup
-from hfpatch.studies import measure, report as study_report
-from hfpatch.train.config import ConfigError
+from hfpatch.studies import measure
+from hfpatch.studies import report as study_report
 from hfpatch.studies.study import claim, load_study, newest_checkpoint, plan
+from hfpatch.train import checkpoint, data, init, loop, setup
+from hfpatch.train.config import ConfigError
+from hfpatch.train.tokenizer import train_tokenizer
 
 
 def train(run, study, tok) -> None:
@@ -86,13 +86,10 @@ def evaluate(run, study, held_out, tok=None, train_seqs=None) -> dict:
         lengths = ev["lengths"] or [cfg.seq_len]
         usable = [n for n in lengths if limit is None or n <= limit]
         out["refused_lengths"] = {str(n): f"past the learned table's {limit} rows" for n in lengths if n not in usable}
-        where = run.out / "eval_ppl"
-        code = ppl.main(["--model", str(final), "--text-files", *ev["text_files"],
-                                "--lengths", ",".join(map(str, usable)), "--tokens-per-doc", str(ev["tokens_per_doc"]),
-                                "--patches", "none", "--out", str(where), "--no-plot"])
-        if code:
-            raise RuntimeError(f"{run.name}: the perplexity evaluation failed (exit {code})")
-        cells = json.loads((where / "results.json").read_text())["cells"]
+        # the evaluation's own results file under the run: a killed study resumes it where it stopped
+        cells = evaluations.perplexity(str(final), out=str(run.out / "eval_ppl"), text_files=ev["text_files"],
+                                       lengths=usable, tokens_per_doc=ev["tokens_per_doc"], patches="none",
+                                       no_plot=True)["cells"]
         out["ppl"] = {str(c["length"]): c["ppl"] for c in cells if c.get("complete")}
     if ev["batch_statistics"]:
         out["statistics"] = measure.statistics_effect(model, held_out, cfg.seq_len, cfg.batch_size)
@@ -102,14 +99,9 @@ def evaluate(run, study, held_out, tok=None, train_seqs=None) -> dict:
                                        limit=limit)
     p = ev["passkey"]
     if p is not None and run.arm in p.get("arms", study["arms"]):
-        where = run.out / "eval_passkey"
-        code = passkey.main(["--model", str(final), "--lengths", ",".join(map(str, p["lengths"])),
-                             "--depths", ",".join(map(str, p.get("depths", [0, 0.5, 1]))),
-                             "--trials", str(p.get("trials", 5)), "--patches", "none", "--out", str(where),
-                             "--no-plot"])
-        if code:
-            raise RuntimeError(f"{run.name}: the passkey evaluation failed (exit {code})")
-        cells = json.loads((where / "results.json").read_text())["cells"]
+        cells = evaluations.passkey(str(final), out=str(run.out / "eval_passkey"), lengths=p["lengths"],
+                                    depths=p.get("depths", [0, 0.5, 1]), trials=p.get("trials", 5), patches="none",
+                                    no_plot=True)["cells"]
         out["passkey"] = {str(n): sum(c["accuracy"] for c in cells if c["length"] == n) /
                           max(1, sum(1 for c in cells if c["length"] == n)) for n in p["lengths"]}
         out["passkey_answers"] = [t["answer"] for c in cells for t in c["trials"]][:6]
@@ -134,12 +126,8 @@ def main(study) -> None:
     runs = plan(study)  # every arm's config is checked before anything trains
     tok_dir = runs[0].cfg.tokenizer
     if not os.path.exists(tok_dir):  # a small BPE on the training text, as README run (b) (the same script)
-        spec = importlib.util.spec_from_file_location("train_tokenizer", Path(__file__).with_name("train_tokenizer.py"))
-        train_tokenizer = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(train_tokenizer)
         files = runs[0].cfg.data.text_files
-        train_tokenizer.main(["--text-files", *([files] if isinstance(files, str) else files),
-                              "--vocab-size", str(study["tokenizer_vocab"]), "--out", tok_dir])
+        train_tokenizer([files] if isinstance(files, str) else files, study["tokenizer_vocab"], tok_dir)
     tok = setup.tokenizer(tok_dir)
     held_out = measure.held_out_tokens(study, tok) if study["evaluate"]["text_files"] else None
     summary = {"study": study["study"], "config": study, "arms": list(study["arms"]), "seeds": study["seeds"],

@@ -2,19 +2,13 @@
 
     python recipes/train_tokenizer.py --text-files ../shared/data/books/emma.txt ... --vocab-size 2048 --out DIR
 
-Why: a tiny model with SmolLM2's 49,152-token vocabulary spends most of its compute in the LM head (256 x 49,152
-multiply-adds per token against about 3M for four 256-wide blocks), so on a CPU it sees few tokens per minute and
-stays near unigram statistics. A vocabulary of a few thousand pieces makes every step about four times cheaper.
-Byte-level, so every text is encodable; EOS is added between documents by the recipes' packing.
+Why a small vocabulary, and how it is trained: hfpatch/train/tokenizer.py.
 """
 
 import argparse
 import sys
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
-
-from hfpatch.lm.text import documents
+from hfpatch.train.tokenizer import SMALLEST, train_tokenizer
 
 
 def main(argv=None) -> int:
@@ -23,18 +17,9 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if args.vocab_size < 256 + 3:
-        p.error(f"--vocab-size must be at least 259 (256 bytes + 3 special tokens), got {args.vocab_size}")
-    docs = list(documents(args.text_files))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=args.vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator((d.text for d in docs), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(args.out)
-    print(f"{len(fast)} tokens, trained on {len(docs)} document(s): {args.out}")
+    if args.vocab_size < SMALLEST:
+        p.error(f"--vocab-size must be at least {SMALLEST} (256 bytes + 3 special tokens), got {args.vocab_size}")
+    train_tokenizer(args.text_files, args.vocab_size, args.out)
     return 0
 
 

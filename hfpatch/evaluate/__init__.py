@@ -7,6 +7,9 @@ sweep (sweep.py):
     hfpatch eval niah ...       needle-in-a-haystack depth x length map   evaluations/niah.py
     hfpatch lm-eval ...         lm-evaluation-harness with --model hfpatch   harness.py
 
+From Python, `run(name, model, tokenizer, **settings)` and one function per evaluation (`perplexity`, `passkey`,
+`ruler`, `niah`) run the same sweep and return what results.json holds (api.py).
+
 A module there is an evaluation by being there: the list below is read from the folder (without importing the
 modules, so `hfpatch --help` stays fast); the module defines EVALUATION, which takes its name from the module.
 """
@@ -24,3 +27,15 @@ def evaluation(name: str):
     if name not in EVALUATIONS:
         raise ValueError(f"unknown evaluation {name!r}; the evaluations: {', '.join(EVALUATIONS)}")
     return importlib.import_module(f"{evaluations.__name__}.{name}").EVALUATION
+
+
+_API = ("run", "perplexity", "passkey", "ruler", "niah")
+
+
+def __getattr__(name: str):
+    """The Python API (api.py), imported on first use: the command reads EVALUATIONS without importing torch."""
+    if name in _API:
+        from . import api  # the CLI's lazy loading: `hfpatch --help` must not import torch
+
+        return getattr(api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

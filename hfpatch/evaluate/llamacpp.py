@@ -273,10 +273,10 @@ class Engine:
                              "llama.cpp's convert_hf_to_gguf.py)")
         self.path = path
 
-    def check_longest_read(self, args) -> None:
+    def check_longest_read(self, args, shape=None) -> None:
         pass  # llama.cpp allocates its context itself and says when it cannot
 
-    def check_memory(self, args, plan) -> None:
+    def check_memory(self, args, plan, shape=None) -> None:
         pass
 
     def load(self, args):

@@ -20,7 +20,9 @@ are always a prefix of its units and resuming continues after the last one.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
 from tqdm.auto import tqdm
 
 from .. import spec as specs
@@ -198,14 +201,39 @@ def main(ev: Evaluation, argv=None) -> int:
 
 def _main(ev: Evaluation, argv) -> int:
     args = build_parser(ev).parse_args(argv)
+    data = execute(ev, args, record_argv=list(sys.argv[1:] if argv is None else argv))
+    if data is not None:
+        print(data["report"])
+    return 0
+
+
+@dataclass
+class Given:
+    """A model the caller loaded itself (the Python API, `hfpatch.evaluate.run`): it is evaluated as it is, with its
+    tokenizer, instead of a model loaded by name."""
+
+    model: Any
+    tokenizer: Any
+    name: str  # what the results call it
+
+
+def execute(ev: Evaluation, args, *, record_argv: list | None = None, given: Given | None = None) -> dict | None:
+    """Run evaluation `ev` with the parsed settings `args` (the command line's, or the Python API's): validate, plan,
+    resume or start the results file, check memory, load (or take `given`), estimate, run every unit left, report.
+    Returns the results file's content with the Markdown report under "report" (None after a dry run)."""
     patches = parse_patches(args.patches)  # every spec validated before any loading
     check_engine_options(args, ENGINES[args.engine])
+    if given is not None and args.engine != "transformers":
+        raise ValueError(f"a loaded model runs in the transformers engine; --engine {args.engine} loads its own model "
+                         "by name: give the model's name or path instead")
     engine = ENGINES[args.engine](args)
+    shape = budget.shape_of_config(unwrap(given.model).config) if given else None
     if not args.no_memory_check:
-        engine.check_longest_read(args)
-    tok = load_tokenizer(args.model)
+        engine.check_longest_read(args, shape)
+    tok = given.tokenizer if given else load_tokenizer(args.model)
     plan = ev.plan(args, tok)
-    plan.identity["model_files"] = model_fingerprint(args.model)  # what is loaded, by content: not only its path
+    # what is evaluated, by content: a model's files (not only its path), or a loaded model's config and weights
+    plan.identity["model_files"] = loaded_fingerprint(given.model, tok) if given else model_fingerprint(args.model)
     out = Path(args.out)
     # another engine's numbers are other numbers: its results file is not continued by transformers, nor the reverse
     identity = plan.identity if engine.name == "transformers" else {**plan.identity, "engine": engine.name}
@@ -215,18 +243,17 @@ def _main(ev: Evaluation, argv) -> int:
         if results.resumed:
             print(f"{ev.prog}: resuming from {out / 'results.json'}", file=sys.stderr)
         results.data.update(plan.info, versions=versions())
-        results.data.setdefault("settings", {}).update(patches=[p for p, _ in patches],
-                                                       argv=list(sys.argv[1:] if argv is None else argv))
+        results.data.setdefault("settings", {}).update(patches=[p for p, _ in patches], argv=record_argv)
         todo = _todo(ev, results, plan, patches)
         if todo:
             if not args.no_memory_check:
-                engine.check_memory(args, plan)
-            model = engine.load(args)
-            run = Run(model, engine.prepare(model, patches, plan, results, args.model), tok, args, engine.applied,
-                      engine.paths_ran)
+                engine.check_memory(args, plan, shape)
+            model = given.model if given else engine.load(args)
+            run = Run(model, engine.prepare(model, patches, plan, results, given.name if given else args.model), tok,
+                      args, engine.applied, engine.paths_ran)
             estimate = engine.estimate(ev, run, plan, todo)
             if args.dry_run:  # writes nothing: a dry run with other settings must not decide the real run's file
-                return 0
+                return None
             results.data.setdefault("runs", []).append({"started": now(), "estimate_s": round(estimate, 1)})
             results.save()
             t0 = time.perf_counter()
@@ -238,13 +265,28 @@ def _main(ev: Evaluation, argv) -> int:
                   file=sys.stderr)
         elif args.dry_run:
             print(f"{ev.prog}: nothing left to run in {out / 'results.json'}", file=sys.stderr)
-            return 0
-        text = report(ev, covering(ev, results.data), out, not args.no_plot)
+            return None
+        data = covering(ev, results.data)
+        text = report(ev, data, out, not args.no_plot)
         (out / "table.md").write_text(text + "\n")
-        print(text)
-        return 0
+        return {**data, "report": text}
     finally:
         results.close()
+
+
+def loaded_fingerprint(model, tokenizer) -> dict:
+    """What identifies a model the caller loaded, by content: the SHA-256 of its config (with any patch it carries)
+    and of every parameter and buffer, and of its tokenizer's vocabulary and chat template."""
+    target = unwrap(model)
+    weights = hashlib.sha256()
+    for name, tensor in sorted(target.state_dict().items()):
+        weights.update(name.encode())
+        weights.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return {"config": hashlib.sha256(target.config.to_json_string().encode()).hexdigest(),
+            "weights": weights.hexdigest(),
+            "tokenizer": hashlib.sha256((vocab + "\0" + str(template)).encode()).hexdigest()}
 
 
 def report(ev: Evaluation, data: dict, out: Path, plot: bool) -> str:
@@ -296,18 +338,19 @@ def _todo(ev: Evaluation, results: Results, plan: Plan, patches) -> list:
     return todo
 
 
-def check_longest_read(args) -> None:
+def check_longest_read(args, shape: budget.Shape | None = None) -> None:
     """The memory check of the longest --lengths alone, before the tokenizer builds any prompt: a prompt of
     millions of tokens takes the tokenizer minutes and more memory than the machine has (it aborted the process at
     100000k). The full check, with the plan's generation and scoring, follows the plan."""
     if getattr(args, "lengths", None):
         check_memory(args, Plan({}, [], read=max(parse_lengths(args.lengths)),
-                                new_tokens=getattr(args, "new_tokens", 0) or 0))
+                                new_tokens=getattr(args, "new_tokens", 0) or 0), shape)
 
 
-def check_memory(args, plan: Plan) -> None:
-    """Refuse, before loading the model, a run whose longest read cannot fit in the memory that is free."""
-    shape = budget.shape_of(args.model)
+def check_memory(args, plan: Plan, shape: budget.Shape | None = None) -> None:
+    """Refuse, before loading the model, a run whose longest read cannot fit in the memory that is free (`shape`:
+    the model's, when it is loaded already; else read from its config by name)."""
+    shape = shape or budget.shape_of(args.model)
     free, where = budget.available_memory(args.device, args.device_map)
     if shape is None or free is None:
         return

@@ -178,15 +178,20 @@ def folder_differences(path) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------- the docs table
 
-SCHEME_TYPES = {"linear": "linear", "ntk": "default", "dynamic": "dynamic", "yarn": "yarn", "llama3": "llama3",
-                "longrope": "longrope"}  # hfpatch scheme -> the rope_type it saves
+def saved_rope_types() -> dict[str, str]:
+    """hfpatch scheme -> the rope_type it saves, for the native RoPE rescalings that take a factor: what each
+    record's builder writes (with sample options: only the type is read)."""
+    base = {"rope_type": "default", "rope_theta": 10000.0}
+    sample = {"factor": 2.0, "short_factor": [1.0] * 32, "long_factor": [1.0] * 32}
+    return {name: scheme.rope(base, 4096, sample, 64)["rope_type"] for name, scheme in SCHEMES.items()
+            if scheme.rope is not None and scheme.native and scheme.factor != "none"}
 
 
 def markdown() -> str:
     """The tables of docs/serving.md: the keys each engine does not read, per saved scheme, and how each engine
     computes the attention factor or runs a scheme differently."""
     rows = []
-    for scheme, kind in SCHEME_TYPES.items():
+    for scheme, kind in saved_rope_types().items():
         cells = [f"`{scheme}`", f"`{kind}`", ", ".join(f"`{k}`" for k in _TRANSFORMERS_KEYS[kind]) or "(theta only)"]
         for engine in ENGINES.values():
             reads = engine.reads.get(kind, ())

@@ -1,0 +1,71 @@
+"""The evaluations from Python (hfpatch.evaluate.run and one function per evaluation): the same numbers as the
+command, on a loaded model or a model named as the command names it; settings checked by the command's own rules;
+a results folder resumed as the command resumes it."""
+
+import json
+
+import pytest
+
+import hfpatch.evaluate as evaluate
+from hfpatch.evaluate.evaluations import ppl
+from hfpatch.tiny import char_text, char_tokenizer, save_sized, sized_model
+
+SETTINGS = {"lengths": [16, 32], "patches": "none,yarn:2", "tokens_per_doc": 600}
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("api") / "doc.txt"
+    path.write_text(char_text(3000, seed=3))
+    return path
+
+
+def cells_by_key(data: dict) -> dict:
+    return {(c["patch"], c["length"]): c["ppl"] for c in data["cells"]}
+
+
+def test_a_loaded_model_gives_the_numbers_the_command_gives_for_its_folder(text_file, tmp_path):
+    folder = save_sized(tmp_path / "model")
+    assert ppl.main(["--model", str(folder), "--text-files", str(text_file), "--lengths", "16,32", "--patches",
+                     "none,yarn:2", "--tokens-per-doc", "600", "--no-plot", "--out", str(tmp_path / "cli")]) == 0
+    command = json.loads((tmp_path / "cli" / "results.json").read_text())
+    data = evaluate.perplexity(sized_model("llama"), char_tokenizer(), text_files=[str(text_file)], **SETTINGS)
+    assert cells_by_key(data) == cells_by_key(command)
+    assert "**perplexity**" in data["report"]
+    named = evaluate.run("ppl", str(folder), text_files=str(text_file), **SETTINGS)  # a name, as the command takes
+    assert cells_by_key(named) == cells_by_key(command)
+
+
+def test_a_results_folder_is_resumed_not_run_again(text_file, tmp_path):
+    model, tok = sized_model("llama"), char_tokenizer()
+    first = evaluate.perplexity(model, tok, out=str(tmp_path / "r"), text_files=[str(text_file)], **SETTINGS)
+    again = evaluate.perplexity(model, tok, out=str(tmp_path / "r"), text_files=[str(text_file)], **SETTINGS)
+    assert len(first["runs"]) == 1 and len(again["runs"]) == 1  # nothing left to run: no second run recorded
+    assert cells_by_key(again) == cells_by_key(first)
+
+
+def test_other_weights_are_another_model_for_the_results_file(text_file, tmp_path):
+    tok = char_tokenizer()
+    evaluate.perplexity(sized_model("llama"), tok, out=str(tmp_path / "r"), text_files=[str(text_file)], **SETTINGS)
+    with pytest.raises(ValueError, match="model_files"):
+        evaluate.perplexity(sized_model("llama", seed=1), tok, out=str(tmp_path / "r"), text_files=[str(text_file)],
+                            **SETTINGS)
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"lenghts": [16]}, "unknown setting 'lenghts'; it takes: .*lengths"),
+    ({"lengths": "abc"}, "is not a number of tokens"),
+    ({"no_plot": "yes"}, "no_plot must be True or False"),
+    ({"windowing": "sideways"}, "windowing 'sideways': expected chunks, sliding, rolling"),
+    ({"patches": "yarn:banana"}, "yarn:banana"),
+])
+def test_a_bad_setting_is_one_clear_error(text_file, settings, message):
+    with pytest.raises(ValueError, match=message):
+        evaluate.run("ppl", sized_model("llama"), char_tokenizer(), text_files=[str(text_file)], **settings)
+
+
+def test_a_loaded_model_needs_its_tokenizer_and_an_evaluation_its_name():
+    with pytest.raises(ValueError, match="needs its tokenizer"):
+        evaluate.run("ppl", sized_model("llama"))
+    with pytest.raises(ValueError, match="unknown evaluation 'perplexity'; the evaluations: niah, passkey, ppl"):
+        evaluate.run("perplexity", "smollm2")
