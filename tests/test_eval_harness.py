@@ -125,3 +125,30 @@ def test_without_lm_eval_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setattr(harness, "HFLM", None)
     assert harness.main(["--model", "hfpatch"]) == 2
     assert "pip install 'hfpatch[lm-eval]'" in capsys.readouterr().err
+
+
+def test_hfpatch_lm_eval_passes_metadata_to_the_task(local, tmp_path, monkeypatch):
+    """--metadata reaches the task as lm-eval's long-context tasks read it (RULER: max_seq_lengths, tokenizer): a
+    local task that synthesizes one document per requested length, as they do, and records what it was given."""
+    _, model, _ = local
+    (tmp_path / "task").mkdir()
+    (tmp_path / "task" / "lengths.py").write_text(
+        "import json, os\nimport datasets\n\n"
+        "def docs(**kwargs):\n"
+        "    with open(os.environ['HFPATCH_TEST_METADATA'], 'w') as f:\n"
+        "        json.dump({k: v for k, v in kwargs.items() if k in ('max_seq_lengths', 'tokenizer')}, f)\n"
+        "    rows = [{'text': 'ab ' * (n // 3)} for n in kwargs['max_seq_lengths']]\n"
+        "    return {'test': datasets.Dataset.from_list(rows)}\n")
+    (tmp_path / "task" / "lengths.yaml").write_text(
+        "task: hfpatch_lengths\ndataset_path: ''\ndataset_name: ''\ncustom_dataset: !function lengths.docs\n"
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: bits_per_byte\n")
+    monkeypatch.setenv("HFPATCH_TEST_METADATA", str(tmp_path / "given.json"))
+    out = tmp_path / "lm"
+    assert cli_main(["lm-eval", "--model", "hfpatch", "--model_args", f"pretrained={model},patch=yarn:2",
+                     "--tasks", "hfpatch_lengths", "--include_path", str(tmp_path / "task"), "--device", "cpu",
+                     "--metadata", json.dumps({"max_seq_lengths": [30, 90], "tokenizer": str(model)}),
+                     "--output_path", str(out)]) == 0
+    assert json.loads((tmp_path / "given.json").read_text()) == {"max_seq_lengths": [30, 90], "tokenizer": str(model)}
+    (written,) = out.rglob("results_*.json")
+    assert json.loads(written.read_text())["n-samples"]["hfpatch_lengths"]["effective"] == 2

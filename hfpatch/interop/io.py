@@ -11,59 +11,30 @@ applies the recorded spec again.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 
 import transformers
+import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .. import spec as specs
 from ..adapters import Adapter, adapter_for, set_adapter
 from ..apply import (
     AXES,
+    NEEDS_HFPATCH,
     apply_axes,
     bake,
     changes_weights,
+    config_path,
     describe,
     mark_loaded,
     patch,
-    state_of,
+    save_marked,
     touched_config,
+    unexpressed,
     unwrap,
 )
-from ..edits import MISSING, Edits
-
-
-@contextlib.contextmanager
-def _serializable(model):
-    """Let transformers save a model loaded from GGUF.
-
-    A GGUF checkpoint loaded by transformers' dequantizing loader holds plain float weights but keeps its quantizer,
-    whose `is_serializable()` is False, and a `quantization_config` that would make the saved folder look like a
-    GGUF file to the next loader. Both are detached for the duration of the save.
-    """
-    quantizer = getattr(model, "hf_quantizer", None)
-    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
-    if quantizer is None or str(getattr(method, "value", method)) != "gguf":
-        yield
-        return
-    packed = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.lower().startswith("gguf")})
-    if packed:
-        raise ValueError(
-            f"this GGUF model keeps its weights packed ({', '.join(packed)}); load it dequantized to save it "
-            "(from_pretrained(..., gguf_file=..., quantization_config=GgufConfig(dequantize=True)))"
-        )
-    config = model.config
-    had_qc = "quantization_config" in config.__dict__
-    qc = config.__dict__.pop("quantization_config", None)
-    model.hf_quantizer = None
-    try:
-        yield
-    finally:
-        model.hf_quantizer = quantizer
-        if had_qc:
-            config.quantization_config = qc
 
 
 def save_pretrained(model, path, tokenizer=None, **kwargs):
@@ -92,72 +63,95 @@ def save_pretrained(model, path, tokenizer=None, **kwargs):
             "(model = model.merge_and_unload(), then hfpatch.save_pretrained), or save the adapters alone with "
             "peft's model.save_pretrained"
         )
-    unexpressed = _unexpressed(target)
-    if unexpressed:
+    plain = unexpressed(target)
+    if plain:
         warnings.warn(
-            f"{' and '.join(f'{axis}={name!r}' for axis, name, _ in unexpressed)} "
-            f"{'has' if len(unexpressed) == 1 else 'have'} no form that {type(target.config).__name__} can express: "
+            f"{' and '.join(f'{axis}={name!r}' for axis, name, _ in plain)} "
+            f"{'has' if len(plain) == 1 else 'have'} no form that {type(target.config).__name__} can express: "
             "hfpatch.from_pretrained reloads the patch, plain transformers loads the model's original "
-            f"{' and '.join(what for _, _, what in unexpressed)}, and warns that it does (config.json names "
+            f"{' and '.join(what for _, _, what in plain)}, and warns that it does (config.json names "
             "hfpatch as its quantization method, which transformers does not know)",
             stacklevel=2,
         )
-    with _serializable(target), _marked(target, unexpressed):
-        target.save_pretrained(path, **kwargs)
+    save_marked(target, path, **kwargs)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+    if kwargs.get("is_main_process", True):
+        write_card(target, path)
     return path
 
 
-def _unexpressed(model) -> list[tuple[str, str, str]]:
-    """(axis, what was applied, what plain transformers builds instead) for each patch of `model` that its config
-    class cannot express: a norm swap or a placement change (the family's class builds its own norms, where they
-    were), a position scheme without a native form."""
-    state = state_of(model)
-    if state is None:
-        return []
-    info, adapter = describe(model), adapter_for(model)
-    applied, out = info["applied"], []
-    if "norm" in applied and info["norm"]["kind"] != adapter.norm:
-        out.append(("norm", applied["norm"]["kind"], "norms"))
-    if "placement" in applied and applied["placement"]["kind"] != adapter.placement_of(model.config):
-        out.append(("placement", applied["placement"]["kind"], "norm placement"))
-    if "position" in applied and not info["position"].get("native", True):
-        out.append(("position", applied["position"]["scheme"], "position encoding"))
-    if "temperature" in applied:  # no config class names one (Llama 4's is its own, for its NoPE layers)
-        out.append(("attention_temperature", applied["temperature"]["kind"], "attention (without the temperature)"))
-    return out
+# The part of README.md that hfpatch writes: between these markers, replaced on every save; the rest is the user's.
+CARD_START, CARD_END = "<!-- hfpatch:start -->", "<!-- hfpatch:end -->"
 
 
-# What config.json carries when plain transformers cannot express the patch it was saved with: a quantization
-# config whose method is this sentence. transformers knows no such method, so its from_pretrained logs "Unknown
-# quantization type, got <this sentence>" and loads the original architecture (it has no hook that would let a
-# config refuse to load without running the folder's code); engines that read quantization_config refuse the
-# folder. hfpatch.from_pretrained removes it before loading.
-NEEDS_HFPATCH = ("hfpatch (saved patched by hfpatch, in a form this config class cannot express: load it with "
-                 "hfpatch.from_pretrained; plain transformers builds the original, unpatched architecture)")
+def write_card(model, path) -> None:
+    """README.md in `path`: a model card with Hub metadata (front matter) and an hfpatch section saying what the
+    patch is and how to load it. A card already there keeps its text and front matter keys: the section between
+    the markers is replaced (or appended) and hfpatch's tags are added. Written whole (a temporary file renamed)."""
+    info = describe(model)
+    readme = os.path.join(path, "README.md")
+    old = ""
+    if os.path.isfile(readme):
+        with open(readme, encoding="utf-8") as f:
+            old = f.read()
+    front, body = _split_front_matter(old)
+    front.setdefault("library_name", "transformers")
+    base = model.config.name_or_path
+    if base and os.path.abspath(base) != os.path.abspath(path):  # where it was loaded from, not this folder
+        front.setdefault("base_model", str(base))
+    tags = list(front.get("tags") or [])
+    front["tags"] = tags + [t for t in ["hfpatch", *_scheme_names(info["applied"])] if t not in tags]
+    meta = yaml.safe_dump(front, sort_keys=False, allow_unicode=True)
+    card = f"---\n{meta}---\n{_with_section(body, _section(model, info))}"
+    with open(readme + ".partial", "w", encoding="utf-8") as f:
+        f.write(card)
+    os.replace(readme + ".partial", readme)
 
 
-@contextlib.contextmanager
-def _marked(model, unexpressed: list):
-    """While saving a model with patches plain transformers cannot express: config.json names NEEDS_HFPATCH as its
-    quantization method (where the model has no quantization config of its own), and holds the original values of
-    the config fields a non-native position scheme changed (the record keeps the patched ones), so that a plain
-    reload builds the original model consistently: its own window, not the patched one's."""
-    edits = Edits()
-    config = model.config
-    if unexpressed and getattr(config, "quantization_config", None) is None:
-        edits.set(config, "quantization_config", {"quant_method": NEEDS_HFPATCH})
-    state = state_of(model)
-    if state is not None and any(axis == "position" for axis, _, _ in unexpressed) and "position" in state.layers:
-        for key, value in touched_config(config, [state.layers["position"]]).items():
-            owner, name = _config_path(config, key)
-            if not name.startswith("_") and value is not MISSING:
-                edits.set(owner, name, value)
-    try:
-        yield
-    finally:
-        edits.undo()
+def _split_front_matter(text: str) -> tuple[dict, str]:
+    if text.startswith("---\n") and "\n---\n" in text[3:]:
+        head, body = text[4:].split("\n---\n", 1)
+        front = yaml.safe_load(head) or {}
+        if isinstance(front, dict):
+            return front, body
+    return {}, text
+
+
+def _with_section(body: str, section: str) -> str:
+    block = f"{CARD_START}\n{section}{CARD_END}\n"
+    if CARD_START in body and CARD_END in body:
+        before, rest = body.split(CARD_START, 1)
+        return before + block + rest.split(CARD_END, 1)[1].lstrip("\n")
+    return (body.rstrip("\n") + "\n\n" if body.strip() else "") + block
+
+
+def _scheme_names(applied: dict) -> list[str]:
+    """The names of what was applied on each axis (yarn, rmsnorm, post, logn)."""
+    return [str(req.get("scheme") or req.get("kind")) for req in applied.values() if isinstance(req, dict)]
+
+
+def _section(model, info: dict) -> str:
+    applied = info["applied"]
+    spec = specs.describe_string(applied) if applied else "none"
+    native = not unexpressed(model)
+    record = getattr(model.config, "hfpatch", None) or {}
+    rope = info["position"].get("rope_parameters") or {}
+    trained = (record.get("original_config", {}).get("max_position_embeddings")
+               or rope.get("original_max_position_embeddings") or info["max_position_embeddings"])
+    extended = info["position_limit"] or info["max_position_embeddings"]
+    if native:
+        load = ("from transformers import AutoModelForCausalLM\n"
+                "model = AutoModelForCausalLM.from_pretrained(\"PATH\")  # the patch is native: plain transformers")
+    else:
+        load = ("import hfpatch\n"
+                "model = hfpatch.from_pretrained(\"PATH\")  # plain transformers would build the unpatched model")
+    return (f"## Patched with hfpatch\n\n"
+            f"- Patch: `{spec}`\n"
+            f"- Trained window: {trained} tokens; extended window: {extended or 'unbounded'}"
+            f"{' tokens' if extended else ''}\n"
+            f"- Loads patched in plain transformers: {'yes' if native else 'no, use hfpatch.from_pretrained'}\n\n"
+            f"```python\n{load}\n```\n\n")
 
 
 def _drop_mark(config) -> None:
@@ -173,14 +167,6 @@ def _model_class(config):
             return cls
     return AutoModelForCausalLM
 
-
-
-def _config_path(config, key: str):
-    """(the config or sub-config holding `key`, the attribute name): "text_config.max_position_embeddings"."""
-    *subs, name = key.split(".")
-    for sub in subs:
-        config = getattr(config, sub)
-    return config, name
 
 
 def from_pretrained(path, **kwargs):
@@ -219,10 +205,10 @@ def from_pretrained(path, **kwargs):
     if not isinstance(record, dict) or record.get("version") not in (1, 2):
         raise ValueError(f"{path}: unreadable hfpatch section in config.json (expected version 1 or 2): {record!r}")
     for key, value in record.get("original_config", {}).items():
-        owner, name = _config_path(config, key)
+        owner, name = config_path(config, key)
         setattr(owner, name, value)
     for key in record.get("added_config", []):
-        owner, name = _config_path(config, key)
+        owner, name = config_path(config, key)
         if name in owner.__dict__:
             delattr(owner, name)
     del config.hfpatch
