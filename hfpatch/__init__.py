@@ -12,16 +12,17 @@ from typing import TYPE_CHECKING
 __version__ = "0.3.0"
 
 # public name -> the module that defines it
-_API = {"patch": "apply", "unpatch": "apply", "describe": "apply", "calibrate": "apply",
+_API = {"patch": "apply", "unpatch": "apply", "describe": "introspect", "calibrate": "apply",
         "supported": "families", "save_pretrained": "interop.io", "from_pretrained": "interop.io"}
 __all__ = ["spec", "patch", "unpatch", "describe", "calibrate", "supported", "save_pretrained", "from_pretrained",
            "__version__"]
 
 if TYPE_CHECKING:
     from . import spec
-    from .apply import calibrate, describe, patch, unpatch
+    from .apply import calibrate, patch, unpatch
     from .families import supported
     from .interop.io import from_pretrained, save_pretrained
+    from .introspect import describe
 
 
 def __getattr__(name: str):

@@ -1,4 +1,4 @@
-"""patch / unpatch / describe: validate the request, apply it all-or-nothing, remember what was done.
+"""patch / unpatch: validate the request, apply it all-or-nothing, remember what was done.
 
 The model is `original ∘ norm ∘ placement ∘ position ∘ temperature`, each axis applied with its own log of edits.
 A new request is merged into the current spec; the first axis (in that order) whose request changed and every axis
@@ -20,17 +20,16 @@ import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from . import spec as specs
-from .adapters import Adapter, InferenceError, adapter_for, get_path
+from .adapters import Adapter, adapter_for, get_path
 from .edits import MISSING, Edits, deferred_interrupts
 from .norm import convert as norms
 from .norm import fit
 from .norm import kinds as norm_kinds
 from .norm.kinds import NORMS
-from .norm.placement import PLACEMENTS, apply_placement, placement_forms
+from .norm.placement import PLACEMENTS, apply_placement
 from .position import registry as schemes
 from .position.attention import paths
 from .position.attention import temperature as temperatures
-from .position.attention.temperature import TEMPERATURES
 from .position.registry import SCHEMES
 from .spec import AXES
 from .utils.warn import warn_caller
@@ -162,7 +161,7 @@ def _write_record(model, state: PatchState, record: Edits) -> None:
     touched = {**live, **state.baked_config}  # the values before the baked stages are the originals
     stages = state.baked_stages + ([state.spec] if state.spec else [])
     facts = {**state.baked_facts, **state.facts}
-    record.set(model.config, "hfpatch", _record(_applied(state.applied, facts), touched, facts, stages,
+    record.set(model.config, "hfpatch", _record(applied_spec(state.applied, facts), touched, facts, stages,
                                                 adapter_for(model).to_dict(model.config)))
     for owner, names in block_names(model).items():
         record.set(owner, "_no_split_modules", names)
@@ -373,7 +372,7 @@ def loaded_with(model) -> dict | None:
     return copy.deepcopy(getattr(unwrap(model), _LOADED, None))
 
 
-def _unpatch_restores(model, state: PatchState | None) -> str:
+def unpatch_restores(model, state: PatchState | None) -> str:
     """What unpatch(model) gives, in words, for describe()."""
     baked = state.baked if state else {}
     keeps = f", keeping the weight-changing {specs.describe_string(baked)} it was saved with" if baked else ""
@@ -406,7 +405,7 @@ def bake(model, stages: list, facts: dict, original_config: dict) -> None:
     """Declare the specs `stages` (applied in that order) part of the model as it is now (used by from_pretrained
     after loading weights that already carry those patches)."""
     state = PatchState(spec={}, baked_stages=copy.deepcopy(stages), baked_facts=facts, baked_config=original_config)
-    model.config.hfpatch = _record(_applied(state.baked, facts), original_config, facts, stages,
+    model.config.hfpatch = _record(applied_spec(state.baked, facts), original_config, facts, stages,
                                    adapter_for(model).to_dict(model.config))
     object.__setattr__(model, _STATE, state)
     _bind_save(model, None)
@@ -454,13 +453,13 @@ def unexpressed(model) -> list[tuple[str, str, str]]:
     state = state_of(model)
     if state is None:
         return []
-    info, adapter = describe(model), adapter_for(model)
-    applied, out = info["applied"], []
-    if "norm" in applied and info["norm"]["kind"] != adapter.norm:
+    target, adapter = unwrap(model), adapter_for(model)
+    applied, out = state.applied, []
+    if "norm" in applied and norms.current_kind(target, adapter) != adapter.norm:
         out.append(("norm", applied["norm"]["kind"], "norms"))
     if "placement" in applied and applied["placement"]["kind"] != adapter.placement_of(model.config):
         out.append(("placement", applied["placement"]["kind"], "norm placement"))
-    if "position" in applied and not info["position"].get("native", True):
+    if "position" in applied and not position_facts(target, adapter, state).get("native", True):
         out.append(("position", applied["position"]["scheme"], "position encoding"))
     if "temperature" in applied:  # no config class names one (Llama 4's is its own, for its NoPE layers)
         out.append(("attention_temperature", applied["temperature"]["kind"], "attention (without the temperature)"))
@@ -532,9 +531,9 @@ def _bind_save(model: PreTrainedModel, edits: Edits | None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# describe / supported
+# what the model carries, for describe() and the save marks
 
-def _position(model, adapter: Adapter, state: PatchState | None) -> dict:
+def position_facts(model, adapter: Adapter, state: PatchState | None) -> dict:
     config = model.config.get_text_config()
     applied = state.applied if state else {}
     if "position" in applied:
@@ -556,100 +555,7 @@ def _position(model, adapter: Adapter, state: PatchState | None) -> dict:
     return {"scheme": adapter.position_signal}
 
 
-def _limit_kind(model, adapter: Adapter) -> str | None:
-    """What kind of length limit the model has now (position/schemes.py, `limit`): that of the position scheme
-    applied, else "table" for a model's own learned table, "window" for the others."""
-    state = getattr(model, _STATE, None)
-    scheme = (state.applied if state else {}).get("position", {}).get("scheme")
-    if scheme is not None:
-        return SCHEMES[scheme].limit
-    return "table" if adapter.position_table else "window"
-
-
-def position_limit(model) -> int | None:
-    """The longest sequence the model's position encoding is meant for now: a learned table's rows, RoPE's
-    (scaled) max_position_embeddings; None for schemes without a fixed window (ALiBi, NoPE, sinusoidal, dynamic
-    scaling)."""
-    target = unwrap(model)
-    adapter = adapter_for(target)
-    if _limit_kind(target, adapter) is None:
-        return None
-    if adapter.position_table:
-        return get_path(target.base_model, adapter.position_table).num_embeddings - adapter.position_offset
-    return int(target.config.get_text_config().max_position_embeddings)
-
-
-def table_limit(model) -> int | None:
-    """The hard length limit of a model that reads a learned position table (its own, interpolated or not, or
-    position='learned'): past it the model fails with an index error deep inside, so evaluations and studies refuse
-    such lengths. None otherwise: RoPE only degrades past its window (that is what the evaluations measure), and
-    ALiBi / NoPE / sinusoidal no longer read the table. None also for a family hfpatch cannot read (it is scored
-    unpatched; its limits are its own)."""
-    target = unwrap(model)
-    try:
-        adapter = adapter_for(target)
-    except InferenceError:
-        return None
-    return position_limit(target) if _limit_kind(target, adapter) == "table" else None
-
-
-def describe(model) -> dict:
-    """What the model is, how it normalizes and encodes position now, and what hfpatch has applied.
-
-    Args:
-        model: a transformers causal LM, patched or not.
-
-    Returns:
-        A dict: `family`, `class`, `norm` (kind, scale, after a norm patch whether it was exact), `placement`,
-        `position` (the scheme and its parameters), `attention`, `max_position_embeddings`, `position_limit`,
-        `applied` (the patch spec), `baked` (patches a reloaded checkpoint carries), `adapter` (what hfpatch read
-        off the model, with notes) and `patches` (what else `patch` accepts here, and why the rest does not apply;
-        `exact_layernorm_to_rmsnorm` is None on a model without LayerNorms).
-        `loaded_with` is the patch the model was loaded with ("yarn:4"; None when it was loaded unpatched) and
-        `unpatch_restores` says what `unpatch` gives back: for a model loaded patched, the checkpoint's base model
-        (the loaded patch undone too; weight-changing patches it was saved with stay, see `baked`).
-    """
-    target = unwrap(model)
-    adapter = adapter_for(target)
-    state = getattr(target, _STATE, None)
-    applied = state.applied if state else {}
-    facts = {**state.baked_facts, **state.facts} if state else {}
-    norm = {"kind": norms.current_kind(target, adapter),
-            "scale": "1 + weight" if adapter.norm_offset else "weight"}
-    upcasts = {c.upcast for c in adapter.norm_classes.values()}
-    if len(upcasts) == 1 and None not in upcasts:  # how the family's own norms round in bfloat16
-        norm["bf16"] = {"fp32": "computed in float32, rounded once", "normalize": "normalized in float32, scaled "
-                        "in the input dtype", "none": "computed in the input dtype"}[upcasts.pop()]
-    if "norm" in applied:
-        norm.update(facts.get("norm", {}))
-    return {
-        "family": adapter.model_type,
-        "class": type(target).__name__,
-        "norm": norm,
-        "placement": applied.get("placement", {}).get("kind") or adapter.placement_of(target.config),
-        **({"placement_layers": facts["placement"]["layers"]} if "layers" in facts.get("placement", {}) else {}),
-        "position": _position(target, adapter, state),
-        "attention_temperature": _temperature(applied, facts),
-        "attention": target.config._attn_implementation,
-        "max_position_embeddings": target.config.get_text_config().max_position_embeddings,
-        "position_limit": position_limit(target),
-        "applied": _applied(applied, facts),
-        "baked": sorted(state.baked) if state else [],
-        "loaded_with": specs.describe_string(loaded) if (loaded := loaded_with(target)) else None,
-        "unpatch_restores": _unpatch_restores(target, state),
-        "adapter": {"source": adapter.source, "notes": dict(adapter.notes)},
-        "patches": available(target, adapter),
-    }
-
-
-def _temperature(applied: dict, facts: dict) -> dict | None:
-    """The attention temperature applied, with the values it chose for options left out; None: none."""
-    if "temperature" not in applied:
-        return None
-    return {**applied["temperature"], **facts.get("temperature", {})}
-
-
-def _applied(applied: dict, facts: dict) -> dict:
+def applied_spec(applied: dict, facts: dict) -> dict:
     """The applied spec as describe() reports it: a norm swap's `exact` is whether the conversion was exact (the
     fact, also in describe()["norm"]), not whether it was asked for: exact=True on a model where the math allows no
     exact conversion gives a plain swap."""
@@ -657,48 +563,3 @@ def _applied(applied: dict, facts: dict) -> dict:
     if "norm" in out and "exact" in facts.get("norm", {}):
         out["norm"]["exact"] = facts["norm"]["exact"]
     return out
-
-
-# the norm kinds (convert.current_kind) of a model without a LayerNorm, for which exact_layernorm_to_rmsnorm is None
-NO_LAYERNORM = ("rmsnorm", "none")
-
-
-def available(model, adapter: Adapter) -> dict:
-    """What `patch` accepts for this model, per axis, and why the rest does not apply."""
-    why = {f"position={s}": schemes.unavailable(s, adapter) for s in SCHEMES}
-    norm_why = {f"norm={k}": norm_kinds.unavailable(k, model, adapter) for k in NORMS}
-    offered = [k for k in NORMS if norm_why[f"norm={k}"] is None]
-    # one reason for the axis where no kind applies, else one per kind that does not
-    why.update(norm_why if offered else {"norm": next(iter(norm_why.values()))})
-    exact = norms.exact_blocker(model, adapter, adapter.placement_of(model.config))
-    # the question only arises where there is a LayerNorm to convert: an RMSNorm model's answer is None (null), not
-    # a "true" that reads as if the model had LayerNorms
-    has_layernorm = norms.current_kind(model, adapter) not in NO_LAYERNORM
-    why["exact_layernorm_to_rmsnorm"] = exact if has_layernorm else None
-    forms = placement_forms(adapter)
-    if len(forms) < 2:
-        why["placement"] = adapter.notes.get("placement") or "the blocks have no known pre/post form"
-    else:
-        why.update({f"placement={k}": f"{adapter.model_type}'s blocks have no {k} form hfpatch knows"
-                    for k in PLACEMENTS if k not in forms})
-    why.update({f"attention_temperature={k}": temperatures.unavailable(k, adapter) for k in TEMPERATURES})
-    return {
-        "position": [s for s in SCHEMES if why[f"position={s}"] is None],
-        "attention_temperature": [k for k in TEMPERATURES if why[f"attention_temperature={k}"] is None],
-        "norm": offered,
-        "exact_layernorm_to_rmsnorm": exact is None if has_layernorm else None,
-        "placement": forms,
-        "not_available": {k: v for k, v in why.items() if v},
-    }
-
-
-def summary(model, adapter: Adapter) -> dict:
-    """What the model is and what patch accepts for it (hfpatch.supported of one model)."""
-    return {
-        "norm": adapter.norm,
-        "placement": adapter.placement_of(model.config),
-        "position": adapter.position_signal,
-        "causal": adapter.causal,
-        "adapter": {"source": adapter.source, "notes": dict(adapter.notes)},
-        "patches": available(model, adapter),
-    }

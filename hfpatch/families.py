@@ -26,7 +26,8 @@ import transformers
 
 from . import tiny
 from .adapters import InferenceError, adapter_for
-from .apply import NO_LAYERNORM, summary, unwrap
+from .apply import unwrap
+from .introspect import NO_LAYERNORM, summary
 from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS
 from .position.registry import SCHEMES

@@ -24,6 +24,7 @@ from accelerate import PartialState
 from accelerate.utils import set_seed
 
 import hfpatch
+import hfpatch.introspect
 from hfpatch import evaluate as evaluations
 from hfpatch.evaluate.common import versions
 from hfpatch.models import load
@@ -78,7 +79,7 @@ def evaluate(run, study, held_out, tok=None, train_seqs=None) -> dict:
     init.restore(model)  # init=paper's embedding scale (its config records it)
     model.eval()
     info = hfpatch.describe(model)
-    limit = hfpatch.apply.table_limit(model)  # a learned table fails past its rows: lengths past it are not run
+    limit = hfpatch.introspect.table_limit(model)  # a learned table fails past its rows: lengths past it are not run
     out = {"arm": run.arm, "seed": run.seed, "name": run.name, "overrides": run.overrides, "command": run.command,
            "parameters": sum(p.numel() for p in model.parameters()), "applied": info["applied"],
            "training": measure.training_summary(run.out)}

@@ -33,7 +33,7 @@ import torch
 import hfpatch
 from hfpatch import families, tiny
 from hfpatch.adapters import adapter_for
-from hfpatch.apply import available
+from hfpatch.introspect import available
 from hfpatch.families import DECODE_CHECK, DECODE_SCHEMES
 from hfpatch.position.signal import native_form_kept
 

@@ -24,22 +24,23 @@ LAYERS: dict[str, set[str]] = {
     "position": {"adapters", "edits", "registry", "utils"},  # rope/, attention/, schemes/, the SCHEMES registry
     "norm": {"adapters", "edits", "registry", "utils"},  # the NORMS and PLACEMENTS registries, norm modules, swaps, fits
     "spec": {"position", "norm"},  # the patch spec, validated against the registries
-    "apply": {"spec", "adapters", "norm", "position", "edits", "utils"},  # patch / unpatch / describe
+    "apply": {"spec", "adapters", "norm", "position", "edits", "utils"},  # patch / unpatch, the save marks
+    "introspect": {"apply", "spec", "adapters", "norm", "position"},  # describe, length limits, what applies
     # in and out: other formats and engines, loading by name
-    "interop": {"apply", "spec", "adapters", "edits", "position", "utils"},  # io, gguf, serving
+    "interop": {"apply", "introspect", "spec", "adapters", "edits", "position", "utils"},  # io, gguf, serving
     "io": {"interop"},  # re-export of the old path, for one version
     "gguf": {"interop"},  # re-export of the old path, for one version
-    "models": {"interop", "apply", "utils"},  # load by name
-    "families": {"apply", "adapters", "norm", "position", "tiny"},  # supported(): every family measured
-    "hfpatch": {"spec", "apply", "families", "interop"},  # the public API
+    "models": {"introspect", "interop", "apply", "utils"},  # load by name
+    "families": {"apply", "introspect", "adapters", "norm", "position", "tiny"},  # supported(): every family measured
+    "hfpatch": {"introspect", "spec", "apply", "families", "interop"},  # the public API
     # running models: what evaluations and training share, then each
-    "lm": {"apply", "adapters", "models", "utils"},  # a causal LM as body + head; documents and tokenizers
-    "evaluate": {"hfpatch", "apply", "spec", "adapters", "lm", "models", "interop", "registry", "utils"},
-    "train": {"hfpatch", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models", "registry",
+    "lm": {"apply", "introspect", "adapters", "models", "utils"},  # a causal LM as body + head; documents and tokenizers
+    "evaluate": {"hfpatch", "introspect", "apply", "spec", "adapters", "lm", "models", "interop", "registry", "utils"},
+    "train": {"hfpatch", "introspect", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models", "registry",
               "utils"},
-    "studies": {"hfpatch", "evaluate", "train", "apply", "spec", "adapters", "lm", "models", "norm", "position",
+    "studies": {"hfpatch", "introspect", "evaluate", "train", "apply", "spec", "adapters", "lm", "models", "norm", "position",
                 "utils"},
-    "cli": {"hfpatch", "evaluate", "norm", "spec", "models", "families", "apply", "interop", "position", "utils"},
+    "cli": {"hfpatch", "introspect", "evaluate", "norm", "spec", "models", "families", "apply", "interop", "position", "utils"},
     "__main__": {"cli"},
 }
 

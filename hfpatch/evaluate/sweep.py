@@ -35,7 +35,8 @@ from tqdm.auto import tqdm
 
 from .. import spec as specs
 from ..adapters.positions import trained_window
-from ..apply import describe, loaded_with, table_limit, unwrap
+from ..apply import loaded_with, unwrap
+from ..introspect import describe, table_limit
 from ..lm import budget
 from ..lm.causal import causal_lm_parts
 from ..lm.text import load_tokenizer

@@ -27,7 +27,6 @@ from ..apply import (
     bake,
     changes_weights,
     config_path,
-    describe,
     mark_loaded,
     patch,
     save_marked,
@@ -35,6 +34,7 @@ from ..apply import (
     unexpressed,
     unwrap,
 )
+from ..introspect import describe
 
 
 def save_pretrained(model, path, tokenizer=None, **kwargs):
