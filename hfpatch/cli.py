@@ -12,6 +12,8 @@ NoPE, ...) or its norms (LayerNorm, RMSNorm, pre/post placement), save it, and m
     hfpatch eval ruler ...
     hfpatch eval niah ...
     hfpatch lm-eval ...         (lm-evaluation-harness's lm_eval command, with --model hfpatch registered)
+    hfpatch search --model smollm2 --target-length 32k --budget 2h --out DIR   (hfpatch search --help)
+    hfpatch patch MODEL --spec-file DIR/best.json --out DIR2
 
 MODEL: a hub id, a local folder, a .gguf file, or "smollm2" (the embedded default). Bad input: one line on stderr
 and exit code 2.
@@ -107,6 +109,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="the arguments of that evaluation (see hfpatch eval ppl --help)")
     e.set_defaults(func=_eval)
 
+    sub.add_parser("search", help="find the training-free patch that works best at a target length (hfpatch "
+                                  "search --help)", add_help=False)
+
     sub.add_parser("lm-eval", help="lm-evaluation-harness's lm_eval command with --model hfpatch registered "
                                    "(every lm_eval argument follows: hfpatch lm-eval --help)")
     return p
@@ -155,6 +160,9 @@ def _patch_arguments(s) -> None:
                         + "; options after colons, e.g. logn:window=4096, llama4:attn_scale=0.1:floor_scale=8192")
     s.add_argument("--opt", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
                    help="any option as KEY=VALUE, the value as JSON (e.g. --opt 'short_factor=[1,1,1,1]')")
+    s.add_argument("--spec-file", dest="spec_file", metavar="JSON",
+                   help="the patch as a JSON object of hfpatch.patch's keyword arguments (hfpatch search writes "
+                        "OUT/best.json); other flags add to it, and may not repeat a key it gives")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="load the model in this dtype")
     s.add_argument("--overwrite", action="store_true",
                    help="with a .gguf --out: replace an existing GGUF file there (never a file of another kind)")
@@ -202,6 +210,10 @@ def _locked(out: Path) -> Lock:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["search"]:  # every following argument is the search's own, --help included
+        from hfpatch.search.command import main as search_main
+
+        return search_main(argv[1:])
     if argv[:1] == ["lm-eval"]:  # every following argument is lm_eval's own, --help included
         from hfpatch.evaluate import harness
 
@@ -263,9 +275,16 @@ def _patch(args) -> int:
     from hfpatch.models import load
 
     kwargs = _patch_kwargs(args)
+    if args.spec_file:
+        from_file = _spec_file(args.spec_file)
+        both = sorted(set(from_file) & set(kwargs))
+        if both:
+            raise UsageError(f"hfpatch patch: error: --spec-file {args.spec_file} and the other flags both give "
+                             f"{', '.join(both)}; give each once")
+        kwargs = {**from_file, **kwargs}
     if not kwargs:
-        raise UsageError("hfpatch patch: error: nothing to patch: give --position, --norm, --placement or "
-                         "--attention-temperature")
+        raise UsageError("hfpatch patch: error: nothing to patch: give --position, --norm, --placement, "
+                         "--attention-temperature or --spec-file")
     if args.out.endswith(".gguf"):  # GGUF in, GGUF out: llama.cpp's RoPE metadata, the weights as they are
         return _export_gguf(args, kwargs)
     if args.overwrite:
@@ -286,6 +305,25 @@ def _patch(args) -> int:
     info = hfpatch.describe(model)
     print(f"saved {info['family']} with {hfpatch.spec.describe_string(info['applied'])} to {args.out}")
     return 0
+
+
+def _spec_file(path: str) -> dict:
+    """The keyword arguments of hfpatch.patch that a --spec-file holds (a JSON object with string keys)."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"--spec-file {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        why = describe_os_error(e) if isinstance(e, OSError) else "not UTF-8 text"
+        raise ValueError(f"--spec-file {path}: cannot read it ({why})") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--spec-file {path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f"--spec-file {path}: expected a non-empty JSON object of hfpatch.patch's keyword arguments "
+                         '(e.g. {"position": "yarn", "factor": 4}), got ' + type(value).__name__)
+    return value
 
 
 def _export_gguf(args, kwargs) -> int:

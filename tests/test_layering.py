@@ -36,11 +36,13 @@ LAYERS: dict[str, set[str]] = {
     # running models: what evaluations and training share, then each
     "lm": {"apply", "introspect", "adapters", "models", "utils"},  # a causal LM as body + head; documents and tokenizers
     "evaluate": {"hfpatch", "introspect", "apply", "spec", "adapters", "lm", "models", "interop", "registry", "utils"},
+    # the search over patches: candidates, the objective, the resumable loop (over the evaluations' machinery)
+    "search": {"evaluate", "apply", "introspect", "adapters", "position", "lm", "models", "utils"},
     "train": {"hfpatch", "introspect", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models", "registry",
               "utils"},
     "studies": {"hfpatch", "introspect", "evaluate", "train", "apply", "spec", "adapters", "lm", "models", "norm", "position",
                 "utils"},
-    "cli": {"hfpatch", "introspect", "evaluate", "norm", "spec", "models", "families", "apply", "interop", "position", "utils"},
+    "cli": {"hfpatch", "introspect", "evaluate", "search", "norm", "spec", "models", "families", "apply", "interop", "position", "utils"},
     "__main__": {"cli"},
 }
 
