@@ -5,8 +5,8 @@
 Measured by reading the source (ast); only the scheme registry is imported, for the scheme names:
 - files per scheme: for each position scheme, the files of the package (hfpatch/) that name it as a string literal
   (a branch on its name, a table keyed by it, a registration); the mean and the largest count;
-- scheme-keyed tables: module-level dict/set literals with two or more scheme names among their keys, plus calls
-  to a `register` whose first argument is a scheme name, each counted once per place;
+- scheme-keyed tables: module-level dict/set literals with two or more scheme names among their keys, plus the
+  `register` functions called with a scheme name (one table per function and file, however many calls);
 - imports inside functions (package, eval/ scripts, recipes), and `sys.path` edits;
 - the largest file of the package and the longest function (lines);
 - the share of function arguments (self/cls excluded) that carry a type annotation, in the package.
@@ -58,7 +58,7 @@ def scheme_tables(trees: dict[Path, ast.AST], names: set[str]) -> list[str]:
         for call in calls:
             first = call.args[0]
             if isinstance(first, ast.Constant) and first.value in names and "register" in ast.unparse(call.func):
-                found.append(f"{rel}:{ast.unparse(call.func)}({first.value!r})")
+                found.append(f"{rel}:{ast.unparse(call.func)}(...)")  # one registry, however many calls
     return sorted(set(found))
 
 
