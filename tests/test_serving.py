@@ -11,8 +11,8 @@ import pytest
 from conftest import REPO, WINDOW, tiny_model
 
 import hfpatch
-from hfpatch.interop import serving
 from hfpatch.cli import main
+from hfpatch.interop import serving
 
 
 def saved(tmp_path, **spec):
