@@ -4,7 +4,7 @@ entry is read (the patch's own checks count too), one forward of the base model 
 gradients, and describe() is read again. Token ids are drawn at random: which path runs depends on the call's shape,
 device, dtype and grad mode, not on the text.
 
-    OMP_NUM_THREADS=1 python eval/attention_paths_smollm2.py          # alibi, t5, self-extend at 2048: ~1 min
+    OMP_NUM_THREADS=1 python -m eval.attention_paths_smollm2          # alibi, t5, self-extend at 2048: ~1 min
 
 Writes eval/results/attention/smollm2_paths.json; eval/docs_tables.py renders it (tables() below) into
 docs/generated/attention_paths_smollm2.md.

@@ -3,35 +3,32 @@ hfpatch's ALiBi vs a naive ALiBi that hands sdpa the full [1, heads, L, L] bias.
 own fresh process, so peak memory is its own. Also the accuracy of the factorised attention against a float64
 computation of the same attention.
 
-    python eval/bench_alibi.py                                   # L = 2k, 8k, 16k; naive up to 8k
-    python eval/bench_alibi.py --lengths 2048,8192 --naive-lengths 2048 --repeats 2
+    python -m eval.bench_alibi                                   # L = 2k, 8k, 16k; naive up to 8k
+    python -m eval.bench_alibi --lengths 2048,8192 --naive-lengths 2048 --repeats 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
+from pathlib import Path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from benchutil import markdown_table, median, timed_forwards, worker_grid  # noqa: E402
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+import hfpatch
+from eval.benchutil import length_list, markdown_table, median, module_name, timed_forwards, worker_grid
+from hfpatch.position.schemes.alibi import SLOPES_ATTR, alibi_bias, alibi_slopes, factorise
+from hfpatch.utils.files import write_json
 
 GB = 1024**3
 NAIVE = "bench_alibi_full_bias"
-
-
-def _ints(text):
-    return [int(x) for x in text.split(",") if x]
-
+MODULE = module_name(__file__)  # what the workers run as
 
 def naive_full_bias(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """ALiBi as a materialized [1, H, q, kv] float bias (causal -inf included) passed to sdpa."""
-    import torch
-
-    from hfpatch.position.schemes.alibi import SLOPES_ATTR, alibi_bias
-
     q_len, kv_len = query.shape[2], key.shape[2]
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
@@ -44,12 +41,6 @@ def naive_full_bias(module, query, key, value, attention_mask, dropout=0.0, scal
 
 
 def worker(args):
-    import torch
-    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    import hfpatch
-
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
                          num_attention_heads=args.heads, num_key_value_heads=args.heads, vocab_size=1000,
@@ -66,11 +57,6 @@ def worker(args):
 
 def accuracy(lengths, heads=8, dim=32):
     """Max abs error of the factorised ALiBi attention (fp32, as run) against float64, on a few query rows."""
-    import torch
-    import torch.nn.functional as F
-
-    from hfpatch.position.schemes.alibi import alibi_bias, alibi_slopes, factorise
-
     out = {}
     slopes = torch.tensor(alibi_slopes(heads))
     for L in lengths:
@@ -90,8 +76,8 @@ def accuracy(lengths, heads=8, dim=32):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=_ints, default=[2048, 8192, 16384])
-    p.add_argument("--naive-lengths", type=_ints, default=[2048, 8192],
+    p.add_argument("--lengths", type=length_list, default=[2048, 8192, 16384])
+    p.add_argument("--naive-lengths", type=length_list, default=[2048, 8192],
                    help="lengths for the naive full-bias variant (it needs ~18 GB at 16k)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
@@ -105,10 +91,9 @@ def main(argv=None):
         print(json.dumps(worker(args)))
         return
 
-    me = os.path.abspath(__file__)
     shape = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
              "--repeats", str(args.repeats)]
-    results = worker_grid(me, args.lengths,
+    results = worker_grid(MODULE, args.lengths,
                           lambda L: ["unpatched", "alibi"] + (["naive"] if L in args.naive_lengths else []), shape)
     acc = accuracy(args.lengths)
 
@@ -134,9 +119,8 @@ def main(argv=None):
     print(markdown_table(["L", "variant", "forward (s)", "peak RSS (GB)", "peak above steady state (GB)",
                           "time / unpatched", "peak / unpatched", "attention max abs err (fp32 vs fp64)"], rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "accuracy": acc,
-                       "results": {f"{v}@{L}": r for (v, L), r in results.items()}}, f, indent=2)
+        write_json(Path(args.json), {"args": vars(args), "accuracy": acc,
+                                     "results": {f"{v}@{L}": r for (v, L), r in results.items()}})
 
 
 if __name__ == "__main__":

@@ -3,21 +3,21 @@
 the unpatched model (RoPE, sdpa); and training steps (forward + backward) on the path the table picks for them.
 Each cell runs in a fresh process of its own, so its peak memory (max RSS) is its own; ratios come from one run.
 
-A path is forced for its cells (hfpatch.position.attention.paths.forcing); a path that cannot run here (CUDA, flash-attn) is
-left out. For the compiled flex paths the first call (compilation included) is reported apart; the timed forwards
-come after it. torch keeps compiled kernels in an on-disk cache, so a first call is slower on a fresh machine than
-on one that compiled them before (--cold-compile disables that cache for the flex cells).
+A path is forced for its cells (hfpatch.position.attention.paths.forcing); a path that cannot run here (CUDA,
+flash-attn) is left out. For the compiled flex paths the first call (compilation included) is reported apart; the
+timed forwards come after it. torch keeps compiled kernels in an on-disk cache, so a first call is slower on a fresh
+machine than on one that compiled them before (--cold-compile disables that cache for the flex cells).
 
-    python eval/bench_attention.py --threads 1                      # 2k, 8k, 16k; every path; 1-2 h
-    python eval/bench_attention.py --lengths 2048 --repeats 1       # a quick check
-    python eval/bench_attention.py --lengths 8192 --cells alibi/factorised,t5/pieces
+    python -m eval.bench_attention --threads 1                      # 2k, 8k, 16k; every path; 1-2 h
+    python -m eval.bench_attention --lengths 2048 --repeats 1       # a quick check
+    python -m eval.bench_attention --lengths 8192 --cells alibi/factorised,t5/pieces
 
 With --device (cuda, or cpu for a quick check of the same code), every scheme runs the path the table chooses for
 that device, dtype and mode, against the unpatched model on sdpa (and on flash-attn where it is installed), all
 cells in one process, peak memory read from the device (CUDA: torch's allocator peak; CPU: peak RSS); a cell that
 runs out of memory is recorded as such and the next one runs:
 
-    python eval/bench_attention.py --device cuda --dtype bf16 --mode train --lengths 8192,32768,131072
+    python -m eval.bench_attention --device cuda --dtype bf16 --mode train --lengths 8192,32768,131072
 
 Writes OUT/bench.json (every cell's measurements) and OUT/bench.md (the tables), OUT = eval/results/attention.
 """
@@ -25,14 +25,30 @@ Writes OUT/bench.json (every cell's measurements) and OUT/bench.md (the tables),
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from benchutil import markdown_table, median, peak_rss, reset_peak_rss, rss, run_worker, timed_forwards  # noqa: E402
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hfpatch
+from eval.benchutil import (
+    REPO,
+    length_list,
+    markdown_table,
+    median,
+    module_name,
+    peak_rss,
+    reset_peak_rss,
+    rss,
+    run_worker,
+    timed_forwards,
+)
+from hfpatch.position.attention import flex, kernels, paths
 
 GB = 1024**3
 THETA = 1e5
@@ -48,18 +64,10 @@ TRAINED = 8192  # the model's trained window (Self-Extend's W must be inside it)
 CHOSEN = {**{scheme: options for scheme, (options, _) in SCHEMES.items()}, "dual-chunk": {}}
 WINDOWED = {"self-extend", "dual-chunk"}  # keep the trained window: the scheme reaches beyond it
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def _ints(text):
-    return [int(x) for x in text.split(",") if x]
+MODULE = module_name(__file__)  # what the workers run as
 
 
 def build(scheme: str, layers: int, length: int, attn: str | None = None):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import hfpatch
-
     config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=1000,
                          max_position_embeddings=TRAINED if scheme in WINDOWED else max(length, TRAINED),
@@ -78,8 +86,6 @@ def build(scheme: str, layers: int, length: int, attn: str | None = None):
 
 def timed_train(model, length: int, repeats: int, vocab: int = 1000) -> dict:
     """Training steps (forward, loss, backward) on one sequence, like timed_forwards."""
-    import torch
-
     model.train()
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(1))
     model(ids[:, :256], labels=ids[:, :256]).loss.backward()  # warm-up
@@ -98,12 +104,6 @@ def timed_train(model, length: int, repeats: int, vocab: int = 1000) -> dict:
 def worker(args) -> dict:
     """One cell: VARIANT is "unpatched", "SCHEME/PATH" (inference, the path forced) or "train:SCHEME" (training, the
     path the table picks)."""
-    import contextlib
-
-    import torch
-
-    from hfpatch.position.attention import flex, paths
-
     if args.threads:
         torch.set_num_threads(args.threads)
     train = args.worker.startswith("train:")
@@ -171,8 +171,6 @@ def tables(results: dict, args) -> str:
 def flash_schemes() -> list[str]:
     """The schemes with a path for models loaded with attn_implementation="flash_attention_2" (read off the path
     tables)."""
-    from hfpatch.position.attention import paths
-
     return [s for s in CHOSEN if any(p.base and "flash_attention_2" in p.base for p in paths.table(s))]
 
 
@@ -190,8 +188,6 @@ class DeviceMemory:
 
     def reset(self) -> int:
         """Start measuring; returns what is held now (the model, its inputs)."""
-        import torch
-
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -200,23 +196,17 @@ class DeviceMemory:
         return rss()
 
     def peak(self) -> int:
-        import torch
-
         if self.cuda:
             return torch.cuda.max_memory_allocated()
         return peak_rss()
 
     def sync(self) -> None:
-        import torch
-
         if self.cuda:
             torch.cuda.synchronize()
 
 
 def _step(model, ids, train: bool) -> None:
     """One forward of the base model (infer), or forward + loss + backward (train)."""
-    import torch
-
     if train:
         model(ids, labels=ids).loss.backward()
         model.zero_grad(set_to_none=True)
@@ -227,10 +217,6 @@ def _step(model, ids, train: bool) -> None:
 
 def device_cell(variant: str, length: int, args) -> dict:
     """One cell of the --device grid: the first call at `length` (compilation included) apart, then the timed ones."""
-    import torch
-
-    from hfpatch.position.attention import paths
-
     base, _, scheme = variant.rpartition(":")
     memory = DeviceMemory(args.device)
     model = build(scheme, args.layers, length, attn="flash_attention_2" if base == "flash" else None)
@@ -252,20 +238,12 @@ def device_cell(variant: str, length: int, args) -> dict:
 
 
 def out_of_memory(error: BaseException) -> bool:
-    import torch
-
     return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(error).lower()
 
 
 def device_grid(args, save) -> dict:
     """{(variant, L): measurements, or {"error": ...} or {"skipped": why}}, cells run in order of length; stops
     starting cells once --budget-s is spent (the rest say so). `save(results)` runs after every cell."""
-    import gc
-
-    import torch
-
-    from hfpatch.position.attention import kernels
-
     no_flash = kernels.flash_attn_missing()
     results: dict = {}
     start = time.perf_counter()
@@ -317,8 +295,6 @@ def device_tables(results: dict, args) -> str:
 
 def check_device(p: argparse.ArgumentParser, args) -> None:
     """--device must name a device this machine has; fills in the --device grid's defaults."""
-    import torch
-
     if args.device not in ("cpu", "cuda"):
         p.error(f"--device {args.device}: expected cuda or cpu")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -343,8 +319,8 @@ def run_device_grid(args) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=_ints, default=[2048, 8192, 16384])
-    p.add_argument("--train-lengths", type=_ints, default=[2048],
+    p.add_argument("--lengths", type=length_list, default=[2048, 8192, 16384])
+    p.add_argument("--train-lengths", type=length_list, default=[2048],
                    help="lengths of the training cells (written-out training keeps every block's weights)")
     p.add_argument("--cells", help="only these cells, e.g. alibi/flex,t5/pieces,train:t5 (unpatched always runs)")
     p.add_argument("--layers", type=int, default=4)
@@ -359,7 +335,7 @@ def main(argv=None):
     p.add_argument("--mode", choices=["infer", "train"], help="with --device: forwards (infer, the default), "
                    "or training steps (forward + loss + backward)")
     p.add_argument("--budget-s", type=float, help="with --device: start no cell after this many seconds")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "attention"))
+    p.add_argument("--out", default=str(REPO / "eval" / "results" / "attention"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -375,7 +351,6 @@ def main(argv=None):
         p.error(f"{', '.join(given)}: only with --device cuda|cpu")
 
     chosen = None if args.cells is None else set(args.cells.split(","))
-    me = os.path.abspath(__file__)
     shape = ["--layers", str(args.layers), "--repeats", str(args.repeats)] + \
         (["--threads", str(args.threads)] if args.threads else [])
     if args.cold_compile:
@@ -385,7 +360,7 @@ def main(argv=None):
     for v, L in cells(args.lengths, chosen, args.train_lengths):
         t0 = time.perf_counter()
         try:
-            results[(v, L)] = run_worker([me, "--worker", v, "--length", str(L), *shape])
+            results[(v, L)] = run_worker(MODULE, ["--worker", v, "--length", str(L), *shape])
         except RuntimeError as e:  # one cell failing (memory, a path refusing) does not lose the others
             results[(v, L)] = {"error": str(e).strip().splitlines()[-1][:200]}
         print(f"{v} @ {L}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)

@@ -1,7 +1,7 @@
 """How long the `hfpatch` command takes to answer `--help`, against starting Python itself, measured side by side.
 
-    python eval/bench_cli.py                                   # this checkout
-    python eval/bench_cli.py --vs /path/to/older/checkout --json out.json
+    python -m eval.bench_cli                                   # this checkout
+    python -m eval.bench_cli --vs /path/to/older/checkout --json out.json
 
 Each command runs in a fresh process (`python -m hfpatch ...`, importing from the checkout named), every command
 of every checkout interleaved round by round so that a machine that speeds up or slows down affects them alike; the

@@ -2,8 +2,8 @@
 transformers.Trainer with gradient checkpointing vs the recipe's loop with its memory options, side by side in one
 run, on a SmolLM2-shaped model (SmolLM2-135M's config with fewer blocks, random weights, batch 1, fp32).
 
-    python eval/bench_long_train.py --budget-gb 3.0                   # 8 blocks; bisection to 512 tokens
-    python eval/bench_long_train.py --budget-gb 3.0 --layers 30       # SmolLM2-135M's full depth
+    python -m eval.bench_long_train --budget-gb 3.0                   # 8 blocks; bisection to 512 tokens
+    python -m eval.bench_long_train --budget-gb 3.0 --layers 30       # SmolLM2-135M's full depth
 
 Each measurement is one step in a fresh process of this script, AdamW's moments already allocated (as in every step
 but a run's first); its memory is the process's peak resident set
@@ -27,27 +27,29 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import pairwise
+from pathlib import Path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from benchutil import markdown_table, smollm2_shaped, write_json  # noqa: E402
+import torch
+from transformers import AutoConfig
+
+from eval.benchutil import REPO, markdown_table, module_name, smollm2_shaped, worker_command
+from hfpatch.models import SMOLLM2, resolve
+from hfpatch.utils.files import write_json
 
 GB = 1024**3
+MODULE = module_name(__file__)  # what the workers run as
 
 
 # ------------------------------------------------------------------------------------------------------ workers
 
 def _tokens(vocab: int, length: int, rows: int = 1):
-    import torch
-
     return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(0))
 
 
 def warm_optimizer(optimizer, params) -> None:
     """Give AdamW its two moments before the measured step, as every step after a run's first has them: one step
     on zero gradients (no weight decay here), which leaves the weights as they are."""
-    import torch
-
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
@@ -63,6 +65,7 @@ def recipe_overrides(args, length: int, out: str) -> list[str]:
 
 
 def recipe_worker(args) -> dict:
+    # each loop's code only in its own worker: a process's peak memory is the step's, not the other loop's imports
     from hfpatch.train import loop
     from hfpatch.train.config import load
 
@@ -82,7 +85,7 @@ def recipe_worker(args) -> dict:
 
 
 def trainer_worker(args) -> dict:
-    import torch
+    # each loop's code only in its own worker: a process's peak memory is the step's, not the other loop's imports
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     model = smollm2_shaped(args.layers, args.max_len)
@@ -118,7 +121,7 @@ def trainer_worker(args) -> dict:
                                   disable_tqdm=True)
         trainer = Trainer(model=model, args=targs, train_dataset=Rows(), callbacks=[Clock()])
         trainer.train()
-    return {"times": [b - a for a, b in zip(marks, marks[1:])], "losses": losses}
+    return {"times": [b - a for a, b in pairwise(marks)], "losses": losses}
 
 
 # ------------------------------------------------------------------------------------------------------ parent
@@ -146,12 +149,13 @@ VARIANTS = {"trainer": ("trainer", {}, []),
 def measure(args, variant: str, length: int, steps: int, budget: int | None) -> dict:
     """One fresh process: `steps` steps at `length`. Stopped as soon as its peak passes `budget` bytes."""
     worker, env, extra = VARIANTS[variant]
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, "--length", str(length), "--steps",
-           str(steps), "--layers", str(args.layers), "--max-len", str(args.max_len), "--mlp-tile", str(args.mlp_tile),
-           "--loss-chunk", str(args.loss_chunk or 0), *extra] + ([] if args.fused else ["--no-fused"])
+    cmd = worker_command(MODULE, ["--worker", worker, "--length", str(length), "--steps", str(steps), "--layers",
+                                  str(args.layers), "--max-len", str(args.max_len), "--mlp-tile", str(args.mlp_tile),
+                                  "--loss-chunk", str(args.loss_chunk or 0), *extra,
+                                  *([] if args.fused else ["--no-fused"])])
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env={**os.environ, **env})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=REPO, env={**os.environ, **env})
         peak_kb, over = 0, False
         while proc.poll() is None:
             peak_kb = max(peak_kb, _hwm_kb(proc.pid))
@@ -297,16 +301,13 @@ def main(argv=None):
                                                               "recipe, no release_memory") if args.timing_steps}
     long_timing = {v: timed(v, args.long_timing_length, 2) for v in ("recipe", "recipe, no release_memory")
                    if args.long_timing_length}
-    from transformers import AutoConfig
-
-    from hfpatch.models import SMOLLM2, resolve
-
     where, gguf = resolve(SMOLLM2)
     result = {"args": vars(args), "idle": idle, "longest": {v: {"length": b[0], **b[1]} for v, b in best.items()},
               "ratio": best["recipe"][0] / max(best["trainer"][0], best["trainer, malloc 1 MiB"][0]),
               "timing_length": both, "timing": timing, "long_timing": long_timing, "probes": log}
     print(tables(result, AutoConfig.from_pretrained(where, gguf_file=gguf)))
-    write_json(args.json, result)
+    if args.json:
+        write_json(Path(args.json), result)
     return result
 
 

@@ -4,8 +4,8 @@ itself costs (time, peak and retained memory).
 
 Every variant runs in its own fresh process (peak memory is per process); rounds alternate the order.
 
-    python eval/bench_norm.py                         # 12 layers, d=768, 12 heads, batch 1 x 1024 tokens
-    python eval/bench_norm.py --seq 2048 --rounds 3
+    python -m eval.bench_norm                         # 12 layers, d=768, 12 heads, batch 1 x 1024 tokens
+    python -m eval.bench_norm --seq 2048 --rounds 3
 """
 
 from __future__ import annotations
@@ -13,20 +13,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
+from pathlib import Path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from benchutil import markdown_table, median, peak_rss, reset_peak_rss, rss, run_worker, write_json  # noqa: E402
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import hfpatch
+from eval.benchutil import markdown_table, median, module_name, peak_rss, reset_peak_rss, rss, run_worker
+from hfpatch.utils.files import write_json
 
 GB = 1024**3
+MODULE = module_name(__file__)  # what the workers run as
 
 
 def _config(args):
-    from transformers import GPT2Config
-
     return GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, n_positions=max(1024, args.seq),
                       vocab_size=args.vocab)
 
@@ -34,11 +36,6 @@ def _config(args):
 def prepare(args, folder):
     """Save the LayerNorm model and its exact RMSNorm conversion (so the timing workers load plain checkpoints and
     carry no undo log)."""
-    import torch
-    from transformers import GPT2LMHeadModel
-
-    import hfpatch
-
     torch.manual_seed(0)
     model = GPT2LMHeadModel(_config(args))
     with torch.no_grad():  # non-trivial norms, so the conversion has something to fold
@@ -51,10 +48,6 @@ def prepare(args, folder):
 
 
 def train_steps(args, folder, variant):
-    import torch
-
-    import hfpatch
-
     torch.manual_seed(0)
     model = hfpatch.from_pretrained(os.path.join(folder, variant)).train()
     for m in model.modules():  # timing, not regularization
@@ -78,9 +71,6 @@ def train_steps(args, folder, variant):
 
 
 def convert(args, folder):
-    import hfpatch
-    from transformers import GPT2LMHeadModel
-
     model = GPT2LMHeadModel.from_pretrained(os.path.join(folder, "layernorm"))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     before = rss()
@@ -114,14 +104,13 @@ def main(argv=None):
 
     shape = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads), "--vocab",
              str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch), "--repeats", str(args.repeats)]
-    me = os.path.abspath(__file__)
     with tempfile.TemporaryDirectory() as folder:
-        run_worker([me, "--worker", "prepare", "--folder", folder, *shape])
+        run_worker(MODULE, ["--worker", "prepare", "--folder", folder, *shape])
         runs = {"layernorm": [], "rmsnorm": []}
         for r in range(args.rounds):
             for variant in ("layernorm", "rmsnorm") if r % 2 == 0 else ("rmsnorm", "layernorm"):
-                runs[variant].append(run_worker([me, "--worker", variant, "--folder", folder, *shape]))
-        conv = run_worker([me, "--worker", "convert", "--folder", folder, *shape])
+                runs[variant].append(run_worker(MODULE, ["--worker", variant, "--folder", folder, *shape]))
+        conv = run_worker(MODULE, ["--worker", "convert", "--folder", folder, *shape])
     t = {v: median([s for run in rs for s in run["seconds"]]) for v, rs in runs.items()}
     peak = {v: max(run["peak"] for run in rs) for v, rs in runs.items()}
     act = {v: max(run["peak"] - run["base"] for run in rs) for v, rs in runs.items()}
@@ -139,7 +128,8 @@ def main(argv=None):
           f"for unpatch), exact={conv['exact']}")
     result = {"args": vars(args), "fwd_bwd_s": t, "peak_rss": peak, "peak_above_steady": act, "loss": loss,
               "convert": conv}
-    write_json(args.json, result)
+    if args.json:
+        write_json(Path(args.json), result)
     return result
 
 

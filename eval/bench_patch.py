@@ -3,24 +3,22 @@
 Compares, in one run, the forward time of a model patched by hfpatch with the same weights in a model that
 transformers built natively from the equivalent rope_parameters, and times patch() on the loaded model.
 
-    python eval/bench_patch.py                      # SmolLM2-135M (the embedded default), yarn x2, 2048 tokens
-    python eval/bench_patch.py --position linear --factor 4 --length 4096 --repeats 9
+    python -m eval.bench_patch                      # SmolLM2-135M (the embedded default), yarn x2, 2048 tokens
+    python -m eval.bench_patch --position linear --factor 4 --length 4096 --repeats 9
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import interleaved, markdown_table, median, write_json  # noqa: E402
-
-import hfpatch  # noqa: E402
-from hfpatch.models import load  # noqa: E402
+import hfpatch
+from eval.benchutil import interleaved, markdown_table, median
+from hfpatch.models import load
+from hfpatch.utils.files import write_json
 
 
 def native_twin(model):
@@ -75,7 +73,8 @@ def main(argv=None):
         [[args.model, f"{args.position}:{args.factor:g}", args.length, f"{med['native']:.3f}", f"{med['hfpatch']:.3f}",
           f"{ratio:.3f}", f"{median(patch_ms):.2f} / {max(patch_ms):.2f}"]],
     ))
-    write_json(args.json, result)
+    if args.json:
+        write_json(Path(args.json), result)
     return result
 
 

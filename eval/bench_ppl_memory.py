@@ -6,8 +6,8 @@ the forward + loss once and reports: the loss, the seconds of forward + loss, th
 loading included: the number a user sees), and the peak RSS of the forward + loss alone (VmHWM after resetting it
 through /proc/self/clear_refs once the model is loaded; Linux only).
 
-    python eval/bench_ppl_memory.py                                      # SmolLM2-135M, 16k tokens, stdlib text
-    python eval/bench_ppl_memory.py --text-file ../shared/data/books/moby_dick.txt --repeats 2
+    python -m eval.bench_ppl_memory                                      # SmolLM2-135M, 16k tokens, stdlib text
+    python -m eval.bench_ppl_memory --text-file ../shared/data/books/moby_dick.txt --repeats 2
 """
 
 from __future__ import annotations
@@ -19,19 +19,22 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import interleaved, markdown_table, median, status_kb, write_json  # noqa: E402
+import torch
+
+from eval.benchutil import REPO, interleaved, markdown_table, median, module_name, status_kb, worker_command
+from hfpatch.lm import budget
+from hfpatch.lm import text as data
+from hfpatch.lm.causal import causal_lm_parts, window_nll
+from hfpatch.lm.text import load_tokenizer
+from hfpatch.models import load
+from hfpatch.utils.files import write_json
+
+MODULE = module_name(__file__)  # what the workers run as
 
 
 def worker(args) -> dict:
-    import torch
-
-    from hfpatch.lm import text as data
-    from hfpatch.lm.causal import causal_lm_parts, window_nll
-    from hfpatch.models import load
-    from hfpatch.lm.text import load_tokenizer
-
     tok = load_tokenizer(args.model)
     doc = data.text_files([args.text_file])[0] if args.text_file else data.default_corpus()[0]
     ids = torch.as_tensor(data.tokenize(tok, doc).ids[: args.length])
@@ -78,11 +81,13 @@ def main(argv=None):
     runs: dict[str, list[dict]] = {"plain": [], "chunked": []}
 
     def launch(variant):
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--model", args.model,
-               "--length", str(args.length), "--score-chunk", str(args.score_chunk)]
+        # the worker runs from the repository root: paths given relative to here are passed whole
+        model = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
+        cmd = worker_command(MODULE, ["--worker", variant, "--model", model, "--length", str(args.length),
+                                      "--score-chunk", str(args.score_chunk)])
         if args.text_file:
-            cmd += ["--text-file", args.text_file]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+            cmd += ["--text-file", os.path.abspath(args.text_file)]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         if r.returncode != 0:
             raise SystemExit(f"{variant} worker failed:\n{r.stderr[-3000:]}")
         runs[variant].append(json.loads(r.stdout.strip().splitlines()[-1]))
@@ -112,8 +117,6 @@ def main(argv=None):
             f"{ratios['max_rss_ratio']:.3f}", fmt(ratios.get("forward_peak_ratio"), ".3f")]],
     ))
     # what `hfpatch eval ppl` estimates before loading the model (its memory check), next to what was measured
-    from hfpatch.lm import budget
-
     estimate = budget.memory_needed(budget.shape_of(args.model), 4, args.length, score_chunk=args.score_chunk)
     print(f"eval ppl's estimate before loading: {budget.gb(estimate['total'])} in all "
           f"({', '.join(f'{k} {budget.gb(v)}' for k, v in estimate.items() if k != 'total')}); measured chunked: "
@@ -121,7 +124,8 @@ def main(argv=None):
     result = {"model": args.model, "length": args.length, "score_chunk": args.score_chunk, "repeats": args.repeats,
               "memory_estimate": estimate,
               "document": runs["plain"][0]["document"], "median": med, "ratios": ratios, "runs": runs}
-    write_json(args.json, result)
+    if args.json:
+        write_json(Path(args.json), result)
     return result
 
 

@@ -2,8 +2,8 @@
 small Llama from scratch), the same packed data, batch, sequence length, optimizer (AdamW), schedule (warm-up +
 cosine), clipping and precision (fp32). Each runs in its own fresh process; steps after the first two are timed.
 
-    python eval/bench_recipe.py                          # 4 layers, d=256, SmolLM2's tokenizer, 512 tokens x 4
-    python eval/bench_recipe.py --steps 30 --seq-len 1024 --batch 2
+    python -m eval.bench_recipe                          # 4 layers, d=256, SmolLM2's tokenizer, 512 tokens x 4
+    python -m eval.bench_recipe --steps 30 --seq-len 1024 --batch 2
 """
 
 from __future__ import annotations
@@ -11,24 +11,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+import tempfile
 import time
+from pathlib import Path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from benchutil import markdown_table, peak_rss, reset_peak_rss, rss, run_worker  # noqa: E402
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from eval.benchutil import markdown_table, module_name, peak_rss, reset_peak_rss, rss, run_worker
+from hfpatch.train import data, setup
+from hfpatch.train.config import load
+from hfpatch.utils.files import write_json
 
 GB = 1024**3
 WARM = 2  # steps left out of the timing
+MODULE = module_name(__file__)  # what the workers run as
 
 
 def _setup(args):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from hfpatch.train import data, setup
-    from hfpatch.train.config import load
-
     tok = setup.tokenizer(args.tokenizer)
     overrides = [f"seq_len={args.seq_len}", f"batch_size={args.batch}", f"max_steps={args.steps}", "warmup_steps=2",
                  "lr=1e-3", f"data.max_tokens={args.seq_len * args.batch * (args.steps + 4) * 2}",
@@ -36,7 +36,7 @@ def _setup(args):
                  f"output_dir={args.out}", f"tokenizer={args.tokenizer}"]
     if args.text_files:
         overrides.append(f"data.text_files=[{args.text_files}]")
-    cfg = load("pretrain", None, overrides + ["model_config={model_type: llama}"])
+    cfg = load("pretrain", None, [*overrides, "model_config={model_type: llama}"])
     torch.manual_seed(0)
     config = AutoConfig.for_model("llama", hidden_size=args.hidden, intermediate_size=int(2.6875 * args.hidden),
                                   num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
@@ -48,25 +48,24 @@ def _setup(args):
 
 
 def recipe_worker(args):
+    # each loop's code only in its own worker: a process's peak memory is its loop's, not the other one's imports
     from hfpatch.train import loop
 
     cfg, model, tok, train_seqs = _setup(args)
-    import torch
-
     base = rss()
     reset_peak_rss()
     loop.train(cfg, model, tok, train_seqs, torch.zeros(0, args.seq_len, dtype=torch.long))
-    rows = [json.loads(line) for line in open(os.path.join(args.out, "log.jsonl"))]
+    rows = [json.loads(line) for line in Path(args.out, "log.jsonl").read_text().splitlines()]
     seconds = rows[-1]["seconds"] - rows[WARM - 1]["seconds"]
     return {"seconds": seconds, "tokens": (args.steps - WARM) * args.batch * args.seq_len, "peak": peak_rss(),
             "base": base, "final_loss": rows[-1]["loss"]}
 
 
 def trainer_worker(args):
-    import torch
+    # each loop's code only in its own worker: a process's peak memory is its loop's, not the other one's imports
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    cfg, model, tok, train_seqs = _setup(args)
+    _, model, _, train_seqs = _setup(args)
 
     class Packed(torch.utils.data.Dataset):
         def __len__(self):
@@ -116,18 +115,16 @@ def main(argv=None):
     if args.worker:
         print(json.dumps((recipe_worker if args.worker == "recipe" else trainer_worker)(args)))
         return
-    import tempfile
 
-    me = os.path.abspath(__file__)
     shape = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--seq-len", str(args.seq_len), "--batch",
              str(args.batch), "--steps", str(args.steps), "--tokenizer", args.tokenizer]
-    if args.text_files:
-        shape += ["--text-files", args.text_files]
+    if args.text_files:  # the workers run from the repository root: each path whole
+        shape += ["--text-files", ",".join(os.path.abspath(f) for f in args.text_files.split(","))]
     runs = {"recipe": [], "trainer": []}
     for r in range(args.rounds):
         for variant in ("recipe", "trainer") if r % 2 == 0 else ("trainer", "recipe"):
             with tempfile.TemporaryDirectory() as out:
-                runs[variant].append(run_worker([me, "--worker", variant, "--out", out, *shape]))
+                runs[variant].append(run_worker(MODULE, ["--worker", variant, "--out", out, *shape]))
     tps = {v: max(r["tokens"] / r["seconds"] for r in rs) for v, rs in runs.items()}
     peak = {v: max(r["peak"] for r in rs) for v, rs in runs.items()}
     print(f"Llama {args.layers} layers, d={args.hidden}, vocab of {args.tokenizer}; batch {args.batch} x "
@@ -137,8 +134,7 @@ def main(argv=None):
     print(f"\nratio recipe / Trainer: throughput {tps['recipe'] / tps['trainer']:.3f}, "
           f"peak memory {peak['recipe'] / peak['trainer']:.3f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": runs}, f, indent=2)
+        write_json(Path(args.json), {"args": vars(args), "runs": runs})
 
 
 if __name__ == "__main__":

@@ -11,44 +11,39 @@ against float64, in fp32 and bf16, for hfpatch's way (rotate the un-rotated q/k 
 alternative it avoids (take the q/k the model rotated at their own positions and rotate them again by the
 difference to the grouped positions).
 
-    python eval/bench_self_extend.py                       # L = 4k and 16k, 4 layers, G = 8, W = 1024
-    python eval/bench_self_extend.py --lengths 4096 --repeats 1 --explicit-lengths 4096
+    python -m eval.bench_self_extend                       # L = 4k and 16k, 4 layers, G = 8, W = 1024
+    python -m eval.bench_self_extend --lengths 4096 --repeats 1 --explicit-lengths 4096
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
+from pathlib import Path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from benchutil import markdown_table, median, timed_forwards, worker_grid, write_json  # noqa: E402
+import torch
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+import hfpatch
+from eval.benchutil import length_list, markdown_table, median, module_name, timed_forwards, worker_grid
+from hfpatch.position.schemes import self_extend
+from hfpatch.position.schemes.self_extend import _pieces, grouped_key_positions, grouped_query_positions
+from hfpatch.utils.files import write_json
 
 GB = 1024**3
 THETA = 1e5
-
-
-def _ints(text):
-    return [int(x) for x in text.split(",") if x]
+MODULE = module_name(__file__)  # what the workers run as
 
 
 def config(layers, window):
-    from transformers import LlamaConfig
-
     return LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
                        num_key_value_heads=3, vocab_size=1000, max_position_embeddings=window,
                        rope_parameters={"rope_type": "default", "rope_theta": THETA})
 
 
 def worker(args):
-    import torch
-    from transformers import LlamaForCausalLM
-
-    import hfpatch
-    from hfpatch.position.schemes import self_extend
-
     torch.manual_seed(0)
     model = LlamaForCausalLM(config(args.layers, args.trained)).eval()
     if args.worker == "dual-chunk":
@@ -57,8 +52,6 @@ def worker(args):
         hfpatch.patch(model, position="self-extend", group_size=args.group_size, window=args.window)
     if args.worker == "explicit":  # the path the sdpa name takes for gradients, dropout or softcapping
         model.config._attn_implementation_internal = "hfpatch_self_extend_explicit"
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
         def explicit(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
             maps = getattr(module, self_extend.STATE_ATTR)
@@ -75,11 +68,6 @@ def accuracy(lengths, group_size, window, rows=8):
     """Max abs error of the Self-Extend attention output (a few query rows, all their keys) against float64, with
     q/k rotated once at each map (hfpatch) or rotated at their own positions and then again by the difference
     (re-rotation), in fp32 and bf16. The pieces path does the attention in both cases."""
-    import torch
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
-
-    from hfpatch.position.schemes.self_extend import _pieces, grouped_key_positions, grouped_query_positions
-
     rotary = LlamaRotaryEmbedding(config(1, window))
     d = 64
 
@@ -116,8 +104,6 @@ def accuracy(lengths, group_size, window, rows=8):
 
 
 def _reference(qn, kn, qg, kg, v, rows, window):
-    import torch
-
     groups = qn.shape[1] // kn.shape[1]
     kn, kg, v = (t.repeat_interleave(groups, 1) for t in (kn, kg, v))
     i, j = rows[:, None], torch.arange(kn.shape[2])[None]
@@ -128,8 +114,8 @@ def _reference(qn, kn, qg, kg, v, rows, window):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=_ints, default=[4096, 16384])
-    p.add_argument("--explicit-lengths", type=_ints, default=[4096],
+    p.add_argument("--lengths", type=length_list, default=[4096, 16384])
+    p.add_argument("--explicit-lengths", type=length_list, default=[4096],
                    help="lengths for the explicit (blocked) path as well")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
@@ -144,16 +130,16 @@ def main(argv=None):
         print(json.dumps(worker(args)))
         return
 
-    me = os.path.abspath(__file__)
     shape = ["--layers", str(args.layers), "--group-size", str(args.group_size), "--window", str(args.window),
              "--trained", str(args.trained), "--repeats", str(args.repeats)]
-    results = worker_grid(me, args.lengths,
-                          lambda L: ["unpatched", "self-extend", "dual-chunk"] + (["explicit"] if L in args.explicit_lengths else []),
+    explicit = lambda L: ["explicit"] if L in args.explicit_lengths else []
+    results = worker_grid(MODULE, args.lengths, lambda L: ["unpatched", "self-extend", "dual-chunk", *explicit(L)],
                           shape)
     acc = accuracy(args.lengths, args.group_size, args.window)
     result = {"args": vars(args), "accuracy": acc, "results": {f"{v}@{L}": r for (v, L), r in results.items()}}
     print(tables(result))
-    write_json(args.json, result)
+    if args.json:
+        write_json(Path(args.json), result)
 
 
 def tables(result: dict) -> str:
@@ -175,8 +161,8 @@ def tables(result: dict) -> str:
     return "\n".join([
         f"SmolLM2-shaped Llama (d=576, 9/3 heads, head_dim 64), {args['layers']} layers, random weights; "
         f"self-extend G={args['group_size']}, W={args['window']}; dual-chunk chunk_size="
-        f"{args['trained'] * 3 // 4}, local_window={args['trained'] // 16} (the defaults); forward of the base model, batch 1, median of "
-        f"{args['repeats']}; peak = process peak RSS during the forwards",
+        f"{args['trained'] * 3 // 4}, local_window={args['trained'] // 16} (the defaults); forward of the base model, "
+        f"batch 1, median of {args['repeats']}; peak = process peak RSS during the forwards",
         markdown_table(["L", "variant", "forward (s)", "peak RSS (GB)", "peak above steady state (GB)",
                         "time / unpatched", "peak / unpatched"], rows),
         "\nAgainst float64: the Self-Extend attention output (max abs error, 8 query rows, all their keys) and the "

@@ -1,18 +1,47 @@
-"""Small helpers shared by the eval/bench_*.py scripts: memory of a process, workers in processes of their own,
-timed forwards; side-by-side timing (hfpatch.utils.timing) and tables (hfpatch.evaluate.report) for the scripts."""
+"""Small helpers shared by the eval/bench_*.py scripts: memory of a process, workers in processes of their own
+(`python -m eval.NAME --worker ...` from the repository root), timed forwards, command-line lengths; side-by-side
+timing (hfpatch.utils.timing) and tables (hfpatch.evaluate.report) for the scripts."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import resource
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hfpatch
+from hfpatch.evaluate.common import parse_lengths
 from hfpatch.evaluate.report import markdown_table  # noqa: F401 (re-exported to the bench scripts)
+from hfpatch.models import SMOLLM2, resolve
 from hfpatch.utils.timing import interleaved  # noqa: F401 (re-exported to the bench scripts)
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def median(xs):
     return statistics.median(xs)
+
+
+def length_list(text: str) -> list[int]:
+    """An argparse type: '2k,8192' -> [2048, 8192], read as `hfpatch eval --lengths` reads it (sorted, no repeats);
+    anything else is the command's one-line usage error."""
+    try:
+        return parse_lengths(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def module_name(file: str) -> str:
+    """The module a script of this package runs as (`eval.bench_alibi` for eval/bench_alibi.py): what its workers
+    start with `python -m`, however the script itself was started."""
+    return f"{__package__}.{Path(file).stem}"
 
 
 def reset_peak_rss() -> bool:
@@ -46,8 +75,6 @@ def peak_rss() -> int:
     """Peak resident set size in bytes since the start (or the last reset_peak_rss)."""
     kb = status_kb("VmHWM")
     if kb is None:
-        import resource
-
         kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb * 1024
 
@@ -55,8 +82,6 @@ def peak_rss() -> int:
 def timed_forwards(model, length: int, repeats: int, vocab: int = 1000) -> dict:
     """Forwards of the base model on one sequence of `length` seeded random tokens, after a short warm-up: {"seconds":
     [per forward], "peak": peak RSS during them, "base": RSS before them} (for a worker process of its own)."""
-    import torch
-
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(1))
     times = []
     with torch.no_grad():
@@ -70,34 +95,23 @@ def timed_forwards(model, length: int, repeats: int, vocab: int = 1000) -> dict:
     return {"seconds": times, "peak": peak_rss(), "base": base}
 
 
-def run_worker(argv: list[str]) -> dict:
-    """Run `python <argv>` in a fresh process (its own peak memory) and parse the JSON it prints last."""
-    import json
-    import subprocess
-    import sys
+def worker_command(module: str, argv: list[str]) -> list[str]:
+    """`python -m MODULE ARGV` with this interpreter: a worker, started from the repository root (cwd=REPO)."""
+    return [sys.executable, "-m", module, *argv]
 
-    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=False)
+
+def run_worker(module: str, argv: list[str]) -> dict:
+    """Run `python -m MODULE ARGV` in a fresh process (its own peak memory) from the repository root, and parse the
+    JSON it prints last."""
+    out = subprocess.run(worker_command(module, argv), cwd=REPO, capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        raise RuntimeError(f"worker {argv} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"worker {module} {argv} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def write_json(path: str | None, result: dict) -> None:
-    """Write a benchmark's result as JSON when --json was given."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
 
 
 def smollm2_shaped(layers: int, max_positions: int):
     """SmolLM2-135M's architecture (its config, read from the embedded GGUF's metadata) with `layers` blocks and
     random weights, its window scaled with YaRN to cover max_positions."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    import hfpatch
-    from hfpatch.models import SMOLLM2, resolve
-
     where, gguf = resolve(SMOLLM2)
     config = AutoConfig.from_pretrained(where, gguf_file=gguf)
     config.num_hidden_layers = layers
@@ -108,8 +122,8 @@ def smollm2_shaped(layers: int, max_positions: int):
     return model
 
 
-def worker_grid(script: str, lengths, variants_of, shape: list[str]) -> dict:
+def worker_grid(module: str, lengths, variants_of, shape: list[str]) -> dict:
     """{(variant, L): the worker's JSON} for every length and each of `variants_of(L)`, each measured in a fresh
-    process of `script` (`--worker VARIANT --length L` plus `shape`), so that every peak RSS is its own."""
-    return {(v, L): run_worker([script, "--worker", v, "--length", str(L), *shape])
+    process of `module` (`--worker VARIANT --length L` plus `shape`), so that every peak RSS is its own."""
+    return {(v, L): run_worker(module, ["--worker", v, "--length", str(L), *shape])
             for L in lengths for v in variants_of(L)}

@@ -1,8 +1,8 @@
 """Re-check hfpatch against a transformers release: one command.
 
-    python eval/check_transformers.py                      # the newest transformers on PyPI, in a scratch venv
-    python eval/check_transformers.py --transformers 5.25.0
-    python eval/check_transformers.py --python .venv/bin/python --update-baseline   # the environment at hand
+    python -m eval.check_transformers                      # the newest transformers on PyPI, in a scratch venv
+    python -m eval.check_transformers --transformers 5.25.0
+    python -m eval.check_transformers --python .venv/bin/python --update-baseline   # the environment at hand
 
 It builds a scratch venv (torch as pinned in constraints.txt, this checkout installed editable, the requested
 transformers and whatever it resolves with it), runs the family sweep there (tests/test_tiny.py: every causal-LM family
@@ -54,9 +54,9 @@ def make_venv(where: Path, transformers: str) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
     py = where / "bin" / "python"
     pip = [str(py), "-m", "pip", "install", "-q"]
-    subprocess.run(pip + [f"torch=={pinned('torch')}"], check=True)
+    subprocess.run([*pip, f"torch=={pinned('torch')}"], check=True)
     wanted = "transformers" if transformers == "latest" else f"transformers=={transformers}"
-    subprocess.run(pip + ["-e", f"{REPO}[test]", "gguf", "--upgrade", wanted], check=True)
+    subprocess.run([*pip, "-e", f"{REPO}[test]", "gguf", "--upgrade", wanted], check=True)
     return py
 
 
@@ -138,8 +138,8 @@ def report(run: dict, verdict: dict, baseline: list) -> str:
         if not entries:
             lines.append("none")
         elif isinstance(entries, list):
-            lines += [f"- {t}: {'position: ' + (', '.join(_accepts(run['supported'][t]).get('position', [])) or 'none')}"
-                      for t in entries]
+            positions = {t: ", ".join(_accepts(run["supported"][t]).get("position", [])) or "none" for t in entries}
+            lines += [f"- {t}: position: {positions[t]}" for t in entries]
         else:
             lines += [f"- {t}: {'; '.join(msgs)}" for t, msgs in sorted(entries.items())]
         lines.append("")

@@ -1,8 +1,8 @@
 """Cross-engine agreement: every RoPE scheme a GGUF can carry, measured in transformers and in llama.cpp on the same
 tokens, and each cell's gap between the engines set against the unpatched model's own gap at that length.
 
-    python eval/cross_engine.py                      # SmolLM2-135M (Q4_1 GGUF), one book, 2k
-    python eval/cross_engine.py --lengths 8k,16k --windows 1 --passkey-trials 2
+    python -m eval.cross_engine                      # SmolLM2-135M (Q4_1 GGUF), one book, 2k
+    python -m eval.cross_engine --lengths 8k,16k --windows 1 --passkey-trials 2
 
 For each engine it runs `hfpatch eval ppl` and `hfpatch eval passkey` (--engine transformers / llama.cpp) with the
 same arguments, into OUT/LENGTHS/{ppl,passkey}-{engine}/ (LENGTHS e.g. 2k or 8k-16k; resumable: a rerun continues
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import gguf
 
-from hfpatch.interop import gguf as hg
 from hfpatch import spec as specs
 from hfpatch.evaluate import evaluation
 from hfpatch.evaluate.common import length_label, parse_lengths
 from hfpatch.evaluate.report import markdown_table
+from hfpatch.interop import gguf as hg
 from hfpatch.models import gguf_path
 
 HERE = Path(__file__).resolve().parent
@@ -67,7 +67,7 @@ def plan(model: str) -> tuple[list[str], dict]:
     """(specs to measure, {spec: why it is not measured}) for this GGUF."""
     path = gguf_path(model)
     if path is None:
-        raise SystemExit(f"cross_engine.py compares engines on a GGUF file; {model} is not one")
+        raise SystemExit(f"eval.cross_engine compares engines on a GGUF file; {model} is not one")
     info = hg.read_rope(gguf.GGUFReader(path))
     run, skipped = [], {}
     for raw in SPECS:
@@ -120,7 +120,7 @@ def combine(args, run: list[str], skipped: dict) -> dict:
                          "gap_over_unpatched": gap / base if base else None,
                          "tokens": ppl["transformers"][(spec, n)]["tokens"],
                          **(_passkeys(keys, spec, n) if n == longest else {})})
-    command = "python eval/cross_engine.py " + " ".join(args.argv)
+    command = "python -m eval.cross_engine " + " ".join(args.argv)
     if args.combine_only and (out / "cross_engine.json").exists():  # the command that measured, not this one
         command = json.loads((out / "cross_engine.json").read_text())["command"]
     result = {"command": command, "machine": args.machine,

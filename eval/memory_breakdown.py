@@ -1,9 +1,9 @@
 """Where one long training step's memory goes: every tensor the step allocates is followed from its creation to its
 release, labelled with the module and phase that made it, and the live set is read at the step's peak.
 
-    python eval/memory_breakdown.py --length 16384                 # SmolLM2 shape, 8 layers, the recipe's options
-    python eval/memory_breakdown.py --length 16384 --variant plain # transformers' own loss, checkpointing on
-    python eval/memory_breakdown.py --length 4096 --rope           # what RoPE allocates and keeps, per layer
+    python -m eval.memory_breakdown --length 16384                 # SmolLM2 shape, 8 layers, the recipe's options
+    python -m eval.memory_breakdown --length 16384 --variant plain # transformers' own loss, checkpointing on
+    python -m eval.memory_breakdown --length 4096 --rope           # what RoPE allocates and keeps, per layer
 
 How: a TorchDispatchMode sees every op's outputs; each new storage is counted once (views and in-place results
 share it) and released when the last tensor object pointing at it dies (weakref finalizers). Tensors autograd keeps
@@ -22,15 +22,18 @@ import argparse
 import collections
 import json
 import os
-import sys
 import weakref
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from transformers.models.llama import modeling_llama
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import markdown_table, peak_rss, reset_peak_rss, rss, smollm2_shaped, write_json  # noqa: E402
+from eval.benchutil import markdown_table, peak_rss, reset_peak_rss, rss, smollm2_shaped
+from hfpatch.train import memory
+from hfpatch.train.loop import CausalLMLoss
+from hfpatch.utils.files import write_json
 
 MB = 2**20
 
@@ -50,7 +53,7 @@ class LiveTensors(TorchDispatchMode):
         self.phase_snap: dict[str, tuple] = {}  # phase -> (live total, [(nbytes, label)]) near its peak
         # the process's resident set after each op: it also holds what the tracker cannot see (memory inside one
         # op, and memory the allocator keeps after tensors are freed)
-        self._status = open("/proc/self/statm", "rb", buffering=0)
+        self._status = open("/proc/self/statm", "rb", buffering=0)  # noqa: SIM115 (read after every op while tracking)
         self._page = os.sysconf("SC_PAGE_SIZE")
         self.rss_peak, self.rss_peak_label, self.live_at_rss_peak = 0, (), 0
 
@@ -154,10 +157,6 @@ def part_of(label) -> str:
 
 
 def run(args) -> dict:
-    import hfpatch
-    from hfpatch.train import memory
-    from hfpatch.train.loop import CausalLMLoss
-
     model = smollm2_shaped(args.layers, args.length)
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
@@ -222,8 +221,6 @@ def run(args) -> dict:
 def rope_report(args) -> dict:
     """One layer's forward with autograd on and no checkpointing: what apply_rotary_pos_emb allocates and which of
     it is still alive after the forward (kept for the backward pass)."""
-    from transformers.models.llama import modeling_llama
-
     model = smollm2_shaped(args.layers, args.length)
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (1, args.length), generator=torch.Generator().manual_seed(0))
@@ -252,7 +249,7 @@ def rope_report(args) -> dict:
     bhld = (1, cfg.num_attention_heads, args.length, cfg.head_dim)
     rope_made = [(lab, shape, n) for lab, shape, n in tracker.shapes if lab[1].endswith(".rope")]
     per_layer = collections.Counter()
-    for lab, shape, n in rope_made:
+    for _, shape, _ in rope_made:
         per_layer[shape] += 1
     layer0 = "model.layers.0.self_attn.rope"
     return {
@@ -284,7 +281,8 @@ def main(argv=None):
     print(json.dumps(result, indent=1))
     if not args.rope:
         print(table(result))
-    write_json(args.json, result)
+    if args.json:
+        write_json(Path(args.json), result)
     return result
 
 

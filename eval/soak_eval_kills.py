@@ -1,7 +1,7 @@
 """Kill `hfpatch eval ppl` and `hfpatch eval passkey` with SIGKILL at random moments, resume them, and check that
 the final results equal an uninterrupted run's.
 
-    python eval/soak_eval_kills.py --kills 25          # per evaluation; a tiny random model, a few seconds a kill
+    python -m eval.soak_eval_kills --kills 25          # per evaluation; a tiny random model, a few seconds a kill
 
 Where a run dies (each kill picks one, at a random save of the results file or a random time):
   half     halfway through writing the temporary results file (half the JSON on disk), before the rename

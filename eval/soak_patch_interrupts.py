@@ -6,8 +6,8 @@ every operation below; after each, the model must be exactly its state before th
 `describe()`, the config (the hfpatch record included) and every module's class. Then `unpatch` must give the
 original model back.
 
-    python eval/soak_patch_interrupts.py                                  # 4 families x 4 operations
-    python eval/soak_patch_interrupts.py --families llama gpt2 --ops repatch unpatch
+    python -m eval.soak_patch_interrupts                                  # 4 families x 4 operations
+    python -m eval.soak_patch_interrupts --families llama gpt2 --ops repatch unpatch
 
 tests/test_interrupts.py runs the same functions on one tiny model.
 """

@@ -3,8 +3,8 @@
 with resume=true, until it finishes; its loss curve (every logged number) and its final model must equal those of
 a run that was never killed, and every resume must start from the newest complete checkpoint that was on disk.
 
-    python eval/soak_recipe.py --kills 50                       # about 7 minutes on 2 CPU cores
-    python eval/soak_recipe.py --kills 10 --seed 3 --json eval/results/soak_recipe.json
+    python -m eval.soak_recipe --kills 50                       # about 7 minutes on 2 CPU cores
+    python -m eval.soak_recipe --kills 10 --seed 3 --json eval/results/soak_recipe.json
 
 Where the kills land: half are "event" kills, at a file operation under output_dir picked uniformly among those
 an uninterrupted run makes (hfpatch.train.faults: a torn weights/optimizer/RNG/marker/log/config write, or just

@@ -3,9 +3,9 @@ generate on a CPU, what RoPE it carries and how its rotary embedding is laid out
 (read off the cache a forward pass fills), whether it is MoE, and whether cached greedy decoding matches uncached
 forwards. Prints a Markdown table and the counts.
 
-    python eval/tiny_table.py                 # all types
-    python eval/tiny_table.py llama gemma3    # some
-    python eval/tiny_table.py --threads 2     # torch intra-op threads (default 1)
+    python -m eval.tiny_table                 # all types
+    python -m eval.tiny_table llama gemma3    # some
+    python -m eval.tiny_table --threads 2     # torch intra-op threads (default 1)
 """
 
 from __future__ import annotations
@@ -13,17 +13,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
 import sys
 import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from benchutil import markdown_table  # noqa: E402
-
-from hfpatch import tiny  # noqa: E402
+from eval.benchutil import markdown_table
+from hfpatch import tiny
 
 # What one layer of a transformers cache holds (cache_utils classes, measured on the filled cache of a forward).
 CACHE_KINDS = {
@@ -100,10 +96,8 @@ def row(model_type: str, model) -> dict:
             _, diffs = tiny.greedy_check(model)
     except Exception as e:  # TinyBuildError, or a generate that fails
         config = None
-        try:
+        with contextlib.suppress(Exception):  # a type without a tiny config: no RoPE answer either
             config = tiny.tiny_config(model_type)
-        except Exception:
-            pass
         reason = tiny.EXPECTED_FAILURES.get(model_type) or tiny._one_line(e)
         rope = tiny.has_rope(config) if config is not None else None
         return {"type": model_type, "builds": False, "reason": reason, "rope": rope}

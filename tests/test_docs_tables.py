@@ -1,24 +1,22 @@
-"""eval/docs_tables.py: the documentation's result tables are made from the committed results files, and --check
+"""eval.docs_tables: the documentation's result tables are made from the committed results files, and --check
 catches a generated file that differs from them (edited by hand, or stale after a results file changed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from eval import docs_tables as tables_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def docs_tables(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "eval" / "docs_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(module, "OUT", tmp_path / "generated")
-    return module
+    monkeypatch.setattr(tables_module, "OUT", tmp_path / "generated")
+    return tables_module
 
 
 def test_the_committed_tables_are_what_the_results_files_give(docs_tables, monkeypatch):

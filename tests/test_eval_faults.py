@@ -7,7 +7,6 @@ the same file. (eval/soak_eval_kills.py runs many more kills through the same fu
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import os
 import random
@@ -16,17 +15,14 @@ import pytest
 import torch
 from conftest import REPO
 
+from eval import soak_eval_kills as soak
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate.evaluations import ppl as perplexity
 from hfpatch.evaluate.results import comparable as strip_timing
-from hfpatch.utils.files import Lock, Locked
 from hfpatch.tiny import char_text as text_of
 from hfpatch.tiny import char_tokenizer, sized_model
 from hfpatch.tiny import save_sized as save_tiny
-
-_spec = importlib.util.spec_from_file_location("soak_eval_kills", REPO / "eval" / "soak_eval_kills.py")
-soak = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(soak)
+from hfpatch.utils.files import Lock, Locked
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 script cannot rot between GPU runs; the model travels in parts and is joined only when whole and unchanged; the
 perplexity comparison flags a cell outside the bf16 tolerance."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from eval import gpu_check
+
 REPO = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("gpu_check", REPO / "eval" / "gpu_check.py")
-gpu_check = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gpu_check)
 
 
 def test_the_model_is_joined_only_when_every_part_is_there_and_unchanged(tmp_path, monkeypatch):

@@ -4,21 +4,15 @@ real Ctrl-C during a patch is delivered once the patch is complete."""
 
 from __future__ import annotations
 
-import importlib.util
 import signal
-from pathlib import Path
 
 import pytest
 import torch
 
 import hfpatch
 import hfpatch.apply
+from eval import soak_patch_interrupts as soak_module
 from hfpatch import tiny
-
-REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("soak_patch_interrupts", REPO / "eval" / "soak_patch_interrupts.py")
-soak_module = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(soak_module)
 
 
 @pytest.mark.parametrize("operation", list(soak_module.OPERATIONS))

@@ -11,8 +11,8 @@ import pytest
 from conftest import REPO, WINDOW, tiny_model
 
 import hfpatch
-from hfpatch.interop import serving
 from hfpatch.cli import main
+from hfpatch.interop import serving
 
 
 def saved(tmp_path, **spec):
@@ -84,4 +84,4 @@ def test_the_docs_page_carries_the_table_of_the_code():
     """docs/serving.md includes the generated table, and the generated table is the code's (eval/docs_tables.py)."""
     assert '--8<-- "docs/generated/serving_engines.md"' in (REPO / "docs" / "serving.md").read_text()
     generated = (REPO / "docs" / "generated" / "serving_engines.md").read_text()
-    assert serving.markdown() in generated, "docs/generated/ is stale: run python eval/docs_tables.py"
+    assert serving.markdown() in generated, "docs/generated/ is stale: run python -m eval.docs_tables"
