@@ -500,6 +500,36 @@ def patch_interrupts():
             + markdown_table(["family", "operation", "interrupts", "before state", "after state", "other"], rows))
 
 
+# ---------------------------------------------------------------------------------------------------- code metrics
+
+@table("eval/results/code/before.json", "eval/results/code/after.json")
+def code_metrics():
+    before, after = load("code/before.json"), load("code/after.json")
+
+    def row(label, get):
+        return [label, get(before), get(after)]
+
+    rows = [
+        row("files of the package that name a scheme (mean / largest)",
+            lambda d: f"{d['files_per_scheme_mean']:.2f} / {d['files_per_scheme_max']}"),
+        row("tables keyed by scheme names", lambda d: d["scheme_tables_count"]),
+        row("imports inside functions: package / eval and recipes scripts",
+            lambda d: f"{d['imports_in_functions']['package']} / {d['imports_in_functions']['scripts']}"),
+        row("`sys.path` edits", lambda d: d["sys_path_edits"]),
+        row("modules in the package", lambda d: d["package_files"]),
+        row("largest file (lines)", lambda d: f"{d['largest_file']['lines']} (`{d['largest_file']['path']}`)"),
+        row("longest function (lines)",
+            lambda d: f"{d['longest_function']['lines']} (`{d['longest_function']['name']}`)"),
+        row("function arguments annotated", lambda d: f"{d['annotated_arguments']['share']:.0%} "
+                                                      f"({d['annotated_arguments']['annotated']} of "
+                                                      f"{d['annotated_arguments']['total']})"),
+    ]
+    tables = "\n".join(f"- {label}: " + ", ".join(f"`{t}`" for t in d["scheme_tables"])
+                       for label, d in (("before", before), ("after", after)))
+    return (markdown_table(["measure", before["label"], after["label"]], rows)
+            + "\n\nThe tables keyed by scheme names:\n\n" + tables)
+
+
 # ---------------------------------------------------------------------------------------------------- patch options
 
 @table("hfpatch/position/registry.py", "hfpatch/norm/kinds.py")
