@@ -535,14 +535,21 @@ def code_metrics():
 @table("hfpatch/position/registry.py", "hfpatch/norm/kinds.py")
 def patch_options():
     """Every keyword `hfpatch.patch` takes, per scheme and norm kind, read off the registries that validate them."""
+    from hfpatch.norm.kinds import NORMS
+    from hfpatch.position.registry import LAYER_SCHEMES, SCHEMES
     code = lambda names: ", ".join(f"`{n}`" for n in names) or "—"
     positions = [[f"`{name}`", rec.summary, rec.factor, code(rec.options), ", ".join(rec.requires) or "—"]
                  for name, rec in SCHEMES.items()]
+    per_layer = [[f"`{name}`", rec.summary, code(rec.options)] for name, rec in LAYER_SCHEMES.items()]
     norms = [[f"`{name}`", rec.summary, ", ".join(rec.requires) or "—", "yes" if rec.exact else "no"]
              for name, rec in NORMS.items()]
     return ("**`position=`**: `factor` is the context extension ratio (required, optional or not taken); the other "
             "options are keywords of `patch` (on the command line: `yarn:4:beta_fast=16`).\n\n"
             + markdown_table(["position", "what it is", "factor", "options", "needs"], positions)
+            + "\n\n**`layers=`** (with a RoPE rescaling: `layers={\"nope\": \"every4\"}`, spec `yarn:4+nope@every4`): "
+            "the schemes some layers can be given, each with a layer selector and its options "
+            "([Per-layer positions](../patching/positions.md#per-layer-positions)):\n\n"
+            + markdown_table(["layers", "what it is", "options"], per_layer)
             + "\n\n**`norm=`** (with `exact=`, default True: the function-preserving conversion where the math allows "
             "one; `placement=\"pre\"` or `\"post\"` moves the norms):\n\n"
             + markdown_table(["norm", "what it computes", "needs", "exact conversion into it"], norms))

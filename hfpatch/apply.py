@@ -27,10 +27,11 @@ from .norm import fit
 from .norm import kinds as norm_kinds
 from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS, apply_placement
+from .position import layers
 from .position import registry as schemes
 from .position.attention import paths
 from .position.attention import temperature as temperatures
-from .position.registry import SCHEMES
+from .position.registry import LAYER_SCHEMES, SCHEMES
 from .spec import AXES
 from .utils.warn import warn_caller
 
@@ -114,7 +115,10 @@ def _apply_axis(model: PreTrainedModel, adapter: Adapter, axis: str, req: dict, 
     reason = schemes.unavailable(req["scheme"], adapter, req)
     if reason:
         raise ValueError(reason)
-    return scheme.apply(model, adapter, req, scheme, edits)  # None, or the values it chose for options left out
+    fact = scheme.apply(model, adapter, req, scheme, edits)  # None, or the values it chose for options left out
+    if "layers" in req:  # per-layer positions change what the rotary module just rebuilt hands some layers
+        fact = {**(fact or {}), **layers.apply_layers(model, adapter, req, LAYER_SCHEMES, edits)}
+    return fact
 
 
 def apply_axes(model: PreTrainedModel, adapter: Adapter, spec: dict, layers: dict, axes=AXES) -> dict:
@@ -220,7 +224,9 @@ def patch(model, position=None, factor=None, norm=None, placement=None, exact=No
             grows with position past the trained window, on top of any position scheme.
         **options: the scheme's own options, e.g. `beta_fast=` (YaRN), `group_size=` and `window=` (Self-Extend),
             `chunk_size=` (Dual Chunk Attention), `keep=` (p-RoPE), `post_fraction=` (Mix-LN),
-            `original_max_position_embeddings=`.
+            `original_max_position_embeddings=`; with a RoPE scheme, `layers=` gives some layers `nope` or `p-rope`
+            (`layers={"nope": "every4"}`: layers 3, 7, 11, ...;
+            [Per-layer positions](../patching/positions.md#per-layer-positions)).
 
     Returns:
         The same `model` object, patched.
@@ -542,8 +548,9 @@ def position_facts(model, adapter: Adapter, state: PatchState | None) -> dict:
             chosen = {**state.baked_facts, **state.facts}.get("position", {}) if state else {}
             return {**req, **chosen, "native": SCHEMES[req["scheme"]].native, **paths.describe(model, req["scheme"])}
         rotary = get_path(model.base_model, adapter.rotary)
+        # no config class names per-layer positions: a model with them reloads patched through hfpatch only
         return {**req, "rope_parameters": copy.deepcopy(rotary.config.rope_parameters),
-                "native": rotary.config is config}
+                "native": rotary.config is config and "layers" not in req}
     if adapter.has_rope:
         params = get_path(model.base_model, adapter.rotary).config.rope_parameters
         flat = "rope_type" in params

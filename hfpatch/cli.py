@@ -5,6 +5,7 @@ NoPE, ...) or its norms (LayerNorm, RMSNorm, pre/post placement), save it, and m
     hfpatch describe MODEL
     hfpatch patch MODEL --position yarn --factor 4 --out DIR
     hfpatch patch MODEL --position yarn --factor 4 --attention-temperature logn --out DIR
+    hfpatch patch MODEL --position yarn --factor 4 --layers nope@every4 --out DIR   (NoPE in every 4th layer)
     hfpatch patch MODEL.gguf --position yarn --factor 4 --out MODEL-yarn4.gguf   (llama.cpp's RoPE metadata)
     hfpatch supported
     hfpatch eval ppl ...        (hfpatch eval ppl --help)
@@ -78,6 +79,15 @@ _FORMS: dict[str, dict] = {"number": {"type": float}, "integer": {"type": int}, 
                            "numbers": {"type": _numbers}, "names": {"nargs": "+"}}
 
 
+def _layer_group(text: str):
+    from .spec import parse_layer_group
+
+    try:
+        return parse_layer_group(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with `command`, only that subcommand's arguments are defined (the patch command's come from the
     registries, which import torch: `hfpatch --help` would take seconds). Each subcommand names its handler."""
@@ -146,8 +156,13 @@ def _patch_arguments(s) -> None:
     s.add_argument("--factor", type=float, help="context extension ratio (> 1), for the schemes that take one: "
                    + ", ".join(n for n, rec in SCHEMES.items() if rec.factor != "none"))
     for name, (option, owners) in scheme_options().items():
+        if option.kind == "layers":  # a repeatable SCHEME@LAYERS flag of its own, below
+            continue
         s.add_argument("--" + name.replace("_", "-"), dest=name, **_FORMS[option.kind],
                        help=f"{option.help} [{', '.join(owners)}]")
+    s.add_argument("--layers", action="append", type=_layer_group, default=[], metavar="SCHEME@LAYERS",
+                   help="with a RoPE --position: another scheme (nope, p-rope) in some layers, e.g. nope@every4 "
+                        "(layers 3, 7, 11, ...), nope@[3,7,11], p-rope@every2from0:keep=0.5; repeatable")
     s.add_argument("--norm", choices=list(NORMS), help="the kind every norm becomes")
     s.add_argument("--no-exact", dest="exact", action="store_false", default=None,
                    help="with --norm rmsnorm: plain swap instead of the exact (weight-folding) conversion")
@@ -264,8 +279,14 @@ def _patch_kwargs(args) -> dict:
 
     names = ("position", "factor", "norm", "exact", "placement", "attention_temperature", *scheme_options(),
              *hfpatch.spec.all_placement_options())
-    kwargs = {k: getattr(args, k) for k in names}
+    kwargs = {k: getattr(args, k) for k in names if k != "layers"}
     kwargs.update(dict(args.opt))
+    if args.layers:
+        groups = dict(args.layers)
+        if len(groups) < len(args.layers):
+            raise UsageError("hfpatch patch: error: --layers names the same scheme twice; give its layers once "
+                             "(nope@[3,7,11])")
+        kwargs["layers"] = groups
     return {k: v for k, v in kwargs.items() if v is not None}
 
 

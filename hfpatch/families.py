@@ -26,11 +26,12 @@ import transformers
 
 from . import tiny
 from .adapters import InferenceError, adapter_for
-from .apply import unwrap
+from .apply import patch, unpatch, unwrap
 from .introspect import NO_LAYERNORM, summary
 from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS
-from .position.registry import SCHEMES
+from .position.attention.temperature import TEMPERATURES
+from .position.registry import LAYER_SCHEMES, SCHEMES
 
 CACHE_FORMAT = 1
 SWEEP_FILE = Path(__file__).parent / "data" / "sweep.json"
@@ -81,9 +82,36 @@ def measure_one(model_type: str) -> dict:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return {"built": True, "rope_config": tiny.has_rope(model.config), **summary(model, adapter_for(model))}
+            result = summary(model, adapter_for(model))
+            return {"built": True, "rope_config": tiny.has_rope(model.config), **tried_layers(model, result)}
     except InferenceError as e:
         return {"built": True, "rope_config": tiny.has_rope(model.config), "inferred": False, "reason": str(e)}
+
+
+def tried_layers(model, result: dict) -> dict:
+    """`result` with the per-layer position schemes that a patch of the tiny model refuses moved to not_available:
+    whether a family's blocks hand their attention the rotary module's cos/sin is only seen by patching (each
+    scheme in its first attention layer, the rest YaRN), and undone at once."""
+    patches = result["patches"]
+    # under the scheme they are used with most (Llama 4 pairs NoPE layers with scaled RoPE), else plain RoPE
+    rest = next(({"position": s, **({"factor": 2.0} if SCHEMES[s].factor == "required" else {})}
+                 for s in ("yarn", "rope") if s in patches["position"]), None)
+    if not patches["position_layers"] or rest is None:
+        return result
+    first = (adapter_for(model).attention_layers or (0,))[0]
+    refused = {}
+    for name in patches["position_layers"]:
+        try:
+            patch(model, **rest, layers={name: [first]})
+        except ValueError as e:
+            refused[f"position_layers={name}"] = str(e)
+        finally:
+            unpatch(model)
+    if not refused:
+        return result
+    return {**result, "patches": {**patches, "position_layers": [n for n in patches["position_layers"]
+                                                                 if f"position_layers={n}" not in refused],
+                                  "not_available": {**patches["not_available"], **refused}}}
 
 
 def measure(model_types=None, use_cache: bool = True, progress=None) -> dict:
@@ -205,6 +233,10 @@ def counts(results: dict) -> str:
         f"- configs carrying RoPE: {len(rope)}; RoPE schemes apply to {n(lambda p: 'yarn' in p['position'])}",
         "- " + "; ".join(f"{name}: {n(lambda p, name=name: name in p['position'])}"  # every other scheme
                          for name, rec in SCHEMES.items() if rec.rope is None),
+        "- per-layer positions (layers=): " + "; ".join(
+            f"{name}: {n(lambda p, name=name: name in p.get('position_layers', ()))}" for name in LAYER_SCHEMES),
+        "- attention temperature: " + "; ".join(
+            f"{name}: {n(lambda p, name=name: name in p.get('attention_temperature', ()))}" for name in TEMPERATURES),
         f"- norm swaps: {n(lambda p: bool(p['norm']))}; exact LayerNorm→RMSNorm: "
         f"{sum(exact_layernorm_to_rmsnorm(r) is True for r in built.values())} (of "
         f"{sum(exact_layernorm_to_rmsnorm(r) is not None for r in built.values())} with LayerNorms); pre/post "

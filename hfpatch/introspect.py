@@ -12,10 +12,11 @@ from .norm import convert as norms
 from .norm import kinds as norm_kinds
 from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS, placement_forms
+from .position import layers
 from .position import registry as schemes
 from .position.attention import temperature as temperatures
 from .position.attention.temperature import TEMPERATURES
-from .position.registry import SCHEMES
+from .position.registry import LAYER_SCHEMES, SCHEMES
 
 
 def _limit_kind(model, adapter: Adapter) -> str | None:
@@ -63,7 +64,8 @@ def describe(model) -> dict:
 
     Returns:
         A dict: `family`, `class`, `norm` (kind, scale, after a norm patch whether it was exact), `placement`,
-        `position` (the scheme and its parameters), `attention`, `max_position_embeddings`, `position_limit`,
+        `position` (the scheme and its parameters), `position_layers` (with per-layer positions: the scheme of every
+        block, None for a block without attention), `attention`, `max_position_embeddings`, `position_limit`,
         `applied` (the patch spec), `baked` (patches a reloaded checkpoint carries), `adapter` (what hfpatch read
         off the model, with notes) and `patches` (what else `patch` accepts here, and why the rest does not apply;
         `exact_layernorm_to_rmsnorm` is None on a model without LayerNorms).
@@ -91,6 +93,7 @@ def describe(model) -> dict:
         "placement": applied.get("placement", {}).get("kind") or adapter.placement_of(target.config),
         **({"placement_layers": facts["placement"]["layers"]} if "layers" in facts.get("placement", {}) else {}),
         "position": position_facts(target, adapter, state),
+        **({"position_layers": facts["position"]["by_layer"]} if "by_layer" in facts.get("position", {}) else {}),
         "attention_temperature": _temperature(applied, facts),
         "attention": target.config._attn_implementation,
         "max_position_embeddings": target.config.get_text_config().max_position_embeddings,
@@ -133,9 +136,12 @@ def available(model, adapter: Adapter) -> dict:
     else:
         why.update({f"placement={k}": f"{adapter.model_type}'s blocks have no {k} form hfpatch knows"
                     for k in PLACEMENTS if k not in forms})
+    why["position_layers"] = layers.unavailable(model, adapter)
     why.update({f"attention_temperature={k}": temperatures.unavailable(k, adapter) for k in TEMPERATURES})
     return {
         "position": [s for s in SCHEMES if why[f"position={s}"] is None],
+        # per-layer positions (layers= of a RoPE scheme): the schemes some layers can be given
+        "position_layers": [] if why["position_layers"] else list(LAYER_SCHEMES),
         "attention_temperature": [k for k in TEMPERATURES if why[f"attention_temperature={k}"] is None],
         "norm": offered,
         "exact_layernorm_to_rmsnorm": exact is None if has_layernorm else None,

@@ -11,6 +11,7 @@ import json
 
 from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS
+from .position import layers
 from .position import registry as schemes
 from .position.attention import temperature
 
@@ -61,7 +62,7 @@ def request(position=None, factor=None, norm=None, placement=None, exact=None, a
                             f"{', '.join(sorted(known))}")
         if given:
             raise ValueError(f"{', '.join(given)} given without position=; name the scheme they belong to"
-                             + _temperature_hint(given))
+                             + _temperature_hint(given) + _layers_hint(given))
         return out
     out["position"] = position_request(position, {"factor": factor, **options})
     return out
@@ -87,6 +88,13 @@ def placement_request(placement, options: dict) -> dict:
     return out
 
 
+def _layers_hint(given: list) -> str:
+    if "layers" not in given:
+        return ""
+    return (" (per-layer positions go with the RoPE scheme of the other layers: position='rope' keeps plain RoPE "
+            "there, e.g. position='rope', layers={'nope': 'every4'}, or 'rope+nope@every4' in a spec string)")
+
+
 def _temperature_hint(given: list) -> str:
     """An option of the attention temperature given as a keyword of its own: say where it goes."""
     theirs = [k for k in given if k in temperature.all_options()]
@@ -105,7 +113,8 @@ def parse(text: str) -> dict:
     """The string form used on command lines: "yarn:4", "dynamic", "longrope:4:short_factor=[1,1]",
     "yarn:4:beta_fast=16", "norm=rmsnorm", "yarn:2+norm=layernorm+placement=post",
     "placement=mix+post_fraction=0.5", "yarn:4+attention_temperature=logn",
-    "attention_temperature=llama4:floor_scale=4096". "none" (or "") is the empty spec. Returns `request` keyword
+    "attention_temperature=llama4:floor_scale=4096", per-layer positions "yarn:4+nope@every4",
+    "rope+p-rope@[0,1]:keep=0.5". "none" (or "") is the empty spec. Returns `request` keyword
     arguments."""
     text = text.strip()
     if text.lower() in ("", "none"):
@@ -120,6 +129,12 @@ def parse(text: str) -> dict:
             part = {key.strip(): _number(value.strip(), key.strip(), text)}
         elif sep and key.strip() in ("norm", "placement", "exact") and ":" not in key:
             part = {key.strip(): {"true": True, "false": False}.get(value.strip().lower(), value.strip())}
+        elif "@" in item.partition(":")[0]:  # "nope@every4": a per-layer group, gathered into layers=
+            name, group = parse_layer_group(item, text)
+            if name in kwargs.get("layers", {}):
+                raise ValueError(f"in patch spec {text!r}: layers {name!r} given twice")
+            kwargs.setdefault("layers", {})[name] = group
+            continue
         else:
             part = _parse_position(item.strip(), text)
         twice = sorted(set(part) & set(kwargs))
@@ -127,6 +142,32 @@ def parse(text: str) -> dict:
             raise ValueError(f"in patch spec {text!r}: {', '.join(twice)} given twice")
         kwargs.update(part)
     return kwargs
+
+
+def parse_layer_group(item: str, text: str | None = None) -> tuple[str, object]:
+    """"nope@every4" -> ("nope", "every4"); "p-rope@[0,1]:keep=0.5" -> ("p-rope", {"layers": [0, 1], "keep": 0.5})
+    (values as JSON): a per-layer group of a spec string, or the command's --layers."""
+    head, *rest = item.strip().split(":")
+    name, _, raw = head.partition("@")
+    if not name.strip() or not raw.strip():
+        raise ValueError(f"in {text or item!r}: a per-layer group is SCHEME@LAYERS (nope@every4, nope@[3,7,11], "
+                         f"p-rope@every2:keep=0.5), got {item.strip()!r}")
+    group: dict = {"layers": _json_or_text(raw.strip())}
+    for part in rest:
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"in {text or item!r}: expected key=value after {head.strip()!r}, got {part!r}")
+        if key.strip() in group:
+            raise ValueError(f"in {text or item!r}: {key.strip()} given twice")
+        group[key.strip()] = _json_or_text(value)
+    return name.strip(), group if len(group) > 1 else group["layers"]
+
+
+def _json_or_text(raw: str):
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
 
 
 def _number(raw: str, key: str, text: str) -> float:
@@ -205,6 +246,10 @@ def describe_string(spec: dict) -> str:
     if "position" in spec:
         pos = spec["position"]
         parts.append(pos["scheme"] + (f":{pos['factor']:g}" if "factor" in pos else ""))
+        for name, group in pos.get("layers", {}).items():  # "nope@every4", "p-rope@[0,1]:keep=0.5"
+            sel, opts = layers.split(group)
+            parts.append(":".join([f"{name}@{layers.selector_text(sel)}",
+                                   *(f"{k}={json.dumps(v)}" for k, v in opts.items())]))
     if "norm" in spec:
         parts.append(f"norm={spec['norm']['kind']}" + ("" if spec["norm"]["exact"] else ":inexact"))
     if "placement" in spec:

@@ -204,6 +204,9 @@ def request(position=None, factor=None, *, trained_window: Callable[[], int] | N
     reason = refusal(pos["scheme"], pos, trained_window)
     if reason:
         raise ValueError(f"position={pos['scheme']!r} cannot be written to a GGUF file: {reason}")
+    if "layers" in pos:
+        raise ValueError("layers= has no GGUF form: llama.cpp reads per-layer NoPE only from a Llama 4 model's own "
+                         "metadata, and no per-layer p-RoPE at all")
     if "layer_types" in pos:
         raise ValueError("layer_types= has no GGUF form: llama.cpp scales the RoPE of the global-attention layers "
                          "of a sliding-window model and leaves the local ones")
@@ -213,7 +216,8 @@ def request(position=None, factor=None, *, trained_window: Callable[[], int] | N
 def plan(info: RopeInfo, pos: dict) -> Plan:
     """The metadata and tensors that carry position request `pos` (validated) for the model `info` describes."""
     name = pos["scheme"]
-    opts = {k: v for k, v in pos.items() if k not in ("scheme", "layer_types", "original_max_position_embeddings")}
+    opts = {k: v for k, v in pos.items() if k not in ("scheme", "layer_types", "layers",
+                                                      "original_max_position_embeddings")}
     window = pos.get("original_max_position_embeddings") or info.window
     base = {"rope_type": "default", "rope_theta": info.freq_base}
     scheme = SCHEMES[name]

@@ -170,6 +170,10 @@ def folder_differences(path) -> list[str]:
         if scheme in SCHEMES and not SCHEMES[scheme].native:
             out.append(f"position={scheme!r} is not in config.json's own terms: every engine but hfpatch serves the "
                        "model's original position encoding")
+        elif spec["position"].get("layers"):
+            out.append(f"per-layer positions ({', '.join(spec['position']['layers'])} in some layers) are not in "
+                       "config.json's own terms: every engine but hfpatch serves the model's original position "
+                       "encoding in every layer")
     if "temperature" in spec:
         out.append(f"attention_temperature={spec['temperature'].get('kind')!r} is not in config.json's own terms: "
                    "every engine but hfpatch serves the model without it")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..registry import Registry
+from . import layers
 from .attention import paths
 from .rope import builders as rope
 from .rope import llamacpp as cpp
@@ -126,6 +127,10 @@ def names(name, value):
     return sorted(set(value))
 
 
+def layer_groups(name, value):
+    return layers.request(value, LAYER_SCHEMES)
+
+
 @dataclass(frozen=True)
 class Option:
     """One keyword argument a scheme takes: its check (name, value) -> the normalized value, one line of help (the
@@ -143,7 +148,20 @@ ROPE_COMMON = {
                                                "another", "integer"),
     "layer_types": Option(names, "per-layer-type RoPE (gemma3): the layer types to scale (default: the global "
                           "ones)", "names"),
+    # per-layer positions (position/layers.py): other schemes in some layers, the rotary module's cos/sin changed
+    # before those layers' attention sees them
+    "layers": Option(layer_groups, "another scheme in some layers: {scheme: layers}, e.g. {'nope': 'every4'}",
+                     "layers"),
 }
+# The schemes a RoPE model can give some of its layers (`layers=`): they change what the layers' attention receives
+# from the one rotary module, so they combine with any RoPE rescaling for the other layers.
+LAYER_SCHEMES: Registry[layers.LayerScheme] = Registry.of("per-layer position scheme", {
+    "nope": layers.LayerScheme("no position signal in these layers: their attention gets cos 1, sin 0 on every "
+                               "channel (Llama 4's iRoPE NoPE layers, Cohere's 3:1 interleaving)"),
+    "p-rope": layers.LayerScheme("p-RoPE in these layers: only the highest-frequency fraction `keep` of the rotary "
+                                 "pairs rotates (default 0.75), the others get cos 1, sin 0",
+                                 options={"keep": _fraction}, dropped=layers.low_frequency_pairs),
+})
 _ROTATIONS = at_most(1e6, "a number of rotations over the trained window")
 # YaRN's options are the ones its builder passes on (rope.YARN_OPTIONS)
 YARN_OPTIONS = {
@@ -426,6 +444,10 @@ def request(scheme, options: dict) -> dict:
     options = {k: v for k, v in options.items() if v is not None}
     allowed = options_of(name)
     unknown = sorted(set(options) - allowed)
+    if "layers" in unknown:
+        raise ValueError(f"position={name!r} does not take layers: per-layer positions change the cos/sin a RoPE "
+                         "model's rotary module hands some layers, so they go with a RoPE rescaling for the other "
+                         f"layers ({', '.join(k for k, rec in SCHEMES.items() if rec.rope is not None)})")
     if unknown:
         raise ValueError(
             f"position={name!r} does not take {', '.join(unknown)}; "
@@ -438,6 +460,10 @@ def request(scheme, options: dict) -> dict:
         out[key] = factor(key, options[key]) if key == "factor" else s.options[key].check(key, options[key])
     if s.check:
         s.check(out)
+    if out["scheme"] in out.get("layers", {}):
+        raise ValueError(f"layers={{{out['scheme']!r}: ...}} gives some layers the scheme every other layer has "
+                         f"already (position={out['scheme']!r}); name another scheme for the rest, e.g. "
+                         f"position='rope', layers={{{out['scheme']!r}: ...}}")
     return out
 
 

@@ -60,7 +60,9 @@ def default_layer_types(config) -> list:
 
 def apply_rope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
     text_config = model.config.get_text_config()
-    opts = {k: v for k, v in req.items() if k not in ("scheme", "layer_types", "original_max_position_embeddings")}
+    # not the scheme's own options: which layer types and layers it applies to, the trained window
+    opts = {k: v for k, v in req.items() if k not in ("scheme", "layer_types", "layers",
+                                                      "original_max_position_embeddings")}
     rotaries = rotaries_of(model, adapter)
     done = {}  # id(config) -> (new config the rotaries of that config read, per-type base params, window)
     for rotary, config in rotaries:
