@@ -131,10 +131,11 @@ def main(study: StudyConfig) -> None:
         train_tokenizer([files] if isinstance(files, str) else files, study.tokenizer_vocab, tok_dir)
     tok = setup.tokenizer(tok_dir)
     held_out = measure.held_out_tokens(study, tok) if study.evaluate.text_files else None
-    summary: dict[str, Any] = {"study": study.study, "config": study.as_dict(), "arms": list(study.arms), "seeds": study.seeds,
-                               "lengths": study.evaluate.lengths, "trained_length": runs[0].cfg.seq_len,
-                               "runs": [], "versions": versions(), "torch_threads": torch.get_num_threads(),
-                               "cpus": os.cpu_count(), "argv": sys.argv[1:]}
+    summary: dict[str, Any] = {"study": study.study, "config": study.as_dict(), "arms": list(study.arms),
+                               "seeds": study.seeds, "lengths": study.evaluate.lengths,
+                               "trained_length": runs[0].cfg.seq_len, "runs": [], "versions": versions(),
+                               "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                               "argv": sys.argv[1:]}
     # every arm trains on the same packed data unless an arm changes the data or seq_len
     same_data = all(r.cfg.data == runs[0].cfg.data and r.cfg.seq_len == runs[0].cfg.seq_len for r in runs)
     train_seqs = data.packed(runs[0].cfg, tok)[0]

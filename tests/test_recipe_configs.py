@@ -32,7 +32,7 @@ def test_each_recipe_has_only_its_own_sections():
     assert "pose" in {f.name for f in dataclasses.fields(config.ContextExtensionConfig)}
     with pytest.raises(ConfigError, match="unknown config key 'pose'; valid keys here: adam_beta2, "):
         config.load("heal", None, ["model=x", "pose.target_len=1024"], check_previous=False)
-    with pytest.raises(ConfigError, match="unknown config key 'distill.temp'; valid keys here: alpha, enabled, "
+    with pytest.raises(ConfigError, match=r"unknown config key 'distill\.temp'; valid keys here: alpha, enabled, "
                                           "temperature"):
         config.load("heal", None, ["model=x", "distill.temp=2"], check_previous=False)
 
@@ -77,5 +77,5 @@ def test_a_study_that_times_steps_needs_held_out_text(tmp_path):
     not after every arm has trained."""
     values = {"study": "s", "pretrain": {"tokenizer": "x", "model_config": {"model_type": "llama"}},
               "arms": {"a": {}}, "output_dir": str(tmp_path), "evaluate": {"step_time_rounds": 2}}
-    with pytest.raises(ConfigError, match="evaluate.step_time_rounds times training steps on the held-out text"):
+    with pytest.raises(ConfigError, match=r"evaluate\.step_time_rounds times training steps on the held-out text"):
         config.build(study.StudyConfig, values)

@@ -40,7 +40,7 @@ class StudyConfig:
     """A compare study: its arms are `pretrain` with each arm's overrides, once per seed. Checked once when made;
     `arms` then holds the grid's combinations too."""
 
-    study: str = required("the study's name: output_dir/compare_<study>.{json,md,png}")
+    study: str = required("the study's name: its files are `compare_<study>.json`, `.md`, `.png` in output_dir")
     pretrain: dict[str, Any] = required("a recipes/pretrain.py config shared by every arm")
     arms: dict[str, Any] = setting({}, "arm name -> overrides of `pretrain` (dotted keys allowed): the one axis that "
                                    "differs")

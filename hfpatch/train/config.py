@@ -343,6 +343,32 @@ def build(cls: type[C], values: dict, where: str = "") -> C:
     return cls(**kwargs)
 
 
+def keys(cls: type, where: str = "") -> list[tuple[str, str, Any, str]]:
+    """(dotted key, type as annotated, default, what it means) of every key of the config dataclass `cls`, a section's
+    keys after its name (the config reference of the docs is made from these); the default of a key that must be
+    given is REQUIRED."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = f"{where}{f.name}"
+        if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
+            out += keys(hints[f.name], f"{name}.")
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = REQUIRED
+        if default is None and "None" not in str(f.type):  # "not given", refused when made (pretrain's tokenizer)
+            default = REQUIRED
+        out.append((name, str(f.type), default, f.metadata.get("help", "")))
+    return out
+
+
+REQUIRED = "required"  # keys(): the default of a key that must be given
+
+
 def _accepted(hint: Any) -> tuple[tuple[type, ...], type]:
     """The types a field's annotation accepts (list[str] | None -> (list, NoneType)) and the type of a list's
     items (str unless named)."""
