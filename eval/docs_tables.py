@@ -555,6 +555,42 @@ def patch_options():
             + markdown_table(["norm", "what it computes", "needs", "exact conversion into it"], norms))
 
 
+# ---------------------------------------------------------------------------------------------------- recipe keys
+
+@table("hfpatch/train/config.py", "hfpatch/studies/study.py")
+def recipe_keys():
+    """Every key of the recipes' configs, read off the dataclasses that check them."""
+    from hfpatch.studies.study import StudyConfig
+    from hfpatch.train.config import RECIPES, RecipeConfig, keys
+
+    def rows(cls, leave_out=()):
+        return [[f"`{name}`", type_text(kind), default_text(default), what]
+                for name, kind, default, what in keys(cls) if (name, kind, default, what) not in leave_out]
+
+    header = ["key", "type", "default", "what it is"]
+    common = keys(RecipeConfig)  # a recipe's own keys are the others, and those it takes otherwise (a tokenizer)
+    own = "\n\n".join(f"**`{recipe}`** also takes:\n\n" + markdown_table(header, rows(cls, common))
+                       for recipe, cls in RECIPES.items())
+    return ("**Every recipe** (`pretrain`, `context_extension`, `heal`):\n\n"
+            + markdown_table(header, rows(RecipeConfig)) + "\n\n" + own
+            + "\n\n**`compare`** (a study; `pretrain` and each arm are pretrain keys):\n\n"
+            + markdown_table(header, rows(StudyConfig)))
+
+
+def type_text(annotation: str) -> str:
+    """A field's annotation in words (a | would split the Markdown table's cell): str | None -> str or null."""
+    words = {"list[str]": "list of strings", "list[int]": "list of ints", "dict[str, Any]": "mapping", "None": "null"}
+    return " or ".join(words.get(part, part) for part in annotation.split(" | "))
+
+
+def default_text(value) -> str:
+    """A default as YAML writes it (null, true, {}), in code type."""
+    if value == "required":
+        return "required"
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return f"`{text}`"
+
+
 # ---------------------------------------------------------------------------------------------------- families
 
 def families() -> dict:

@@ -9,9 +9,10 @@ training. Full fine-tuning, or LoRA with lora.enabled=true (the patch and the ad
 import sys
 
 from hfpatch.train import cli, data, loop, setup
+from hfpatch.train.config import ContextExtensionConfig
 
 
-def main(cfg):
+def main(cfg: ContextExtensionConfig) -> dict:
     model, tok = setup.load(cfg)
     setup.apply_patch(model, cfg)
     train_seqs, eval_seqs = data.packed(cfg, tok)

@@ -10,9 +10,10 @@ import copy
 import sys
 
 from hfpatch.train import cli, data, loop, setup
+from hfpatch.train.config import HealConfig
 
 
-def main(cfg):
+def main(cfg: HealConfig) -> dict:
     model, tok = setup.load(cfg)
     teacher = copy.deepcopy(model).eval() if cfg.distill.enabled else None  # the model before the swap
     setup.apply_patch(model, cfg)

@@ -9,9 +9,10 @@ tokenizer), patched with `patch` before training, and saved with hfpatch.save_pr
 import sys
 
 from hfpatch.train import cli, data, loop, setup
+from hfpatch.train.config import PretrainConfig
 
 
-def main(cfg):
+def main(cfg: PretrainConfig) -> dict:
     tok = setup.tokenizer(cfg.tokenizer)
     model = setup.from_config(cfg, tok)
     setup.apply_patch(model, cfg)

@@ -61,7 +61,7 @@ def test_arms_differ_only_by_their_overrides(tmp_path, text):
     path.write_text(yaml.safe_dump(study_values(tmp_path, text, seeds=[0, 1]), sort_keys=False))
     runs = study.plan(study.load_study(str(path), ["pretrain.max_steps=7", "arms.alibi.lr=0.01"]))
     assert [r.name for r in runs] == ["rope/seed0", "rope/seed1", "alibi/seed0", "alibi/seed1"]
-    a, b = dict(runs[0].cfg), dict(runs[2].cfg)
+    a, b = runs[0].cfg.as_dict(), runs[2].cfg.as_dict()
     differ = sorted(k for k in a if a[k] != b[k])
     assert differ == ["lr", "output_dir", "patch"] and a["max_steps"] == b["max_steps"] == 7
     assert runs[2].cfg.patch == {"position": "alibi"} and runs[1].cfg.seed == 1

@@ -1,6 +1,7 @@
 """Long-sequence training: PoSE position ids, PoSE through the model and the recipe (exact resume), the memory
 options (tiled MLP) against the plain step, and their config errors."""
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -380,8 +381,7 @@ def test_static_schemes_pass_the_split_sequence_checks(split, request_, monkeypa
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2" if split == "cp" else "1")
     monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2" if split == "sp" else "1")
     extra = ["pose.target_len=256"] if split == "cp" and request_.get("position") == "yarn" else []
-    cfg = load("context_extension", None, ["model=x", "seq_len=64", *extra])
-    cfg["patch"] = request_
+    cfg = dataclasses.replace(load("context_extension", None, ["model=x", "seq_len=64", *extra]), patch=request_)
     setup.apply_patch(tiny_model("llama"), cfg)  # no ConfigError
 
 

@@ -23,6 +23,7 @@ from ..train.checkpoint import cut_log
 from ..train.config import ConfigError
 from ..train.loop import CausalLMLoss
 from ..utils.timing import medians
+from .study import StudyConfig
 
 # ------------------------------------------------------------------------------------------------ gradient norms
 
@@ -110,14 +111,14 @@ def read_jsonl(path: Path) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------------- the models
 
-def held_out_tokens(study: dict, tok) -> torch.Tensor:
+def held_out_tokens(study: StudyConfig, tok) -> torch.Tensor:
     """The first tokens_per_doc tokens of the evaluation text (its first document that long)."""
-    ev = study["evaluate"]
-    for doc in documents(ev["text_files"]):
+    ev = study.evaluate
+    for doc in documents(ev.text_files):
         ids = tokenize(tok, doc).ids
-        if len(ids) >= ev["tokens_per_doc"]:
-            return torch.as_tensor(ids[: ev["tokens_per_doc"]].copy())
-    raise ConfigError(f"evaluate.text_files: no document has tokens_per_doc={ev['tokens_per_doc']} tokens")
+        if len(ids) >= ev.tokens_per_doc:
+            return torch.as_tensor(ids[: ev.tokens_per_doc].copy())
+    raise ConfigError(f"evaluate.text_files: no document has tokens_per_doc={ev.tokens_per_doc} tokens")
 
 
 def _mean_nll(model, seqs: torch.Tensor, batch: int) -> float:

@@ -1,8 +1,12 @@
 """Recipe configs: a YAML file, then `key=value` overrides from the command line (dotted keys reach into sections,
 values are parsed as YAML: `lr=3e-4`, `data.text_files=[a.txt,b.txt]`, `patch.position=yarn`).
 
-Every key is checked against the recipe's schema before anything is loaded: an unknown key, a wrong type or a
-missing data path is one clear error (ConfigError), never ignored.
+Each recipe's config is a frozen dataclass (PretrainConfig, ContextExtensionConfig, HealConfig over RecipeConfig;
+the sections data, lora, pose, distill are dataclasses of their own), so that the recipes read typed fields
+(`cfg.data.max_tokens`) the type checker sees. `build` makes one from the plain values of the YAML and the
+overrides: every key is checked against the dataclass's fields and their types before anything is loaded, and the
+dataclass checks the values together when it is made (`__post_init__`): an unknown key, a wrong type, a value out
+of range or a missing data path is one clear error (ConfigError), never ignored.
 """
 
 from __future__ import annotations
@@ -14,8 +18,12 @@ import difflib
 import math
 import os
 import re
+import types
+import typing
 from collections.abc import Hashable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import yaml
 from accelerate.tracking import get_available_trackers
@@ -35,153 +43,371 @@ class RunFailed(RuntimeError):
     """A run that cannot go on (its loss is no longer finite): one line, exit code 1, its checkpoints kept."""
 
 
-class _Required:
-    """The default of a key that must be given."""
-
-    def __repr__(self):
-        return "REQUIRED"
-
-    def __deepcopy__(self, memo):
-        return self
-
-
-REQUIRED = _Required()
-
-# name: (type or tuple of types, default[, type of a list's items: str unless named]). A dict in place of the tuple
-# is a section with its own schema. The default REQUIRED: the key must be given.
-COMMON = {
-    "model": ((str, type(None)), None),  # hfpatch.models.load name: folder, .gguf, hub id, "smollm2"
-    "tokenizer": ((str, type(None)), None),  # defaults to the model's
-    "trust_remote_code": (bool, False),  # run the Python code a model folder carries (hfpatch.models.load)
-    "allow_pickled_weights": (bool, False),  # load pytorch_model.bin weights when there are no safetensors
-    "patch": (dict, {}),  # keyword arguments of hfpatch.patch, e.g. {position: yarn, factor: 4}
-    "data": {
-        "text_files": ((list, str, type(None)), None),
-        "dataset": ((str, type(None)), None),
-        "config": ((str, type(None)), None),
-        "split": (str, "train"),
-        "text_field": (str, "text"),
-        "eval_fraction": (float, 0.05),  # share of packed sequences held out for the evaluation loss
-        "max_tokens": ((int, type(None)), None),  # cap on the tokens read (after tokenization)
-    },
-    "seq_len": (int, 512),
-    "batch_size": (int, 1),  # per process
-    "grad_accum": (int, 1),
-    "lr": (float, 1e-4),
-    "weight_decay": (float, 0.0),
-    "adam_beta2": (float, 0.999),  # AdamW's second-moment decay (torch's default; Xiong et al. 2020 use 0.98)
-    "warmup_steps": (int, 10),
-    "max_steps": (int, 100),
-    "clip": ((float, type(None)), 1.0),
-    "seed": (int, 0),
-    "precision": (str, "no"),  # accelerate mixed_precision: no | bf16 | fp16
-    "gradient_checkpointing": (bool, False),
-    # positions per chunk when scoring against the LM head, each chunk recomputed in the backward pass; null =
-    # auto: one piece while the [batch, seq_len, vocab] fp32 logits stay under 1 GiB, else chunks of 512
-    "loss_chunk": ((int, type(None)), None),
-    # positions per tile of each block's feed-forward module, each tile recomputed in the backward pass (memory.py);
-    # null = off
-    "mlp_tile": ((int, type(None)), None),
-    # the loss's gradient made in the forward pass, chunk by chunk (losses.fused_lm_loss): one [loss_chunk, vocab]
-    # buffer at a time and no second pass through the LM head; the plain CE only (not with distillation)
-    "fused_loss": (bool, False),
-    # CPU (glibc): freed tensors of 1 MiB or more go back to the OS instead of staying in malloc's heaps (memory.py)
-    "release_memory": (bool, False),
-    # torch's fused AdamW kernel: the step makes no parameter-sized temporaries (the default for-each-tensor AdamW
-    # makes a few per parameter: three times the embedding matrix's size at its peak)
-    "fused_optimizer": (bool, False),
-    "lora": {
-        "enabled": (bool, False),
-        "r": (int, 8),
-        "alpha": (int, 16),
-        "dropout": (float, 0.0),
-        "target_modules": ((list, str), "all-linear"),
-    },
-    "eval_every": (int, 50),
-    "eval_batches": (int, 8),
-    "save_every": (int, 100),
-    "output_dir": (str, "runs/recipe"),
-    "log_with": ((list, str, type(None)), None),  # accelerate trackers (tensorboard, wandb, ...)
-    "resume": ((bool, str), False),  # True: the newest checkpoint in output_dir; or a checkpoint folder
-    "stop_after": ((int, type(None)), None),  # stop after this step (as if interrupted; resume continues)
-    "dtype": (str, "float32"),  # weights in memory: float32 | bfloat16
-    # refuse, before the first step, a run whose estimated memory (memory.training_bytes) exceeds what is free
-    "memory_check": (bool, True),
-}
-
-DISTILL = {
-    "distill": {
-        "enabled": (bool, False),
-        "alpha": (float, 0.5),  # loss = (1 - alpha) * CE + alpha * T^2 * KL(teacher || student)
-        "temperature": (float, 1.0),
-    }
-}
-
-# model built from a config: {model_type: llama, hidden_size: ...}
-PRETRAIN: dict[str, tuple] = {
-    "model_config": (dict, {}),
-    "init": (str, "hf"),  # the first weights (train/init.py): hf (transformers' own) | paper (Xiong et al. 2020)
-}
-
-POSE = {
-    "pose": {  # positional skip-wise training (pose.py): seq_len tokens, positions spread over target_len
-        "target_len": ((int, type(None)), None),  # null = off
-        "chunks": (int, 2),  # pieces per sequence, each shifted by its own skip (the paper uses 2)
-    }
-}
-
-SCHEMAS = {
-    "context_extension": {**COMMON, **POSE},
-    "heal": {**COMMON, **DISTILL},
-    "pretrain": {**COMMON, **PRETRAIN},
-}
+def setting(default: Any, help: str, *, path: bool = False) -> Any:
+    """A config field: its default (a dict or list is copied for every config), what it means (the reference table
+    of the docs reads it) and, with path=True, a path whose leading ~ is the home folder, as in a shell."""
+    metadata = {"help": help, "path": path}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
-class Config(dict):
-    """A nested dict with attribute access (cfg.data.text_files)."""
+def required(help: str) -> Any:
+    """A config field that must be given."""
+    return field(metadata={"help": help, "path": False})
 
-    def __getattr__(self, name):
+
+# ---------------------------------------------------------------------------------------------------- the sections
+
+@dataclass(frozen=True, kw_only=True)
+class Data:
+    """What the recipe trains on: text files or folders, a `datasets` dataset, or neither (the default corpus)."""
+
+    text_files: list[str] | str | None = setting(None, "text files, or folders of .txt files", path=True)
+    dataset: str | None = setting(None, "a `datasets` dataset name (in place of text_files)")
+    config: str | None = setting(None, "the dataset's configuration")
+    split: str = setting("train", "the dataset's split")
+    text_field: str = setting("text", "the dataset's column of text")
+    eval_fraction: float = setting(0.05, "share of packed sequences held out for the evaluation loss, in [0, 1)")
+    max_tokens: int | None = setting(None, "cap on the tokens read (after tokenization); null: no cap")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lora:
+    """LoRA adapters through peft (the patch is applied first; the final save merges them)."""
+
+    enabled: bool = setting(False, "train LoRA adapters instead of every weight")
+    r: int = setting(8, "the adapters' rank")
+    alpha: int = setting(16, "peft's lora_alpha")
+    dropout: float = setting(0.0, "peft's lora_dropout, in [0, 1)")
+    target_modules: list[str] | str = setting("all-linear", "the modules that get adapters (peft's names)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pose:
+    """Positional skip-wise training (pose.py): seq_len tokens, their positions spread over target_len."""
+
+    target_len: int | None = setting(None, "the window PoSE trains for, above seq_len; null: PoSE off")
+    chunks: int = setting(2, "pieces per sequence, each shifted by its own skip (the paper uses 2)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Distill:
+    """Distillation from the model before the swap: loss = (1 - alpha) * CE + alpha * T^2 * KL(teacher || student)."""
+
+    enabled: bool = setting(False, "distil from the unpatched model")
+    alpha: float = setting(0.5, "the KL's share of the loss, in [0, 1]")
+    temperature: float = setting(1.0, "T, > 0")
+
+
+# ---------------------------------------------------------------------------------------------------- the recipes
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeConfig:
+    """What every recipe takes. Made by `build` (or directly, in Python), checked once when made."""
+
+    model: str | None = setting(None, "the model (hfpatch.models.load): a folder, a .gguf file, a hub id, smollm2",
+                                path=True)
+    tokenizer: str | None = setting(None, "the tokenizer; null: the model's", path=True)
+    trust_remote_code: bool = setting(False, "run the Python code a model folder carries")
+    allow_pickled_weights: bool = setting(False, "load pytorch_model.bin weights when there are no safetensors")
+    patch: dict[str, Any] = setting({}, "keyword arguments of hfpatch.patch, e.g. {position: yarn, factor: 4}")
+    data: Data = field(default_factory=Data, metadata={"help": "the training text (section)", "path": False})
+    seq_len: int = setting(512, "tokens per packed sequence")
+    batch_size: int = setting(1, "sequences per step, per process")
+    grad_accum: int = setting(1, "micro-batches per optimizer step")
+    lr: float = setting(1e-4, "peak learning rate, in (0, 1]")
+    weight_decay: float = setting(0.0, "AdamW's weight decay, >= 0")
+    # torch's default; Xiong et al. 2020 use 0.98
+    adam_beta2: float = setting(0.999, "AdamW's second-moment decay, in [0, 1)")
+    warmup_steps: int = setting(10, "steps of linear warm-up before the cosine decay")
+    max_steps: int = setting(100, "optimizer steps")
+    clip: float | None = setting(1.0, "gradient-norm clipping; null: none")
+    seed: int = setting(0, "initialisation and data order, in [0, 2^32 - 1]")
+    precision: str = setting("no", "accelerate's mixed precision: no, bf16 or fp16")
+    gradient_checkpointing: bool = setting(False, "recompute every block in the backward pass")
+    loss_chunk: int | None = setting(None, "positions per chunk scored against the LM head, each chunk recomputed in "
+                                     "the backward pass; null: one piece while the fp32 logits stay under 1 GiB, "
+                                     "else chunks of 512")
+    mlp_tile: int | None = setting(None, "positions per tile of each block's feed-forward module, each tile "
+                                   "recomputed in the backward pass; null: off")
+    fused_loss: bool = setting(False, "the loss's gradient made in the forward pass, chunk by chunk (plain "
+                               "cross-entropy only, not with distillation)")
+    release_memory: bool = setting(False, "CPU (glibc): freed tensors of 1 MiB or more go back to the OS")
+    fused_optimizer: bool = setting(False, "torch's fused AdamW kernel (no parameter-sized temporaries)")
+    lora: Lora = field(default_factory=Lora, metadata={"help": "LoRA adapters (section)", "path": False})
+    eval_every: int = setting(50, "steps between evaluations of the held-out loss")
+    eval_batches: int = setting(8, "batches of the held-out loss")
+    save_every: int = setting(100, "steps between checkpoints")
+    output_dir: str = setting("runs/recipe", "where the log, checkpoints and final model go", path=True)
+    log_with: list[str] | str | None = setting(None, "accelerate trackers (tensorboard, wandb, ...)")
+    resume: bool | str = setting(False, "true: the newest checkpoint in output_dir; or a checkpoint folder",
+                                 path=True)
+    stop_after: int | None = setting(None, "stop after this step, as if interrupted (resume continues)")
+    dtype: str = setting("float32", "weights in memory: float32 or bfloat16")
+    memory_check: bool = setting(True, "refuse, before the first step, a run whose estimated memory exceeds what "
+                                 "is free")
+
+    def __post_init__(self) -> None:
+        self._check_source()
+        self._check_common()
+        self._check_own()
         try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
+            spec.request(**self.patch)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"patch: {e}") from None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The config as nested plain data (sections as dicts), as YAML would write it."""
+        return dataclasses.asdict(self)
+
+    def pose_positions(self) -> tuple[int, int] | None:
+        """(target_len, chunks) when the run trains with PoSE (None: plain positions)."""
+        return None
+
+    def distillation(self) -> Distill | None:
+        """The distillation settings when the run distils from a teacher (None: it does not)."""
+        return None
+
+    def _check_source(self) -> None:
+        """Where the model comes from: a recipe that fine-tunes needs one."""
+        if not self.model:
+            raise ConfigError("model is required (a folder, a .gguf file, a hub id or 'smollm2')")
+
+    def _check_own(self) -> None:
+        """The checks of one recipe's own keys (none here)."""
+
+    def _check_common(self) -> None:
+        for key in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "save_every", "eval_batches",
+                    "loss_chunk", "mlp_tile"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{key} must be > 0, got {value}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        self._check_numbers()
+        if self.precision not in ("no", "bf16", "fp16"):
+            raise ConfigError(f"precision must be no, bf16 or fp16, got {self.precision!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        data = self.data
+        if data.max_tokens is not None and data.max_tokens <= 0:
+            raise ConfigError(f"data.max_tokens must be > 0 (the most tokens read from the data) or null (no cap), "
+                              f"got {data.max_tokens}")
+        if not 0.0 <= data.eval_fraction < 1.0:
+            raise ConfigError(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}")
+        files = data.text_files  # neither files nor a dataset: the default corpus (Python stdlib sources)
+        for f in [files] if isinstance(files, str) else (files or []):
+            if not Path(f).exists():
+                raise ConfigError(f"data path not found: {f}")
+            if Path(f).is_dir() and not any(p.is_file() for p in Path(f).rglob("*.txt")):
+                raise ConfigError(f"data: folder {f} has no .txt files (folders contribute their *.txt files)")
+        _check_trackers(self.log_with)
+
+    def _check_numbers(self) -> None:
+        """Numbers that would train to NaN, train backwards, or fail deep inside: refused with their valid range.
+        The upper bound on lr: AdamW moves every weight by about lr per step, so an lr above 1 destroys any model
+        (1e308 trained to inf weights and wrote them into checkpoints)."""
+        lr, decay = self.lr, self.weight_decay
+        if not (math.isfinite(lr) and 0 < lr <= 1):
+            raise ConfigError(f"lr must be a finite number in (0, 1], got {lr}")
+        if not (math.isfinite(self.adam_beta2) and 0 <= self.adam_beta2 < 1):
+            raise ConfigError(f"adam_beta2 must be a number in [0, 1), got {self.adam_beta2}")
+        if not (math.isfinite(decay) and decay >= 0):
+            raise ConfigError(f"weight_decay must be a finite number >= 0, got {decay}")
+        if lr * decay >= 1:  # AdamW multiplies every weight by 1 - lr * weight_decay each step
+            raise ConfigError(f"lr x weight_decay must stay below 1 (each step multiplies the weights by 1 - lr x "
+                              f"weight_decay), got lr={lr}, weight_decay={decay}")
+        if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
+            raise ConfigError(f"clip must be a finite number > 0 or null (no clipping), got {self.clip}")
+        if not 0 <= self.seed <= SEED_MAX:
+            raise ConfigError(f"seed must be between 0 and {SEED_MAX}, got {self.seed}")
+        lora = self.lora
+        if lora.enabled and (lora.r <= 0 or lora.alpha <= 0 or not 0 <= lora.dropout < 1):
+            raise ConfigError(f"lora needs r > 0, alpha > 0 and dropout in [0, 1), got r={lora.r}, "
+                              f"alpha={lora.alpha}, dropout={lora.dropout}")
 
 
-def _defaults(schema) -> dict:
-    return {k: _defaults(v) if isinstance(v, dict) else copy.deepcopy(v[1]) for k, v in schema.items()}
+@dataclass(frozen=True, kw_only=True)
+class PretrainConfig(RecipeConfig):
+    """recipes/pretrain.py: a model built from model_config, trained from scratch."""
+
+    model_config: dict[str, Any] = setting({}, "the transformers config the model is built from: model_type and "
+                                           "sizes (the vocabulary comes from the tokenizer)")
+    # the tokenizer must be given (its None default is "not given", refused with what it takes): a str once made
+    tokenizer: str = setting(None, "the tokenizer (required): a folder, a .gguf file or smollm2", path=True)
+    init: str = setting("hf", "the first weights (train/init.py): hf (transformers' own) or paper (Xiong et al. "
+                        "2020)")
+
+    def _check_source(self) -> None:
+        if not self.model_config.get("model_type"):
+            raise ConfigError("model_config.model_type is required (e.g. llama), with the model's sizes")
+        if not self.tokenizer:
+            raise ConfigError("tokenizer is required for pretrain (a folder, a .gguf file or 'smollm2')")
+
+    def _check_own(self) -> None:
+        if self.model:
+            raise ConfigError("pretrain builds its model from model_config; remove model (or use "
+                              "context_extension/heal)")
+        check_model_config(self.model_config)
+        if self.init not in INITS:
+            raise ConfigError(f"init must be one of {', '.join(INITS)}; got {self.init!r}")
 
 
-def _check(schema: dict, values: dict, where: str = "") -> Config:
-    out = Config()
-    for key, value in values.items():
-        name = f"{where}{key}"
-        if key not in schema:
-            raise ConfigError(f"unknown config key {name!r}; valid keys here: {', '.join(sorted(schema))}")
-        spec = schema[key]
-        if isinstance(spec, dict):
+@dataclass(frozen=True, kw_only=True)
+class ContextExtensionConfig(RecipeConfig):
+    """recipes/context_extension.py: a pretrained model patched (e.g. YaRN x4) and fine-tuned at seq_len."""
+
+    pose: Pose = field(default_factory=Pose, metadata={"help": "PoSE (section)", "path": False})
+
+    def pose_positions(self) -> tuple[int, int] | None:
+        return None if self.pose.target_len is None else (self.pose.target_len, self.pose.chunks)
+
+    def _check_own(self) -> None:
+        pose = self.pose
+        if pose.target_len is None:
+            return
+        if not self.seq_len < pose.target_len <= MAX_POSITIONS:
+            raise ConfigError(f"pose.target_len={pose.target_len} must be an integer greater than seq_len="
+                              f"{self.seq_len} (PoSE spreads seq_len positions over target_len) and at most "
+                              f"{MAX_POSITIONS} (RoPE computes its angles in float32, exact for positions up to 2^24)")
+        if not 2 <= pose.chunks <= self.seq_len:
+            raise ConfigError(f"pose.chunks must be between 2 and seq_len={self.seq_len}, got {pose.chunks}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealConfig(RecipeConfig):
+    """recipes/heal.py: after a swap, fine-tune back toward the original model, optionally distilling from it."""
+
+    distill: Distill = field(default_factory=Distill, metadata={"help": "distillation (section)", "path": False})
+
+    def distillation(self) -> Distill | None:
+        return self.distill if self.distill.enabled else None
+
+    def _check_own(self) -> None:
+        distill = self.distill
+        if not (math.isfinite(distill.temperature) and distill.temperature > 0):
+            raise ConfigError(f"distill.temperature must be a finite number > 0, got {distill.temperature}")
+        if self.fused_loss and distill.enabled:
+            raise ConfigError("fused_loss computes the plain cross-entropy only; distillation scores the KL to the "
+                              "teacher through loss_chunk: remove fused_loss")
+        if distill.enabled and not 0.0 <= distill.alpha <= 1.0:
+            raise ConfigError(f"distill.alpha must be in [0, 1], got {distill.alpha}")
+
+
+RECIPES: dict[str, type[RecipeConfig]] = {
+    "context_extension": ContextExtensionConfig,
+    "heal": HealConfig,
+    "pretrain": PretrainConfig,
+}
+
+# The most positions a run may train for: RoPE multiplies the position ids by its frequencies in float32, whose
+# integers are exact up to 2^24; past it neighbouring positions get the same angles. It bounds what no model's window
+# bounds (dynamic scaling, which has none).
+MAX_POSITIONS = 2**24
+
+SEED_MAX = 2**32 - 1  # numpy's seed range (accelerate's set_seed seeds numpy too)
+
+
+# ---------------------------------------------------------------------------------------------------- building one
+
+C = TypeVar("C")
+
+
+def build(cls: type[C], values: dict, where: str = "") -> C:
+    """The config dataclass `cls` made from plain values (YAML's), every key checked against its fields in field
+    order: a section key by key over its defaults, any other key as a whole, converted where YAML reads a value
+    otherwise than meant (an int for a float, 3e-4 read as a string, a boolean word for a string); then the keys
+    that are none of its fields. Its own checks then run as it is made."""
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in fields:
+        name = f"{where}{f.name}"
+        if f.name not in values:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{name} is required")
+            continue
+        value, hint = values[f.name], hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):
                 raise ConfigError(f"{name} must be a section (key: value pairs), got {value!r}")
-            out[key] = _check(spec, {**_defaults(spec), **value}, f"{name}.")
+            kwargs[f.name] = build(hint, value, f"{name}.")
+        else:
+            kwargs[f.name] = _typed(name, value, hint, f.metadata.get("path", False))
+    unknown = [key for key in values if key not in kwargs and key not in {f.name for f in fields}]
+    if unknown:
+        name = f"{where}{unknown[0]}"
+        raise ConfigError(f"unknown config key {name!r}; valid keys here: "
+                          f"{', '.join(sorted(f.name for f in fields))}")
+    return cls(**kwargs)
+
+
+def keys(cls: type, where: str = "") -> list[tuple[str, str, Any, str]]:
+    """(dotted key, type as annotated, default, what it means) of every key of the config dataclass `cls`, a section's
+    keys after its name (the config reference of the docs is made from these); the default of a key that must be
+    given is REQUIRED."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = f"{where}{f.name}"
+        if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name]):
+            out += keys(hints[f.name], f"{name}.")
             continue
-        if value is REQUIRED:
-            raise ConfigError(f"{name} is required")
-        types, items = spec[0], (spec[2] if len(spec) > 2 else str)
-        types = types if isinstance(types, tuple) else (types,)
-        value = str(value) if isinstance(value, Word) and str in types and bool not in types else _plain(value)
-        if float in types and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if float in types and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-            with contextlib.suppress(ValueError):
-                value = float(value)
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
-            raise ConfigError(f"{name} must be {names}, got {value!r} ({type(value).__name__})")
-        if isinstance(value, list) and not all(isinstance(v, items) and not isinstance(v, bool) for v in value):
-            raise ConfigError(f"{name} must be a list of {'strings' if items is str else items.__name__ + 's'}, "
-                              f"got {value!r}")
-        out[key] = value
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = REQUIRED
+        if default is None and "None" not in str(f.type):  # "not given", refused when made (pretrain's tokenizer)
+            default = REQUIRED
+        out.append((name, str(f.type), default, f.metadata.get("help", "")))
     return out
 
+
+REQUIRED = "required"  # keys(): the default of a key that must be given
+
+
+def _accepted(hint: Any) -> tuple[tuple[type, ...], type]:
+    """The types a field's annotation accepts (list[str] | None -> (list, NoneType)) and the type of a list's
+    items (str unless named)."""
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    options = typing.get_args(hint) if union else (hint,)
+    kinds = tuple(typing.get_origin(o) or o for o in options)
+    items = next((typing.get_args(o)[0] for o in options if typing.get_origin(o) is list and typing.get_args(o)),
+                 str)
+    return kinds, items
+
+
+def _typed(name: str, value: Any, hint: Any, path: bool) -> Any:
+    """`value` as the field `name` of type `hint` takes it, or ConfigError saying what it accepts."""
+    kinds, items = _accepted(hint)
+    value = str(value) if isinstance(value, Word) and str in kinds and bool not in kinds else _plain(value)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if float in kinds and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in kinds)
+        raise ConfigError(f"{name} must be {names}, got {value!r} ({type(value).__name__})")
+    if isinstance(value, list) and not all(isinstance(v, items) and not isinstance(v, bool) for v in value):
+        raise ConfigError(f"{name} must be a list of {'strings' if items is str else items.__name__ + 's'}, "
+                          f"got {value!r}")
+    return _home(value) if path else value
+
+
+def _home(value: Any) -> Any:
+    """~ at the start of a path means the home folder, as in a shell (YAML leaves it as it is)."""
+    if isinstance(value, str):
+        return os.path.expanduser(value)
+    if isinstance(value, list):
+        return [os.path.expanduser(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------- reading YAML
 
 def _set(tree: dict, dotted: str, value) -> None:
     *path, last = dotted.split(".")
@@ -301,127 +527,13 @@ def read(path: str | None, overrides: list[str]) -> dict:
     return values
 
 
-def check(schema: dict, values: dict) -> Config:
-    """`values` over the schema's defaults (a section key by key, any other key as a whole), every key checked."""
-    merged = _defaults(schema)
-    for key, value in values.items():
-        if isinstance(schema.get(key), dict) and isinstance(value, dict):
-            merged[key] = {**merged[key], **value}
-        else:
-            merged[key] = value
-    return _check(schema, merged)
-
-
-def load(recipe: str, path: str | None, overrides: list[str], check_previous: bool = True) -> Config:
-    """The checked config. check_previous=False leaves out the check that output_dir holds no earlier run (the
-    recipes' command line makes it after locking output_dir: check_fresh)."""
-    cfg = check(SCHEMAS[recipe], read(path, overrides))
-    _expand_home(cfg)
-    _validate(cfg, recipe)
+def load(recipe: str, path: str | None, overrides: list[str], check_previous: bool = True) -> RecipeConfig:
+    """The recipe's checked config (RECIPES[recipe]). check_previous=False leaves out the check that output_dir
+    holds no earlier run (the recipes' command line makes it after locking output_dir: check_fresh)."""
+    cfg = build(RECIPES[recipe], read(path, overrides))
     if check_previous:
         check_fresh(cfg)
     return cfg
-
-
-def _expand_home(cfg: Config) -> None:
-    """~ at the start of a path means the home folder, as in a shell (YAML leaves it as it is)."""
-    expand = os.path.expanduser
-    for key in ("model", "tokenizer", "output_dir"):
-        if isinstance(cfg[key], str):
-            cfg[key] = expand(cfg[key])
-    if isinstance(cfg.resume, str):
-        cfg["resume"] = expand(cfg.resume)
-    files = cfg.data.text_files
-    if files is not None:
-        cfg.data["text_files"] = expand(files) if isinstance(files, str) else [expand(f) for f in files]
-
-
-def _validate(cfg: Config, recipe: str) -> None:
-    if recipe != "pretrain" and not cfg.model:
-        raise ConfigError("model is required (a folder, a .gguf file, a hub id or 'smollm2')")
-    if recipe == "pretrain" and not cfg.model_config.get("model_type"):
-        raise ConfigError("model_config.model_type is required (e.g. llama), with the model's sizes")
-    if recipe == "pretrain" and not cfg.tokenizer:
-        raise ConfigError("tokenizer is required for pretrain (a folder, a .gguf file or 'smollm2')")
-    for key in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "save_every", "eval_batches",
-                "loss_chunk", "mlp_tile"):
-        if cfg[key] is not None and cfg[key] <= 0:
-            raise ConfigError(f"{key} must be > 0, got {cfg[key]}")
-    if cfg.warmup_steps < 0:
-        raise ConfigError(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
-    _check_numbers(cfg)
-    if cfg.precision not in ("no", "bf16", "fp16"):
-        raise ConfigError(f"precision must be no, bf16 or fp16, got {cfg.precision!r}")
-    if cfg.dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"dtype must be float32 or bfloat16, got {cfg.dtype!r}")
-    if cfg.data.max_tokens is not None and cfg.data.max_tokens <= 0:
-        raise ConfigError(f"data.max_tokens must be > 0 (the most tokens read from the data) or null (no cap), got "
-                          f"{cfg.data.max_tokens}")
-    if not 0.0 <= cfg.data.eval_fraction < 1.0:
-        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
-    if recipe == "pretrain" and cfg.model:
-        raise ConfigError("pretrain builds its model from model_config; remove model (or use context_extension/heal)")
-    if recipe == "pretrain":
-        check_model_config(cfg.model_config)
-        if cfg.init not in INITS:
-            raise ConfigError(f"init must be one of {', '.join(INITS)}; got {cfg.init!r}")
-    files = cfg.data.text_files  # neither files nor a dataset: the default corpus (Python stdlib sources)
-    for f in [files] if isinstance(files, str) else (files or []):
-        if not Path(f).exists():
-            raise ConfigError(f"data path not found: {f}")
-        if Path(f).is_dir() and not any(p.is_file() for p in Path(f).rglob("*.txt")):
-            raise ConfigError(f"data: folder {f} has no .txt files (folders contribute their *.txt files)")
-    _check_trackers(cfg.log_with)
-    pose = cfg.get("pose")
-    if pose and pose.target_len is not None:
-        if not cfg.seq_len < pose.target_len <= MAX_POSITIONS:
-            raise ConfigError(f"pose.target_len={pose.target_len} must be an integer greater than seq_len="
-                              f"{cfg.seq_len} (PoSE spreads seq_len positions over target_len) and at most "
-                              f"{MAX_POSITIONS} (RoPE computes its angles in float32, exact for positions up to 2^24)")
-        if not 2 <= pose.chunks <= cfg.seq_len:
-            raise ConfigError(f"pose.chunks must be between 2 and seq_len={cfg.seq_len}, got {pose.chunks}")
-    if cfg.fused_loss and "distill" in cfg and cfg.distill.enabled:
-        raise ConfigError("fused_loss computes the plain cross-entropy only; distillation scores the KL to the teacher "
-                          "through loss_chunk: remove fused_loss")
-    if "distill" in cfg and cfg.distill.enabled and not 0.0 <= cfg.distill.alpha <= 1.0:
-        raise ConfigError(f"distill.alpha must be in [0, 1], got {cfg.distill.alpha}")
-    try:
-        spec.request(**cfg.patch)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"patch: {e}") from None
-
-
-# The most positions a run may train for: RoPE multiplies the position ids by its frequencies in float32, whose
-# integers are exact up to 2^24; past it neighbouring positions get the same angles. It bounds what no model's window
-# bounds (dynamic scaling, which has none).
-MAX_POSITIONS = 2**24
-
-SEED_MAX = 2**32 - 1  # numpy's seed range (accelerate's set_seed seeds numpy too)
-
-
-def _check_numbers(cfg: Config) -> None:
-    """Numbers that would train to NaN, train backwards, or fail deep inside: refused with their valid range. The
-    upper bound on lr: AdamW moves every weight by about lr per step, so an lr above 1 destroys any model (1e308
-    trained to inf weights and wrote them into checkpoints)."""
-    if not (math.isfinite(cfg.lr) and 0 < cfg.lr <= 1):
-        raise ConfigError(f"lr must be a finite number in (0, 1], got {cfg.lr}")
-    if not (math.isfinite(cfg.adam_beta2) and 0 <= cfg.adam_beta2 < 1):
-        raise ConfigError(f"adam_beta2 must be a number in [0, 1), got {cfg.adam_beta2}")
-    if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
-        raise ConfigError(f"weight_decay must be a finite number >= 0, got {cfg.weight_decay}")
-    if cfg.lr * cfg.weight_decay >= 1:  # AdamW multiplies every weight by 1 - lr * weight_decay each step
-        raise ConfigError(f"lr x weight_decay must stay below 1 (each step multiplies the weights by 1 - lr x "
-                          f"weight_decay), got lr={cfg.lr}, weight_decay={cfg.weight_decay}")
-    if cfg.clip is not None and not (math.isfinite(cfg.clip) and cfg.clip > 0):
-        raise ConfigError(f"clip must be a finite number > 0 or null (no clipping), got {cfg.clip}")
-    if not 0 <= cfg.seed <= SEED_MAX:
-        raise ConfigError(f"seed must be between 0 and {SEED_MAX}, got {cfg.seed}")
-    if "distill" in cfg and not (math.isfinite(cfg.distill.temperature) and cfg.distill.temperature > 0):
-        raise ConfigError(f"distill.temperature must be a finite number > 0, got {cfg.distill.temperature}")
-    lora = cfg.lora
-    if lora.enabled and (lora.r <= 0 or lora.alpha <= 0 or not 0 <= lora.dropout < 1):
-        raise ConfigError(f"lora needs r > 0, alpha > 0 and dropout in [0, 1), got r={lora.r}, alpha={lora.alpha}, "
-                          f"dropout={lora.dropout}")
 
 
 # model_config keys that are sizes or counts: a value <= 0 builds no model (or a model of nothing)
@@ -470,7 +582,7 @@ def _check_trackers(log_with) -> None:
             raise ConfigError(f"log_with: {name} is not installed (install its package, or leave it out)")
 
 
-def check_fresh(cfg: Config) -> None:
+def check_fresh(cfg: RecipeConfig) -> None:
     """A run that does not resume needs an output_dir without an earlier run in it."""
     found = None if cfg.resume else previous_run(Path(cfg.output_dir))
     if found:

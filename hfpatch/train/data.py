@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from ..lm.text import documents, tokenize
-from .config import ConfigError
+from .config import ConfigError, RecipeConfig
 
 
-def packed(cfg, tok) -> tuple[torch.Tensor, torch.Tensor]:
+def packed(cfg: RecipeConfig, tok) -> tuple[torch.Tensor, torch.Tensor]:
     """(train [N, seq_len], held-out [M, seq_len]) int64 token ids."""
     d = cfg.data
     files = [d.text_files] if isinstance(d.text_files, str) else d.text_files

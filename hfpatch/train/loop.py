@@ -38,7 +38,7 @@ from ..lm.causal import softcap, softcap_of
 from ..models import model_fingerprint
 from ..utils.files import write_whole
 from . import checkpoint, memory, parallel
-from .config import ConfigError, RunFailed
+from .config import ConfigError, RecipeConfig, RunFailed
 from .data import batch_indices
 from .losses import auto_chunk, chunked_lm_loss, fused_lm_loss, shift
 from .pose import batch_position_ids
@@ -150,7 +150,7 @@ class Run:
             yield ids, positions, labels, scale
 
 
-def prepare(cfg, model, teacher=None) -> Run:
+def prepare(cfg: RecipeConfig, model, teacher=None) -> Run:
     """The accelerator, the memory options on the model, LoRA, the loss module, AdamW and the schedule, prepared."""
     # cpu=True where there is no GPU: processes started by torchrun (accelerate's multi-process launcher) then
     # form a gloo group on the CPU instead of failing to find devices
@@ -170,7 +170,7 @@ def prepare(cfg, model, teacher=None) -> Run:
         except ValueError as e:  # e.g. target modules the model does not have
             memory_edits.undo()
             raise ConfigError(f"lora: {' '.join(str(e).split())}") from None
-    distill = getattr(cfg, "distill", None)
+    distill = cfg.distillation()
     loss_module = CausalLMLoss(model, chunk=cfg.loss_chunk, teacher=teacher,
                                alpha=distill.alpha if distill else 0.0,
                                temperature=distill.temperature if distill else 1.0, fused=cfg.fused_loss)
@@ -185,14 +185,14 @@ def prepare(cfg, model, teacher=None) -> Run:
     return Run(accelerator, loss_module, optimizer, scheduler, params, memory_edits)
 
 
-def train_step(cfg, run: Run, train_seqs, step: int) -> torch.Tensor:
+def train_step(cfg: RecipeConfig, run: Run, train_seqs, step: int) -> torch.Tensor:
     """Optimizer step `step` (0-based): cfg.grad_accum micro-batches of this process's rows of the global batch
     (with their PoSE positions), gradients synchronised on the last one, clipping, AdamW, the schedule. Returns
     this process's (loss, ce, kl), averaged over the micro-batches."""
     accelerator, loss_module = run.accelerator, run.loss_module
     # processes that split one sequence between them (parallel.py) train on the same rows
     rank, world, bs = run.layout.data_rank, run.layout.data_size, cfg.batch_size
-    pose = cfg.get("pose") if cfg.get("pose") and cfg.pose.target_len is not None else None
+    pose = cfg.pose_positions()
     loss_module.train()
     totals = torch.zeros(3, device=accelerator.device)
     for a in range(cfg.grad_accum):
@@ -201,7 +201,8 @@ def train_step(cfg, run: Run, train_seqs, step: int) -> torch.Tensor:
         ids = train_seqs[idx].to(accelerator.device)
         positions = None
         if pose:  # numbered like the data: sequence (micro-batch * global batch + rank * bs + row) of the run
-            positions = batch_position_ids(cfg.seq_len, pose.target_len, pose.chunks, cfg.seed,
+            target_len, chunks = pose
+            positions = batch_position_ids(cfg.seq_len, target_len, chunks, cfg.seed,
                                            micro * bs * world + rank * bs, len(idx)).to(accelerator.device)
         sync = a == cfg.grad_accum - 1
         ctx = accelerator.no_sync(loss_module) if not sync else contextlib.nullcontext()
@@ -247,7 +248,7 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 ADDED_KEYS = {"adam_beta2": 0.999, "init": "hf"}
 
 
-def run_identity(cfg, train_seqs, eval_seqs) -> dict:
+def run_identity(cfg: RecipeConfig, train_seqs, eval_seqs) -> dict:
     """What makes a run the run it is, kept in every checkpoint marker and compared on resume: its settings (the
     keys outside MAY_CHANGE), a SHA-256 of its packed data (the tokens of both splits: the files' content, the
     tokenizer, seq_len and the split all decide them) and the starting model's files by content."""
@@ -255,7 +256,7 @@ def run_identity(cfg, train_seqs, eval_seqs) -> dict:
     for seqs in (train_seqs, eval_seqs):
         data.update(repr(tuple(seqs.shape)).encode())
         data.update(seqs.contiguous().numpy().tobytes())
-    settings = {k: v for k, v in _flat(cfg).items()
+    settings = {k: v for k, v in _flat(cfg.as_dict()).items()
                 if k not in MAY_CHANGE and not (k in ADDED_KEYS and v == ADDED_KEYS[k])}
     return {"settings": json.loads(json.dumps(settings, default=str)),  # as the marker will hold it (a YAML date)
             "data": data.hexdigest(), "model_files": model_fingerprint(cfg.model) if cfg.model else None}
@@ -308,7 +309,7 @@ def _stopped(step: int, what: str, root: Path, saved: int) -> RunFailed:
                      "another output_dir")
 
 
-def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
+def train(cfg: RecipeConfig, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
     if cfg.memory_check:
         try:
             memory.check_fits(cfg, model, teacher)
@@ -333,7 +334,8 @@ def train(cfg, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
             raise
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        accelerator.init_trackers("hfpatch", config={k: v for k, v in cfg.items() if not isinstance(v, dict)})
+        accelerator.init_trackers("hfpatch", config={k: v for k, v in cfg.as_dict().items()
+                                                        if not isinstance(v, dict)})
 
     tokens_per_step = cfg.batch_size * run.layout.data_size * cfg.grad_accum * cfg.seq_len
     bar = tqdm(total=cfg.max_steps, initial=progress.step, disable=not accelerator.is_main_process, desc="train")
@@ -397,7 +399,7 @@ def finish(run: Run) -> None:
 
 
 @torch.no_grad()
-def evaluate(cfg, loss_module, eval_seqs, accelerator) -> float | None:
+def evaluate(cfg: RecipeConfig, loss_module, eval_seqs, accelerator) -> float | None:
     """Mean CE per token over the first eval_batches x world x batch_size held-out sequences."""
     if len(eval_seqs) == 0:
         return None
@@ -415,7 +417,7 @@ def evaluate(cfg, loss_module, eval_seqs, accelerator) -> float | None:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def save_final(cfg, accelerator, loss_module, tok, path: Path):
+def save_final(cfg: RecipeConfig, accelerator, loss_module, tok, path: Path):
     state = accelerator.get_state_dict(loss_module)  # gathered in full under FSDP / ZeRO-3
     if not accelerator.is_main_process:
         return None

@@ -42,6 +42,7 @@ from ..adapters import adapter_for, get_path
 from ..apply import unwrap
 from ..edits import Edits
 from ..lm import budget
+from .config import RecipeConfig
 from .losses import auto_chunk
 
 
@@ -112,7 +113,7 @@ def apply(model, *, gradient_checkpointing: bool = False, mlp_tile: int | None =
     return edits
 
 
-def training_bytes(cfg, model, teacher=None, processes: int = 1) -> dict:
+def training_bytes(cfg: RecipeConfig, model, teacher=None, processes: int = 1) -> dict:
     """Bytes one optimizer step needs at least, by part, on the device of one process (`processes` of them share
     it: CPU runs). A floor, not a forecast: what a step cannot do without.
       weights     every parameter (and the teacher's)
@@ -146,7 +147,7 @@ def training_bytes(cfg, model, teacher=None, processes: int = 1) -> dict:
 RESERVE = 0.10
 
 
-def check_fits(cfg, model, teacher=None) -> None:
+def check_fits(cfg: RecipeConfig, model, teacher=None) -> None:
     """Refuse (ValueError) a run whose training_bytes exceed the memory free where it runs, less RESERVE."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpu = torch.cuda.is_available()

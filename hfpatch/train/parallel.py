@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..position.registry import SCHEMES
-from .config import ConfigError
+from .config import ConfigError, RecipeConfig
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def requested() -> tuple[int, int]:
             int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1")))
 
 
-def check(cfg, scheme: str) -> None:
+def check(cfg: RecipeConfig, scheme: str) -> None:
     """ConfigError for what cannot run under the requested sequence split (see the module docstring)."""
     cp, sp = requested()
     if cp == 1 and sp == 1:
@@ -66,11 +66,10 @@ def check(cfg, scheme: str) -> None:
     if why:
         raise ConfigError(f"position={scheme!r} cannot train under {name}: {why}; use a static RoPE scheme (e.g. "
                           f"yarn) or train without splitting sequences")
-    pose = cfg.get("pose")
-    if sp > 1 and pose and pose.target_len is not None:
+    if sp > 1 and cfg.pose_positions() is not None:
         raise ConfigError(f"pose cannot train under {name}: DeepSpeed reads PoSE's position jumps as document "
                           f"boundaries; use context parallelism (FSDP2 cp_size) for PoSE")
-    if cfg.get("distill") and cfg.distill.enabled:
+    if cfg.distillation() is not None:
         raise ConfigError(f"distillation cannot train under {name}: the teacher would see one shard of each "
                           f"sequence; heal without splitting sequences")
     parts = 2 * cp if cp > 1 else sp

@@ -14,10 +14,10 @@ from ..lm.text import load_tokenizer
 from ..models import load as load_model
 from ..position.registry import SCHEMES
 from . import init, memory, parallel
-from .config import ConfigError
+from .config import ConfigError, PretrainConfig, RecipeConfig
 
 
-def dtype_of(cfg):
+def dtype_of(cfg: RecipeConfig) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
 
 
@@ -31,8 +31,10 @@ def tokenizer(name: str):
         raise ConfigError(f"tokenizer: {' '.join(str(e).split())}") from None
 
 
-def load(cfg):
+def load(cfg: RecipeConfig):
     """(model, tokenizer) of cfg.model (cfg.tokenizer overrides the tokenizer)."""
+    if not cfg.model:  # a pretrain config builds its model instead (from_config)
+        raise ConfigError("model is required (a folder, a .gguf file, a hub id or 'smollm2')")
     try:
         model, tok = load_model(cfg.model, dtype=dtype_of(cfg), tokenizer=not cfg.tokenizer,
                                 trust_remote_code=cfg.trust_remote_code,
@@ -51,7 +53,7 @@ def load(cfg):
     return model, tok
 
 
-def from_config(cfg, tok):
+def from_config(cfg: PretrainConfig, tok):
     """A model built from cfg.model_config (a transformers config: model_type and sizes), its vocabulary and special
     tokens taken from the tokenizer unless given, in cfg.dtype (weights drawn from the RNG as seeded, the way
     cfg.init names: init.py)."""
@@ -67,7 +69,7 @@ def from_config(cfg, tok):
         raise ConfigError(f"model_config: {' '.join(str(e).split())}") from None
     model = AutoModelForCausalLM.from_config(config, dtype=dtype_of(cfg))
     check_causal(model)
-    return init.apply(model, cfg.get("init", "hf"))
+    return init.apply(model, cfg.init)
 
 
 def check_causal(model):
@@ -77,7 +79,7 @@ def check_causal(model):
                           f"({type(hfpatch.apply.unwrap(model)).__name__}) is not one")
 
 
-def apply_patch(model, cfg):
+def apply_patch(model, cfg: RecipeConfig):
     """hfpatch.patch with the config's spec, then the checks that need the patched model: the sequence lengths
     against what the patch supports, PoSE's need for RoPE, mlp_tile's need for a feed-forward module, and what
     cannot train with sequences split over processes (parallel.check)."""
@@ -92,14 +94,15 @@ def apply_patch(model, cfg):
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"seq_len={cfg.seq_len} is above the {limit} positions the model supports with patch "
                           f"{spec!r}; lower seq_len or extend the context (e.g. patch.position=yarn, patch.factor)")
-    pose = cfg.get("pose")
-    if pose and pose.target_len is not None:
+    pose = cfg.pose_positions()
+    if pose is not None:
+        target_len = pose[0]
         rope = scheme in SCHEMES and SCHEMES[scheme].rope is not None
         if not rope or not hfpatch.adapters.adapter_for(hfpatch.apply.unwrap(model)).has_rope:
             raise ConfigError(f"pose needs a RoPE model (PoSE moves the position ids that RoPE reads); this model's "
                               f"position encoding is {scheme!r}")
-        if limit is not None and pose.target_len > limit:
-            raise ConfigError(f"pose.target_len={pose.target_len} is above the {limit} positions the model supports "
+        if limit is not None and target_len > limit:
+            raise ConfigError(f"pose.target_len={target_len} is above the {limit} positions the model supports "
                               f"with patch {spec!r}; extend the context first (e.g. patch.position=yarn, patch.factor)")
     if cfg.mlp_tile is not None:
         try:
