@@ -90,7 +90,7 @@ def test_pose_chunks_attend_to_each_other():
 def _rope_request(scheme):
     if scheme == "longrope":
         return dict(position=scheme, factor=4.0, short_factor=[1.0] * 8, long_factor=[4.0] * 8)
-    if scheme == "rope":
+    if SCHEMES[scheme].factor == "none":  # rope, p-rope
         return dict(position=scheme)
     return dict(position=scheme, factor=4.0)
 
@@ -272,8 +272,8 @@ def test_pose_run_resumes_exactly(tiny_folder, text, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["pose.target_len=32"], "pose.target_len=32 must be greater than seq_len=64"),
-    (["pose.target_len=64"], "pose.target_len=64 must be greater than seq_len=64"),
+    (["pose.target_len=32"], "pose.target_len=32 must be an integer greater than seq_len=64"),
+    (["pose.target_len=64"], "pose.target_len=64 must be an integer greater than seq_len=64"),
     (["pose.target_len=256", "pose.chunks=1"], "pose.chunks must be between 2 and seq_len=64, got 1"),
     (["pose.target_len=1024", "patch={position: yarn, factor: 4}"], "pose.target_len=1024 is above the 256 positions"),
     (["pose.target_len=256", "patch={position: alibi}"], "pose needs a RoPE model"),

@@ -12,6 +12,7 @@ from conftest import assert_same_fingerprint, fingerprint, logits, max_diff, tin
 from transformers.models.t5.modeling_t5 import T5Attention
 
 import hfpatch
+import hfpatch.introspect
 from hfpatch.position.attention import written as attention
 from hfpatch.position.schemes.learned import TABLE_ATTR
 from hfpatch.position.schemes.relative import T5_TABLE, XL_ATTR, XLPositions, t5_buckets
@@ -214,7 +215,7 @@ def test_learned_table_is_refused_beyond_its_length():
         with pytest.raises(ValueError, match="past the learned position table, which has 32 rows"):
             model(tokens(33))
     # the default size is the trained window (max_position_embeddings)
-    assert hfpatch.apply.position_limit(hfpatch.patch(tiny_model("qwen2"), position="learned")) == 64
+    assert hfpatch.introspect.position_limit(hfpatch.patch(tiny_model("qwen2"), position="learned")) == 64
 
 
 @pytest.mark.parametrize("family,kwargs,message", [

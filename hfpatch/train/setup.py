@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import hfpatch
 
+from ..introspect import position_limit
 from ..lm.text import load_tokenizer
 from ..models import load as load_model
 from ..position.registry import SCHEMES
@@ -88,7 +89,7 @@ def apply_patch(model, cfg: RecipeConfig):
             hfpatch.patch(model, **cfg.patch)
         except (ValueError, TypeError) as e:
             raise ConfigError(f"patch: {e}") from None
-    limit = hfpatch.apply.position_limit(model)
+    limit = position_limit(model)
     info = hfpatch.describe(model)
     spec, scheme = hfpatch.spec.describe_string(info["applied"]), info["position"]["scheme"]
     if limit is not None and cfg.seq_len > limit:

@@ -5,7 +5,7 @@ gets a mixin that adds row p of a new table to the input at position p (from the
 it, so cached decoding stays right). The table has `table_size` rows (default: the model's
 max_position_embeddings, its trained window), drawn from N(0, init_std²) with init_std = 0.02 by default (GPT-2's
 initializer range): small next to the token embeddings. The model's length limit becomes the table size:
-config.max_position_embeddings is set to it (hfpatch.apply.position_limit reads it), and a position past the table
+config.max_position_embeddings is set to it (hfpatch.introspect.position_limit reads it), and a position past the table
 is refused with a clear error, where GPT-2's own table fails with an index error.
 """
 
