@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 
 class _Marker:
@@ -35,7 +36,7 @@ class _Marker:
     def __copy__(self):
         return self
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict):
         return self
 
     def __reduce__(self):
@@ -58,7 +59,7 @@ class Edits:
     def __len__(self):
         return len(self._log)
 
-    def set(self, obj, name: str, value) -> None:
+    def set(self, obj: Any, name: str, value: Any) -> None:
         """setattr(obj, name, value), remembering the old value (or its absence).
 
         On an nn.Module, assigning a tensor to a registered buffer's name replaces the buffer and keeps its
@@ -67,7 +68,7 @@ class Edits:
         self._log.append((obj, name, _held(obj, name)))
         setattr(obj, name, value)
 
-    def delete(self, obj, name: str) -> None:
+    def delete(self, obj: Any, name: str) -> None:
         """delattr(obj, name) if it exists, remembering the value."""
         old = _held(obj, name)
         if old[0] is MISSING:
@@ -75,7 +76,7 @@ class Edits:
         self._log.append((obj, name, old))
         delattr(obj, name)
 
-    def swap_class(self, obj, cls: type) -> None:
+    def swap_class(self, obj: Any, cls: type) -> None:
         """Give one instance a new class (a subclass of its own), so that class-level machinery such as
         gradient checkpointing keeps wrapping the new forward (replacing `obj.forward` would bypass it)."""
         if not issubclass(cls, type(obj)):
@@ -83,11 +84,11 @@ class Edits:
         self._log.append((obj, "__class__", type(obj)))
         obj.__class__ = cls
 
-    def mix_in(self, obj, mixin: type, under: bool = False) -> None:
+    def mix_in(self, obj: Any, mixin: type, under: bool = False) -> None:
         """swap_class to a subclass of obj's class with `mixin`'s methods first (see `with_mixin` for `under`)."""
         self.swap_class(obj, with_mixin(type(obj), mixin, under))
 
-    def track_new_attributes(self, obj) -> None:
+    def track_new_attributes(self, obj: Any) -> None:
         """On undo, also drop attributes and buffers that appear on `obj` after this point, e.g. the caches
         transformers' dynamic RoPE update adds while the patched model runs."""
         self._log.append((obj, _KEYS, _keys(obj)))
@@ -98,7 +99,7 @@ class Edits:
         self._log.extend(other._log)
         other._log = []
 
-    def touched(self, obj) -> dict[str, object]:
+    def touched(self, obj: Any) -> dict[str, object]:
         """{attribute: original value} for every attribute of `obj` this log changed (first value wins)."""
         out: dict[str, object] = {}
         for target, attr, old in self._log:
@@ -131,7 +132,7 @@ class Edits:
                 finish(_reapply, obj, name, now)
 
 
-def _now(obj, name, old):
+def _now(obj: Any, name: Any, old: Any):
     """What undo() replaces: the class, the attributes added since the log began tracking, or the value."""
     if name == "__class__":
         return type(obj)
@@ -140,7 +141,7 @@ def _now(obj, name, old):
     return _held(obj, name)
 
 
-def _revert(obj, name, old, now) -> None:
+def _revert(obj: Any, name: Any, old: Any, now: Any) -> None:
     if name == "__class__":
         obj.__class__ = old
     elif name is _KEYS:
@@ -151,7 +152,7 @@ def _revert(obj, name, old, now) -> None:
         _put(obj, name, (_like(old[0], now[0]), old[1]))
 
 
-def _reapply(obj, name, now) -> None:
+def _reapply(obj: Any, name: Any, now: Any) -> None:
     if name == "__class__":
         obj.__class__ = now
     elif name is _KEYS:
@@ -168,7 +169,7 @@ def _finishing() -> Iterator[Callable[..., Any]]:
     neither patched nor not."""
     held: list[BaseException] = []
 
-    def finish(step, *args):
+    def finish(step: Callable[..., Any], *args: Any):
         try:
             return step(*args)
         except KeyboardInterrupt as e:
@@ -199,7 +200,7 @@ def deferred_interrupts():
             raise KeyboardInterrupt
 
 
-def _current(obj, name):
+def _current(obj: Any, name: Any):
     # Read instance state only: a class attribute or property is not something we replaced.
     if name in getattr(obj, "_buffers", {}):
         return obj._buffers[name]
@@ -214,7 +215,7 @@ def _current(obj, name):
     return d.get(name, MISSING)
 
 
-def _held(obj, name):
+def _held(obj: Any, name: Any):
     """(value or MISSING, its slot): "buffer" (persistent), "buffer-np" (non-persistent), "parameter", "module" or
     None (a plain attribute, or absent), so that undo/redo put a value back where it was."""
     for slot, table in (("buffer", "_buffers"), ("parameter", "_parameters"), ("module", "_modules")):
@@ -225,7 +226,7 @@ def _held(obj, name):
     return _current(obj, name), None
 
 
-def _put(obj, name, held) -> None:
+def _put(obj: Any, name: Any, held: Any) -> None:
     """Put `held` (from _held) back: the value in its own kind of slot, or nothing if it was MISSING. A value of
     another kind there now is removed first (nn.Module refuses e.g. a plain value over a submodule)."""
     value, slot = held
@@ -257,7 +258,7 @@ def with_mixin(cls: type, mixin: type, under: bool = False) -> type:
     return _SUBCLASSES[key]
 
 
-def _like(old, now):
+def _like(old: Any, now: Any):
     """The saved tensor or module, moved to the device and floating dtype its replacement has now: the model may
     have been moved (`model.to("cuda")`, `model.bfloat16()`) between patch and unpatch, and the saved objects were
     not in the model then."""
@@ -274,11 +275,11 @@ def _like(old, now):
     return torch.nn.Parameter(moved, requires_grad=old.requires_grad) if isinstance(old, torch.nn.Parameter) else moved
 
 
-def _keys(obj) -> frozenset:
+def _keys(obj: Any) -> frozenset:
     return frozenset(getattr(obj, "__dict__", {})) | frozenset(getattr(obj, "_buffers", {}))
 
 
-def _float_tensor(module):
+def _float_tensor(module: nn.Module):
     """The first floating-point parameter or buffer of a module (None if it has none)."""
     for t in list(module.parameters()) + list(module.buffers()):
         if t.is_floating_point():

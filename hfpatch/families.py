@@ -19,7 +19,9 @@ import hashlib
 import json
 import os
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -32,6 +34,9 @@ from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS
 from .position.attention.temperature import TEMPERATURES
 from .position.registry import LAYER_SCHEMES, SCHEMES
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CACHE_FORMAT = 1
 SWEEP_FILE = Path(__file__).parent / "data" / "sweep.json"
@@ -114,13 +119,15 @@ def tried_layers(model, result: dict) -> dict:
                                   "not_available": {**patches["not_available"], **refused}}}
 
 
-def measure(model_types=None, use_cache: bool = True, progress=None) -> dict:
+def measure(model_types: Iterable[str] | None = None, use_cache: bool = True,
+            progress: Callable[[str], Any] | None = None) -> dict:
     """{model_type: measure_one(model_type)} for the named types, or every causal-LM type of the installed
     transformers, read against the shipped sweep (as_swept). ValueError for a name that is not one."""
     return as_swept(measure_raw(model_types, use_cache, progress), sweep_baseline())
 
 
-def measure_raw(model_types=None, use_cache: bool = True, progress=None) -> dict:
+def measure_raw(model_types: Iterable[str] | None = None, use_cache: bool = True,
+                progress: Callable[[str], Any] | None = None) -> dict:
     """measure() before the shipped sweep is read: what hfpatch accepts, as eval/check_transformers.py records it."""
     known = tiny.causal_lm_types()
     types = list(model_types) if model_types else known
@@ -180,7 +187,8 @@ def without_failed_decoding(result: dict, checks: dict) -> dict:
                                   "not_available": {**patches["not_available"], **why}}}
 
 
-def supported(model=None, model_types=None, use_cache: bool = True) -> dict:
+def supported(model: PreTrainedModel | None = None, model_types: Iterable[str] | None = None,
+              use_cache: bool = True) -> dict:
     """What `patch` accepts for one loaded model, or for every causal-LM model type of the installed transformers.
 
     Args:

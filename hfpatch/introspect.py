@@ -5,6 +5,8 @@ recipes read, and what `patch` accepts here with the reasons for the rest (suppo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from . import spec as specs
 from .adapters import Adapter, InferenceError, adapter_for, get_path
 from .apply import applied_spec, loaded_with, position_facts, state_of, unpatch_restores, unwrap
@@ -18,8 +20,11 @@ from .position.attention import temperature as temperatures
 from .position.attention.temperature import TEMPERATURES
 from .position.registry import LAYER_SCHEMES, SCHEMES
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def _limit_kind(model, adapter: Adapter) -> str | None:
+
+def _limit_kind(model: PreTrainedModel, adapter: Adapter) -> str | None:
     """What kind of length limit the model has now (position/schemes.py, `limit`): that of the position scheme
     applied, else "table" for a model's own learned table, "window" for the others."""
     state = state_of(model)
@@ -29,7 +34,7 @@ def _limit_kind(model, adapter: Adapter) -> str | None:
     return "table" if adapter.position_table else "window"
 
 
-def position_limit(model) -> int | None:
+def position_limit(model: PreTrainedModel) -> int | None:
     """The longest sequence the model's position encoding is meant for now: a learned table's rows, RoPE's
     (scaled) max_position_embeddings; None for schemes without a fixed window (ALiBi, NoPE, sinusoidal, dynamic
     scaling)."""
@@ -42,7 +47,7 @@ def position_limit(model) -> int | None:
     return int(target.config.get_text_config().max_position_embeddings)
 
 
-def table_limit(model) -> int | None:
+def table_limit(model: Any) -> int | None:
     """The hard length limit of a model that reads a learned position table (its own, interpolated or not, or
     position='learned'): past it the model fails with an index error deep inside, so evaluations and studies refuse
     such lengths. None otherwise: RoPE only degrades past its window (that is what the evaluations measure), and
@@ -56,7 +61,7 @@ def table_limit(model) -> int | None:
     return position_limit(target) if _limit_kind(target, adapter) == "table" else None
 
 
-def describe(model) -> dict:
+def describe(model: PreTrainedModel) -> dict:
     """What the model is, how it normalizes and encodes position now, and what hfpatch has applied.
 
     Args:
@@ -118,7 +123,7 @@ def _temperature(applied: dict, facts: dict) -> dict | None:
 NO_LAYERNORM = ("rmsnorm", "none")
 
 
-def available(model, adapter: Adapter) -> dict:
+def available(model: PreTrainedModel, adapter: Adapter) -> dict:
     """What `patch` accepts for this model, per axis, and why the rest does not apply."""
     why = {f"position={s}": schemes.unavailable(s, adapter) for s in SCHEMES}
     norm_why = {f"norm={k}": norm_kinds.unavailable(k, model, adapter) for k in NORMS}
@@ -150,7 +155,7 @@ def available(model, adapter: Adapter) -> dict:
     }
 
 
-def summary(model, adapter: Adapter) -> dict:
+def summary(model: PreTrainedModel, adapter: Adapter) -> dict:
     """What the model is and what patch accepts for it (hfpatch.supported of one model)."""
     return {
         "norm": adapter.norm,

@@ -38,7 +38,7 @@ OVERRIDES: dict[str, dict] = {
 _CACHE = "_hfpatch_adapter"
 
 
-def adapter_for(model) -> Adapter:
+def adapter_for(model: PreTrainedModel) -> Adapter:
     """The Adapter of a transformers model (inferred once, then cached on the model). InferenceError (a ValueError)
     naming what was not found when the model's structure cannot be read."""
     if not isinstance(model, PreTrainedModel):
@@ -54,7 +54,7 @@ def adapter_for(model) -> Adapter:
     return adapter
 
 
-def set_adapter(model, adapter: Adapter) -> None:
+def set_adapter(model: PreTrainedModel, adapter: Adapter) -> None:
     object.__setattr__(model, _CACHE, adapter)
 
 

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 
-def get_path(root, path: str | None):
+def get_path(root: nn.Module, path: str | None):
     """root.a.b.c for path "a.b.c" (list indices are attributes of nn.ModuleList too). `path` is typed as the
     adapter's optional fields are: the patches that read a field require it first (their Requirement records), so
     None here is a bug, reported as the missing attribute it is."""
@@ -23,7 +29,7 @@ def get_path(root, path: str | None):
     return root
 
 
-def class_key(module) -> str:
+def class_key(module: nn.Module) -> str:
     """"module.Class" of a module: how Adapter.norm_classes names the family's own norm classes."""
     t = type(module)
     return f"{t.__module__}.{t.__qualname__}"
@@ -87,7 +93,7 @@ class Adapter:
     def has_rope(self) -> bool:
         return bool(self.rotaries)
 
-    def placement_of(self, config) -> str | None:
+    def placement_of(self, config: PreTrainedConfig) -> str | None:
         return self.placement(config) if callable(self.placement) else self.placement
 
     @property
@@ -99,7 +105,7 @@ class Adapter:
             return "learned"
         return "unknown" if "positions" in self.notes else "none"
 
-    def to_dict(self, config) -> dict:
+    def to_dict(self, config: PreTrainedConfig) -> dict:
         """Plain JSON data (the placement evaluated for `config`): saved in the hfpatch record, so that a reload
         can rebuild the patched structure before the model has weights to probe."""
         out = {}

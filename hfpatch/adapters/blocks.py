@@ -17,7 +17,12 @@ cross-attention, an extra sublayer) gets no placement swap.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
 
 from .base import get_path
 
@@ -38,7 +43,7 @@ SPEC_ATTR = "hfpatch_block"
 _SIGNATURES: dict = {}
 
 
-def _bound(forward, hidden_states, args, kwargs) -> dict:
+def _bound(forward: Callable[..., Any], hidden_states: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> dict:
     """The block's arguments other than hidden_states, by name (positional ones bound through the signature)."""
     fn = getattr(forward, "__func__", forward)
     if fn not in _SIGNATURES:
@@ -57,11 +62,11 @@ def _bound(forward, hidden_states, args, kwargs) -> dict:
     return out
 
 
-def _first(out):
+def _first(out: Any):
     return out[0] if isinstance(out, tuple) else out
 
 
-def _drop(block, path, x):
+def _drop(block: nn.Module, path: str | None, x: Any):
     return x if path is None else get_path(block, path)(x)
 
 
@@ -73,7 +78,8 @@ class GenericBlock:
         return run(self, spec, super().forward, hidden_states, args, kwargs)
 
 
-def run(block, spec: BlockSpec, forward, hidden_states, args, kwargs):
+def run(block: nn.Module, spec: BlockSpec, forward: Callable[..., Any], hidden_states: torch.Tensor, args: tuple,
+        kwargs: dict[str, Any]):
     """One block forward in the form `spec.placement`; `forward` is the block's own (for its signature)."""
     kw = _bound(forward, hidden_states, args, kwargs)
     attn, mlp = get_path(block, spec.attention), get_path(block, spec.mlp)

@@ -13,15 +13,18 @@ start from.
 from __future__ import annotations
 
 import numbers
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from ..edits import Edits
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
-def trained_window(config, params: dict | None = None) -> int | None:
+
+def trained_window(config: PreTrainedConfig, params: dict | None = None) -> int | None:
     """The context `config` says the model was trained for: the original window of RoPE parameters that are already
     scaled (`params`: one layer type's; by default the config's own, flat or of any layer type), phi3's
     `original_max_position_embeddings`, else `max_position_embeddings`; None where the config names none
@@ -40,21 +43,21 @@ def trained_window(config, params: dict | None = None) -> int | None:
     return None
 
 
-def layer_types(config) -> list:
+def layer_types(config: PreTrainedConfig) -> list:
     """[None] for a flat rope_parameters dict, else the layer types it is nested by."""
     return config.nested_rope_parameter_keys(config.rope_parameters) or [None]
 
 
-def params_of(config, layer_type):
+def params_of(config: PreTrainedConfig, layer_type: str | None):
     return config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
 
 
-def prefix(layer_type) -> str:
+def prefix(layer_type: str | None) -> str:
     """What a rotary module's buffers of this layer type are prefixed with ("" for a flat layout)."""
     return "" if layer_type is None else f"{layer_type}_"
 
 
-def make_identity(rotary, config, edits: Edits) -> None:
+def make_identity(rotary: Any, config: PreTrainedConfig, edits: Edits) -> None:
     """RoPE that rotates nothing: inverse frequencies 0 (cos 1, sin 0 at every position), no attention scaling.
     The rope type becomes "default", which keeps transformers' dynamic/longrope updates from recomputing them."""
     edits.track_new_attributes(rotary)
@@ -72,5 +75,5 @@ class ZeroPositions(nn.Embedding):
     """Mixed in just above nn.Embedding in a learned position table's class (`Edits.mix_in(..., under=True)`): the
     lookup returns zeros, so the model adds no position embedding (gradients do not reach the table)."""
 
-    def forward(self, input):  # `input`: nn.Embedding's own parameter name
+    def forward(self, input: torch.Tensor):  # `input`: nn.Embedding's own parameter name
         return torch.zeros(*input.shape, self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device)

@@ -13,11 +13,16 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PROBE_NAME = "hfpatch_probe"  # a neutral name: names with sdpa/flash/flex trigger transformers' capability checks
 PROBE_TOKENS = 7
@@ -54,7 +59,7 @@ class Probe:
     error: str | None = None  # why the forward failed (then calls/attention are partial)
 
 
-def _first_tensor(args, kwargs):
+def _first_tensor(args: tuple, kwargs: dict[str, Any]):
     if "hidden_states" in kwargs and isinstance(kwargs["hidden_states"], torch.Tensor):
         return kwargs["hidden_states"]
     for a in args:
@@ -63,7 +68,7 @@ def _first_tensor(args, kwargs):
     return None
 
 
-def _out_tensor(out):
+def _out_tensor(out: Any):
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
@@ -75,14 +80,15 @@ def _out_tensor(out):
     return None
 
 
-def _clone(t):
+def _clone(t: Any):
     return None if t is None else t.detach().clone()
 
 
 _CURRENT: list = []  # the probe being recorded (the registered function is global, the probe is not)
 
 
-def _recording_attention(module, query, key, value, attention_mask, **kwargs):
+def _recording_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: Any,
+                         attention_mask: torch.Tensor | None, **kwargs: Any):
     probe, names, original = _CURRENT[-1]
     name = names.get(id(module), "?")
     if name not in probe.attention:
@@ -94,7 +100,7 @@ def _recording_attention(module, query, key, value, attention_mask, **kwargs):
 AttentionInterface.register(PROBE_NAME, _recording_attention)
 
 
-def _configs(model) -> list:
+def _configs(model: PreTrainedModel) -> list:
     seen, out = set(), []
     for m in [model, *model.modules()]:
         c = getattr(m, "config", None)
@@ -114,7 +120,7 @@ def _recording_interface(model, probe, names):
     mask = AttentionMaskInterface._global_mapping.get(impl, AttentionMaskInterface._global_mapping["eager"])
     AttentionMaskInterface.register(PROBE_NAME, mask)
 
-    def original(module):
+    def original(module: nn.Module):
         if impl in ALL_ATTENTION_FUNCTIONS:
             return ALL_ATTENTION_FUNCTIONS[impl]
         eager = getattr(inspect.getmodule(type(module)), "eager_attention_forward", None)
@@ -134,7 +140,7 @@ def _recording_interface(model, probe, names):
 
 
 @torch.no_grad()
-def run(model, ids: torch.Tensor | None = None, record_interface: bool = True) -> Probe:
+def run(model: Any, ids: torch.Tensor | None = None, record_interface: bool = True) -> Probe:
     """Probe `model` (a transformers PreTrainedModel) with one forward of `ids` (default: PROBE_TOKENS seeded
     random tokens)."""
     if ids is None:
@@ -149,7 +155,7 @@ def run(model, ids: torch.Tensor | None = None, record_interface: bool = True) -
     counter = [0]
     started: dict = {}
 
-    def pre(module, args, kwargs):
+    def pre(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         counter[0] += 1
         name = names[id(module)]
         if name in probe.calls:
@@ -158,7 +164,7 @@ def run(model, ids: torch.Tensor | None = None, record_interface: bool = True) -
         if name not in started:
             started[name] = (counter[0], _clone(_first_tensor(args, kwargs)))
 
-    def post(module, args, kwargs, out):
+    def post(module: nn.Module, args: tuple, kwargs: dict[str, Any], out: Any):
         counter[0] += 1
         name = names[id(module)]
         if name in probe.calls or name not in started:
@@ -187,14 +193,14 @@ def run(model, ids: torch.Tensor | None = None, record_interface: bool = True) -
     return probe
 
 
-def _rows_equal(t) -> bool:
+def _rows_equal(t: Any) -> bool:
     if t is None or t.dim() < 2 or t.shape[-2] < 2:
         return True
     t = t.float()
     return bool(torch.allclose(t, t[..., :1, :].expand_as(t), rtol=1e-4, atol=1e-5 * max(1.0, float(t.abs().max()))))
 
 
-def position_sources(model, modules: list[str], stack: str) -> tuple[bool, list[str]]:
+def position_sources(model: Any, modules: list[str], stack: str) -> tuple[bool, list[str]]:
     """Where the model encodes position, found numerically (no class names, no config keys):
     - the embeddings, if on one token repeated the input rows of the stack's first block (`stack`.0) differ;
     - an attention module (or a block: the rest of a block works position by position), if its output at the last
@@ -234,17 +240,17 @@ def position_sources(model, modules: list[str], stack: str) -> tuple[bool, list[
     return embedded, sources
 
 
-def close(a, b) -> bool:
+def close(a: Any, b: Any) -> bool:
     """Whether two outputs agree to float32 precision (2e-2 in half precision), relative to the first's scale."""
     rtol, atol = (1e-4, 1e-5) if a.dtype in (torch.float32, torch.float64) else (2e-2, 2e-2)
     return bool(torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol * max(1.0, float(a.abs().max()))))
 
 
-def restore_modes(modes) -> None:
+def restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
     for m, training in modes:
         m.training = training
 
 
-def _detach(v):
+def _detach(v: Any):
     return v.detach() if isinstance(v, torch.Tensor) else v
 

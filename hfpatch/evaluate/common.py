@@ -3,6 +3,7 @@ a spec for a while, what the results file records about the run."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import importlib.metadata
@@ -10,6 +11,7 @@ import json
 import math
 import platform
 import re
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
@@ -18,6 +20,9 @@ from .. import __version__
 from .. import spec as specs
 from ..apply import patch, state_of, unpatch
 from ..models import load
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -97,7 +102,7 @@ def torch_dtype(name: str):
     return getattr(torch, DTYPES[name]) if name in DTYPES else ("auto" if name == "auto" else None)
 
 
-def load_model(args):
+def load_model(args: argparse.Namespace):
     model, _ = load(args.model, dtype=torch_dtype(args.dtype), device_map=args.device_map, tokenizer=False)
     if not args.device_map:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -106,7 +111,7 @@ def load_model(args):
 
 
 @contextlib.contextmanager
-def applied(model, kwargs: dict, name: str):
+def applied(model: PreTrainedModel, kwargs: dict, name: str):
     """The model with the spec applied for a while, then back exactly as it was. `none` (no kwargs) is the model as
     loaded; a spec replaces the patch the model was loaded with on the axes it names (ntk:2 on a model loaded with
     yarn:4 runs ntk:2 over the checkpoint's base RoPE), and that loaded patch is applied again afterwards (unpatch
@@ -125,13 +130,13 @@ def applied(model, kwargs: dict, name: str):
         restore(model, loaded)
 
 
-def live_spec(model) -> dict:
+def live_spec(model: PreTrainedModel) -> dict:
     """The patch applied to `model` now, beyond what is baked into its weights (the part unpatch undoes)."""
     state = state_of(model)
     return copy.deepcopy(state.spec) if state else {}
 
 
-def restore(model, spec: dict) -> None:
+def restore(model: PreTrainedModel, spec: dict) -> None:
     """Bring `model` back to carrying exactly `spec` (as live_spec gave it): every patch undone, `spec` applied
     again."""
     if live_spec(model) == spec:

@@ -19,6 +19,7 @@ and takes every lm_eval argument. Needs the optional extra: pip install 'hfpatch
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ class _Loader:
     """What HFLM calls AUTO_MODEL_CLASS: hfpatch's loading, so that a model saved patched comes back patched."""
 
     @staticmethod
-    def from_pretrained(pretrained, **kwargs):
+    def from_pretrained(pretrained: str, **kwargs: Any):
         kwargs = {k: v for k, v in kwargs.items() if not (k in ("gguf_file", "quantization_config") and v is None)}
         if kwargs.get("subfolder") == "":
             kwargs.pop("subfolder")
@@ -66,7 +67,7 @@ if HFLM is not None:
         AUTO_MODEL_CLASS = _Loader  # causal LMs only, as everywhere in hfpatch
 
         def __init__(self, pretrained: str = "smollm2", patch: str = "none", device: str | None = None,
-                     **kwargs):
+                     **kwargs: Any):
             self.patch_spec = str(patch)
             self._patch_kwargs = parse_patch(self.patch_spec)
             where, gguf_file = resolve(str(pretrained))
@@ -76,7 +77,7 @@ if HFLM is not None:
             super().__init__(pretrained=where, device=device or ("cuda" if torch.cuda.is_available() else "cpu"),
                              **kwargs)
 
-        def _create_model(self, pretrained, **kwargs) -> None:
+        def _create_model(self, pretrained: str, **kwargs: Any) -> None:
             super()._create_model(pretrained, **kwargs)
             if self._patch_kwargs:
                 hfpatch.patch(self._model, **self._patch_kwargs)
@@ -89,7 +90,7 @@ if HFLM is not None:
             return info
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """`hfpatch lm-eval ARGS`: lm-eval's command line, with the hfpatch model registered."""
     return command.run_main(_main, list(sys.argv[1:] if argv is None else argv), "hfpatch lm-eval")
 

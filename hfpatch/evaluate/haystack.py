@@ -12,9 +12,9 @@ import hashlib
 import random
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..lm import text as texts
 
@@ -54,7 +54,7 @@ class Source:
         return " ".join((self.words * reps)[:n])
 
 
-def source(text_files) -> Source:
+def source(text_files: Any) -> Source:
     """The haystack text: the given files, or the default corpus."""
     docs = texts.text_files(text_files) if text_files else texts.default_corpus()
     src = Source(" ".join(d.text for d in docs))
@@ -68,7 +68,7 @@ class Prompter:
     """A sample as the model reads it: the task text and the answer prefix (RULER's "base" template), or, with
     `chat`, the task text as a user message in the tokenizer's chat template and the answer prefix after it."""
 
-    def __init__(self, tok, chat: bool):
+    def __init__(self, tok: Any, chat: bool):
         self.tok, self.chat = tok, chat
         if chat and not getattr(tok, "chat_template", None):
             raise ValueError("--chat-template: this tokenizer has no chat template")
@@ -96,7 +96,7 @@ def string_match_all(answer: str, references: list[str]) -> float:
     return sum(r.lower() in a for r in references) / len(references)
 
 
-def all_found(tok, references: list[str]):
+def all_found(tok: Any, references: list[str]):
     """A stop test for greedy decoding: True once every reference is in the answer so far. The score is the share
     of references found, which more text cannot lower, so stopping there gives the score of the full answer
     (and saves the decoding steps of every answer that got it right early)."""
@@ -141,7 +141,7 @@ def value(kind: str, rng: random.Random, pool: list[str]) -> str:
     raise ValueError(f"unknown value kind {kind!r}: numbers, words or uuids")
 
 
-def distinct(kind: str, rng: random.Random, pool: list[str], count: int, avoid=()) -> list[str]:
+def distinct(kind: str, rng: random.Random, pool: list[str], count: int, avoid: Iterable[str] = ()) -> list[str]:
     """`count` different values, none in `avoid`."""
     out: list[str] = []
     taken = set(avoid)
@@ -196,7 +196,7 @@ def fit(build: Callable[[int], T], count_tokens: Callable[[T], int], budget: int
     shrink as n grows). The search starts at `start` (the answer for a similar prompt) or, without one, where the
     token counts of two small builds extrapolate to; it walks in steps of about 1/64 of that until it crosses the
     budget, then bisects the last step."""
-    def fits(n):
+    def fits(n: int):
         built = build(n)
         return (n, built) if count_tokens(built) <= budget else None
 

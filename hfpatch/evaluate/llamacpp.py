@@ -21,6 +21,7 @@ Needs the optional extra llama-cpp-python (pip install 'hfpatch[llama-cpp]'); it
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import glob
 import math
@@ -212,7 +213,7 @@ def _remove_exports(path: str, held: int | None) -> None:
 
     # ------------------------------------------------------------------------------------ scoring and decoding
 
-    def document_nll(self, ids, spans, progress=None):
+    def document_nll(self, ids: Any, spans: Any, progress: Any = None):
         """lm.document_nll in llama.cpp: (nll sum, tokens scored, scored runs) over the windows of `ids`."""
         ids = np.asarray(ids, dtype=np.int64)
         llm = None
@@ -229,7 +230,7 @@ def _remove_exports(path: str, held: int | None) -> None:
                 progress(end - start - 1)
         return total, count, runs
 
-    def greedy(self, ids, new_tokens: int, eos: set, done=None) -> list[int]:
+    def greedy(self, ids: list[int], new_tokens: int, eos: set, done: Any = None) -> list[int]:
         """lm.greedy in llama.cpp: the prompt once, then one token at a time on llama.cpp's KV cache."""
         n_ctx = math.ceil((len(ids) + new_tokens) / DECODE_CTX_STEP) * DECODE_CTX_STEP
         llm = self.llm(n_ctx)
@@ -265,7 +266,7 @@ class Engine:
     unread_reason = ("llama.cpp runs the GGUF file's own weight types, on the devices it was built for (those are "
                      "transformers options)")
 
-    def __init__(self, args):
+    def __init__(self, args: argparse.Namespace):
         check_installed()
         path = gguf_path(args.model)
         if path is None:
@@ -273,16 +274,16 @@ class Engine:
                              "llama.cpp's convert_hf_to_gguf.py)")
         self.path = path
 
-    def check_longest_read(self, args, shape=None) -> None:
+    def check_longest_read(self, args: argparse.Namespace, shape: Any = None) -> None:
         pass  # llama.cpp allocates its context itself and says when it cannot
 
-    def check_memory(self, args, plan, shape=None) -> None:
+    def check_memory(self, args: argparse.Namespace, plan: Any, shape: Any = None) -> None:
         pass
 
-    def load(self, args):
+    def load(self, args: argparse.Namespace):
         return LlamaCppModel(self.path)
 
-    def prepare(self, model, patches, plan, results, name):
+    def prepare(self, model: Any, patches: Any, plan: Any, results: Any, name: str):
         for spec, kwargs in patches:  # every spec is checked before any work
             with model.applied(kwargs, spec):
                 pass
@@ -297,7 +298,7 @@ class Engine:
                                  "weights": "as stored in the GGUF file"}
         return model
 
-    def estimate(self, ev, run, plan, todo) -> float:
+    def estimate(self, ev: Any, run: Any, plan: Any, todo: Any) -> float:
         """Seconds the work left will take, from one timed evaluation (llama.cpp's cost is close to linear in the
         tokens read at these lengths; attention makes long reads slower, so this is a floor)."""
         model = run.model
@@ -316,10 +317,10 @@ class Engine:
         return seconds
 
     @staticmethod
-    def applied(model, kwargs, name):
+    def applied(model: Any, kwargs: dict, name: str):
         return model.applied(kwargs, name)
 
     @staticmethod
-    def paths_ran(model) -> dict:
+    def paths_ran(model: Any) -> dict:
         """None to record: llama.cpp runs its own attention kernels, whichever the scheme."""
         return {}

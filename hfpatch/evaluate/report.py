@@ -6,6 +6,8 @@ compare study and the benchmarks."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import Any
 
 import matplotlib
 import numpy as np
@@ -21,7 +23,7 @@ def markdown_table(header: list, rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def number(x, digits: int = 2) -> str:
+def number(x: Any, digits: int = 2) -> str:
     """A measured number in a table: fixed digits, 3 significant ones from 10^4, "inf" for None (a perplexity that
     overflowed is stored as null)."""
     if x is None:
@@ -36,7 +38,7 @@ def complete(cells: list[dict]) -> list[dict]:
     return [c for c in cells if c.get("complete")]
 
 
-def figure(**kwargs) -> Figure:
+def figure(**kwargs: Any) -> Figure:
     """A matplotlib Figure that saves itself (Figure.savefig) with no pyplot state."""
     return Figure(**kwargs)
 
@@ -46,12 +48,12 @@ def colors() -> list[str]:
     return matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
 
 
-def shows_window(window, lengths) -> bool:
+def shows_window(window: Any, lengths: Any) -> bool:
     """Mark the trained window only where it falls inside the plotted lengths (else it squeezes the axis)."""
     return bool(window) and min(lengths) / 1.3 <= window <= max(lengths) * 1.3
 
 
-def length_axis(ax, lengths: list[int]) -> None:
+def length_axis(ax: Any, lengths: list[int]) -> None:
     """A log2 x axis with a tick at each length, labelled 2k, 8k, ..."""
     ax.set_xscale("log", base=2)
     ax.set_xlim(min(lengths) / 1.3, max(lengths) * 1.3)
@@ -66,7 +68,7 @@ _LOG_SUBS = ((0.35, (1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0,
              (math.inf, (1.0, 2.0, 5.0)))
 
 
-def log_value_axis(ax, values: list[float]) -> None:
+def log_value_axis(ax: Any, values: list[float]) -> None:
     """A log y axis over `values` labelled with plain numbers (5, 6, 8, 10, 15, 20, ...) across the whole range,
     not only at powers of ten: matplotlib's default labels 10 and 20 and leaves 5 to 6 with none."""
     lo, hi = min(values), max(values)
@@ -80,7 +82,7 @@ def log_value_axis(ax, values: list[float]) -> None:
     ax.minorticks_off()
 
 
-def text_color(rgba) -> str:
+def text_color(rgba: tuple) -> str:
     """Black or white, whichever contrasts more with a cell of colour `rgba` (WCAG relative luminance: black text
     wins above 0.179, where both contrasts are equal). Black on RdYlGn's dark green was hard to read."""
     linear = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgba[:3]]
@@ -108,11 +110,11 @@ def grid_tables(cells: list[dict], patches: list[str], lengths: list[int], depth
     return "\n\n".join(out)
 
 
-def _share(c, value: str) -> str:
+def _share(c: Any, value: str) -> str:
     return "—" if c is None else f"{c[value]:.2f}"
 
 
-def grid_heatmap(cells: list[dict], patches: list[str], lengths: list[int], depths: list[float], path,
+def grid_heatmap(cells: list[dict], patches: list[str], lengths: list[int], depths: list[float], path: Path | str,
                  title: str = "", row: str = "depth", value: str = "accuracy") -> None:
     """Depth x length heatmap of cell[value] in [0, 1], one panel per patch spec (red 0 .. green 1)."""
     done = {(c["patch"], c["length"], c["depth"]): c for c in complete(cells)}

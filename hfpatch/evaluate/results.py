@@ -18,7 +18,9 @@ import datetime
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..utils.files import Lock, Locked, describe_os_error, differences, write_failure
 
@@ -29,7 +31,7 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def null_non_finite(value) -> None:
+def null_non_finite(value: Any) -> None:
     """Replace, in place, every NaN and ±inf inside `value` (nested dicts and lists; tuples become lists) with None:
     JSON has no such numbers. In place, because the loop holds the cells it is filling."""
     if isinstance(value, dict):
@@ -54,7 +56,7 @@ def _non_finite_as_null(constant: str) -> None:
     return None
 
 
-def _same(a, b) -> bool:
+def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-9)
     if isinstance(a, dict) and isinstance(b, dict):
@@ -69,7 +71,8 @@ class Results:
     `summarize(records) -> dict`: a finished cell's numbers, recomputed on load to check them.
     `read_only` (a dry run): an existing file is read and checked, but nothing is created, locked or written."""
 
-    def __init__(self, path: Path, kind: str, identity: dict, records: str, summarize, overwrite: bool = False,
+    def __init__(self, path: Path, kind: str, identity: dict, records: str, summarize: Callable[..., Any],
+                 overwrite: bool = False,
                  read_only: bool = False):
         self.path = Path(path)
         self.kind, self.records, self.summarize = kind, records, summarize
@@ -134,7 +137,7 @@ class Results:
             self._check_cell(i, cell)
         return data
 
-    def _check_cell(self, i: int, cell) -> None:
+    def _check_cell(self, i: int, cell: dict) -> None:
         if not isinstance(cell, dict) or not isinstance(cell.get("patch"), str):
             raise self._damaged(f"cell {i} is not a cell (no patch)")
         name = f"cell {i} ({', '.join(f'{k}={v}' for k, v in cell.items() if isinstance(v, (str, int, float)))})"
@@ -156,7 +159,7 @@ class Results:
     def find(self, key: dict) -> dict | None:
         return next((c for c in self.data["cells"] if all(c.get(k) == v for k, v in key.items())), None)
 
-    def cell(self, key: dict, make) -> dict:
+    def cell(self, key: dict, make: Callable[[], dict]) -> dict:
         """The cell with these coordinates, created by make() if absent."""
         c = self.find(key)
         if c is not None:
@@ -168,7 +171,7 @@ class Results:
     def finish(self, cell: dict) -> None:
         cell.update(self.summarize(cell[self.records]), complete=True, finished=now())
 
-    def save(self, **top) -> None:
+    def save(self, **top: Any) -> None:
         if self.read_only:
             raise RuntimeError(f"{self.path} was opened read-only (a dry run): nothing may be written")
         self.data.update(top)

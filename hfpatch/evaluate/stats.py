@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from typing import Any
 
 Z95 = statistics.NormalDist().inv_cdf(0.975)
 
@@ -26,7 +27,7 @@ def pooled(cells: list[dict], records: str = "samples", value: str = "score") ->
     return p, len(scores), wilson(p, len(scores))
 
 
-def mean(xs) -> float | None:
+def mean(xs: Any) -> float | None:
     """The mean of the finite numbers among xs (None and NaN are runs that produced none); None if there are none."""
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     return statistics.fmean(xs) if xs else None

@@ -33,6 +33,8 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -52,6 +54,9 @@ from ..position.rope.llamacpp import (
 )
 from ..position.signal import max_positions, rotaries_of
 from ..utils.files import describe_os_error, fsync
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # ------------------------------------------------------------------------------------------ llama.cpp, as data
 # Read off llama.cpp's source (src/llama-model.cpp, src/llama-context.cpp, src/models/*.cpp) as vendored by
@@ -93,12 +98,12 @@ class RopeInfo:
     record: dict | None = None
 
 
-def _value(reader, key, default=None):
+def _value(reader: Any, key: Any, default: Any = None):
     f = reader.get_field(key)
     return default if f is None else f.contents()
 
 
-def read_rope(reader) -> RopeInfo:
+def read_rope(reader: Any) -> RopeInfo:
     """The RoPE facts of an open GGUFReader; ValueError when the file names no RoPE."""
     arch = _value(reader, "general.architecture")
     if not arch:
@@ -146,7 +151,7 @@ class Plan:
     n_positions: int
 
 
-def _f32(x) -> float:
+def _f32(x: Any) -> float:
     return float(np.float32(x))
 
 
@@ -185,7 +190,8 @@ def refusal(name: str, req: dict | None = None, trained_window: Callable[[], int
     return reason or f"{scheme.summary}: it {_NOT_ROPE}"
 
 
-def request(position=None, factor=None, *, trained_window: Callable[[], int] | None = None, **options) -> dict:
+def request(position: str | None = None, factor: float | None = None, *,
+            trained_window: Callable[[], int] | None = None, **options: Any) -> dict:
     """The validated position request of an export, or ValueError saying why a GGUF cannot carry it.
     `trained_window` gives the source's trained window, for the refusals that name settings following it."""
     req = specs.request(position=position, factor=factor, **options)
@@ -233,7 +239,8 @@ def plan(info: RopeInfo, pos: dict) -> Plan:
 
 # ------------------------------------------------------------------------------------------------------ writing
 
-def export(src, out, position=None, factor=None, *, overwrite: bool = False, **options) -> dict:
+def export(src: Path | str, out: Path | str, position: str | None = None, factor: float | None = None, *,
+           overwrite: bool = False, **options: Any) -> dict:
     """Copy GGUF file `src` to `out` with the RoPE metadata of the position scheme (the keyword arguments of
     `hfpatch.patch`). Every tensor is copied byte for byte; the source's own RoPE scaling is replaced, and a file
     hfpatch exported gets its original base back first, so the result is the export from the original file. An
@@ -340,7 +347,7 @@ def scaling_carried(info: RopeInfo) -> list[str]:
     return found + sorted(info.tensors)
 
 
-def _write(gguf, reader, out: str, keys: dict, drop: set, new_tensors: dict, drop_tensors: set) -> None:
+def _write(gguf: Any, reader: Any, out: str, keys: dict, drop: set, new_tensors: dict, drop_tensors: set) -> None:
     """Write `out`: the reader's metadata less `drop`, with `keys` (each where the key it replaces was, unless that
     one is dropped; the others at the end), the new tensors first, then every other tensor but `drop_tensors` byte
     for byte. Written to a file next to `out`, synced and renamed at the end, so a failure (a full disk, a read-only
@@ -359,7 +366,7 @@ def _write(gguf, reader, out: str, keys: dict, drop: set, new_tensors: dict, dro
         raise
 
 
-def _write_file(gguf, reader, path: str, keys: dict, drop: set, new_tensors: dict, drop_tensors: set) -> None:
+def _write_file(gguf: Any, reader: Any, path: str, keys: dict, drop: set, new_tensors: dict, drop_tensors: set) -> None:
     """_write's content, into `path` (synced to the disk before it returns)."""
     types = {"f32": gguf.GGUFValueType.FLOAT32, "u32": gguf.GGUFValueType.UINT32, "str": gguf.GGUFValueType.STRING}
     arch = _value(reader, "general.architecture")
@@ -412,7 +419,7 @@ class Found:
     source: str  # "record" | "metadata"
 
 
-def read_patch(path) -> Found | None:
+def read_patch(path: Path | str) -> Found | None:
     """The RoPE scaling a GGUF file carries, or None when it carries none (plain RoPE as transformers loads it)."""
     path = os.path.realpath(os.fspath(path))
     st = os.stat(path)
@@ -530,7 +537,7 @@ def _llama3_from_freqs(info: RopeInfo) -> dict | None:
     return patch
 
 
-def apply_to_loaded(model, path) -> None:
+def apply_to_loaded(model: PreTrainedModel, path: Path | str) -> None:
     """After transformers loaded GGUF file `path` (reading only rope.freq_base and context_length), make the model
     the one the file describes: the original base and window, then the recorded or read patch."""
     found = read_patch(path)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import transformers
 import yaml
@@ -36,8 +38,11 @@ from ..apply import (
 )
 from ..introspect import describe
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
 
-def save_pretrained(model, path, tokenizer=None, **kwargs):
+
+def save_pretrained(model: PreTrainedModel, path: Path | str, tokenizer: Any = None, **kwargs: Any):
     """Save a model, patched or not, so that `from_pretrained` rebuilds it with its patches.
 
     Writes the weights, the config (with an "hfpatch" section recording the patches) and the tokenizer if given.
@@ -85,7 +90,7 @@ def save_pretrained(model, path, tokenizer=None, **kwargs):
 CARD_START, CARD_END = "<!-- hfpatch:start -->", "<!-- hfpatch:end -->"
 
 
-def write_card(model, path) -> None:
+def write_card(model: PreTrainedModel, path: Path | str) -> None:
     """README.md in `path`: a model card with Hub metadata (front matter) and an hfpatch section saying what the
     patch is and how to load it. A card already there keeps its text and front matter keys: the section between
     the markers is replaced (or appended) and hfpatch's tags are added. Written whole (a temporary file renamed)."""
@@ -131,7 +136,7 @@ def _scheme_names(applied: dict) -> list[str]:
     return [str(req.get("scheme") or req.get("kind")) for req in applied.values() if isinstance(req, dict)]
 
 
-def _section(model, info: dict) -> str:
+def _section(model: PreTrainedModel, info: dict) -> str:
     applied = info["applied"]
     spec = specs.describe_string(applied) if applied else "none"
     native = not unexpressed(model)
@@ -154,13 +159,13 @@ def _section(model, info: dict) -> str:
             f"```python\n{load}\n```\n\n")
 
 
-def _drop_mark(config) -> None:
+def _drop_mark(config: PreTrainedConfig) -> None:
     qc = getattr(config, "quantization_config", None)
     if isinstance(qc, dict) and qc.get("quant_method") == NEEDS_HFPATCH:
         del config.quantization_config
 
 
-def _model_class(config):
+def _model_class(config: PreTrainedConfig):
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
         if cls is not None:
@@ -253,7 +258,7 @@ def from_pretrained(path, **kwargs):
     return _loaded(patch(model, **specs.to_kwargs(live)) if live else model)
 
 
-def _loaded(model):
+def _loaded(model: PreTrainedModel):
     """The model, with the patch it now carries remembered as the one it was loaded with (describe())."""
     mark_loaded(model)
     return model
@@ -263,7 +268,7 @@ _PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 _SAFE = ("model.safetensors", "model.safetensors.index.json")
 
 
-def refuse_pickled_weights(path, use_safetensors, opt_in: str) -> None:
+def refuse_pickled_weights(path: Path | str, use_safetensors: bool | None, opt_in: str) -> None:
     """A local folder whose weights are pickles only, loaded with use_safetensors=True: one clear error (transformers'
     own says only that model.safetensors is missing)."""
     if use_safetensors is not True or not os.path.isdir(path):
@@ -275,6 +280,6 @@ def refuse_pickled_weights(path, use_safetensors, opt_in: str) -> None:
                          "weights_only=True)), or convert them to safetensors")
 
 
-def remote_code_refused(path, opt_in: str) -> str:
+def remote_code_refused(path: Path | str, opt_in: str) -> str:
     return (f"{path} needs the Python code it carries (auto_map in its config) to be run, which hfpatch does not do "
             f"unless asked: {opt_in}, after reading that code")

@@ -26,7 +26,7 @@ import os
 import struct
 import time
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -34,6 +34,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..models import resolve
 from ..utils.host import available_bytes
 from .causal import cache_keyword, cache_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 GiB = 1024**3
 
@@ -59,7 +62,7 @@ class Shape:
         return max(self.params - self.vocab * self.hidden * (1 if self.tied else 2), 0)
 
 
-def shape_of_config(config) -> Shape:
+def shape_of_config(config: PreTrainedConfig) -> Shape:
     """From a transformers config: the parameter count from a model built on the meta device (no memory)."""
     text = config.get_text_config()
     with torch.device("meta"):
@@ -83,13 +86,13 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 def _gguf_header(path: str) -> tuple[dict, int]:
     """({key: scalar or string value; arrays as their length}, total tensor elements)."""
     with open(path, "rb") as f:
-        def read(fmt):
+        def read(fmt: str):
             return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
 
         def string():
             return f.read(read("Q")).decode("utf-8", "replace")
 
-        def value(kind):
+        def value(kind: Any):
             if kind == 8:
                 return string()
             if kind == 9:
@@ -126,7 +129,7 @@ def shape_of_gguf(path: str) -> Shape:
     meta, params = _gguf_header(path)
     arch = meta["general.architecture"]
 
-    def get(key, default=None):
+    def get(key: Any, default: Any = None):
         return meta.get(f"{arch}.{key}", default)
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
@@ -214,7 +217,7 @@ class Speed:
         return max(forward_flops(shape, tokens, keys, head_positions) / self.flops_per_s, self.step_s)
 
 
-def measure_speed(parts, shape: Shape, tokens: int) -> Speed:
+def measure_speed(parts: Any, shape: Shape, tokens: int) -> Speed:
     """Time one forward of `tokens` random tokens (after a short warm-up) and one decoding step after it."""
 
     def sync():
@@ -245,7 +248,7 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def work_left(records: str, todo) -> str:
+def work_left(records: str, todo: Any) -> str:
     """The estimate line's count of work: cells and the units each reads, e.g. "6 cell(s) of 1 document each".
     Counted per cell, because one document read in six cells is one document, not six."""
     per_cell = sorted({len(left) for *_, left in todo})

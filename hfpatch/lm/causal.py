@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from ..adapters import adapter_for
 from ..apply import unwrap
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 
 @dataclass
@@ -29,7 +32,7 @@ class LMParts:
     input_device: torch.device
 
 
-def softcap_of(config) -> float | None:
+def softcap_of(config: PreTrainedConfig) -> float | None:
     """The cap a family puts on its final logits (gemma2/3: cap * tanh(logits / cap)), None where it has none."""
     return getattr(config, "final_logit_softcapping", None) or None
 
@@ -40,21 +43,21 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def _not_causal(name: str, model_type) -> ValueError:
+def _not_causal(name: str, model_type: str | None) -> ValueError:
     return ValueError(
         f"{name} ({model_type}) is not a causal language model; perplexity and passkey retrieval need a model that "
         "predicts the next token (a ...ForCausalLM / ...LMHeadModel class)"
     )
 
 
-def check_causal_config(config) -> None:
+def check_causal_config(config: PreTrainedConfig) -> None:
     """The same refusal from a config alone (its `architectures`), before any weights are loaded."""
     archs = getattr(config, "architectures", None) or []
     if archs and not set(archs) & set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
         raise _not_causal(archs[0], config.model_type)
 
 
-def causal_lm_parts(model) -> LMParts:
+def causal_lm_parts(model: PreTrainedModel) -> LMParts:
     """Split a causal LM into its body and head; ValueError for models that do not predict the next token."""
     target = unwrap(model)
     config = target.config
@@ -106,7 +109,7 @@ def window_nll(parts: LMParts, ids: torch.Tensor, first: int = 1, chunk: int = 1
 
 
 @torch.no_grad()
-def logits_nll(model, seqs: torch.Tensor, first: int = 1, batch: int = 1) -> tuple[float, int]:
+def logits_nll(model: PreTrainedModel, seqs: torch.Tensor, first: int = 1, batch: int = 1) -> tuple[float, int]:
     """(sum of -log p(seqs[:, t] | seqs[:, :t]) for t in first..len-1, number of terms) from the model's own logits,
     `batch` sequences per forward: every position goes through the LM head at once (for small models, and any
     module whose output has .logits), where window_nll keeps the head to chunks."""
@@ -156,7 +159,7 @@ def windows(n_tokens: int, length: int, windowing: str, stride: int | None = Non
     return out
 
 
-def document_nll(parts: LMParts, ids, spans: list[tuple[int, int, int]], chunk: int = 1024, progress=None):
+def document_nll(parts: LMParts, ids: Any, spans: list[tuple[int, int, int]], chunk: int = 1024, progress: Any = None):
     """(nll sum, tokens scored, [(a, b)] runs of scored token indices) over the given windows of `ids`;
     progress(n) is told the tokens read after each window."""
     if not isinstance(parts, LMParts):  # another engine's model (evaluate/llamacpp.py) scores with its own code
@@ -179,13 +182,13 @@ def cache_keyword(base: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
-def cache_of(out) -> object:
+def cache_of(out: Any) -> object:
     """The KV cache a forward returned, under either name (`cache`, or `past_key_values` before it)."""
     return out["cache"] if "cache" in out else out["past_key_values"]
 
 
 @torch.no_grad()
-def greedy(parts: LMParts, ids: list[int], new_tokens: int, eos: set[int], done=None) -> list[int]:
+def greedy(parts: LMParts, ids: list[int], new_tokens: int, eos: set[int], done: Any = None) -> list[int]:
     """Greedy decoding with a KV cache: one forward over the prompt, then one token at a time, up to new_tokens,
     an EOS token, or done(generated) returning True. Only the last position goes through the LM head (no [L,
     vocab] logits)."""

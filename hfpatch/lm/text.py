@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from transformers import AutoConfig, AutoTokenizer
@@ -135,7 +136,8 @@ def dataset_documents(name: str, config: str | None = None, split: str = "test",
             i += 1
 
 
-def describe_source(text_files_arg=None, dataset=None, config=None, split=None, text_field=None) -> dict:
+def describe_source(text_files_arg: Any = None, dataset: str | None = None, config: str | None = None,
+                    split: str | None = None, text_field: str | None = None) -> dict:
     if dataset:
         return {"kind": "dataset", "name": dataset, "config": config, "split": split, "text_field": text_field}
     if text_files_arg:
@@ -143,7 +145,8 @@ def describe_source(text_files_arg=None, dataset=None, config=None, split=None, 
     return {"kind": "stdlib", "root": str(stdlib_root()), "python": sys.version.split()[0]}
 
 
-def documents(text_files_arg=None, dataset=None, config=None, split="test", text_field="text") -> Iterable[Document]:
+def documents(text_files_arg: Any = None, dataset: str | None = None, config: str | None = None, split: str = "test",
+              text_field: str = "text") -> Iterable[Document]:
     if dataset:
         return dataset_documents(dataset, config, split, text_field)
     if text_files_arg:
@@ -181,7 +184,7 @@ def load_tokenizer(name: str):
 _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def tokenizer_fingerprint(tok) -> str:
+def tokenizer_fingerprint(tok: Any) -> str:
     """A hash of everything that decides the ids: the full tokenizer definition for fast tokenizers (vocabulary,
     merges, normalizer, pre-tokenizer, post-processor, added tokens), else the class, vocabulary and special tokens.
     Serializing the vocabulary takes tens of ms, too long for every document: the hash is cached per tokenizer
@@ -202,7 +205,7 @@ def tokenizer_fingerprint(tok) -> str:
     return cached[1]
 
 
-def _cheap_key(tok) -> str:
+def _cheap_key(tok: Any) -> str:
     """What can change on a tokenizer object and is quick to read (microseconds)."""
     parts = [type(tok).__name__, len(tok), tok.all_special_tokens, getattr(tok, "add_bos_token", None),
              getattr(tok, "add_eos_token", None)]
@@ -224,7 +227,7 @@ def _byte_offsets(text: str) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(nbytes)])
 
 
-def _tokenize(tok, text: str) -> Tokens:
+def _tokenize(tok: Any, text: str) -> Tokens:
     # The tokenizer's own defaults (a BOS where it adds one), as users of the model would tokenize a document.
     if getattr(tok, "is_fast", False):
         enc = tok(text, return_offsets_mapping=True, verbose=False)
@@ -239,7 +242,7 @@ def _tokenize(tok, text: str) -> Tokens:
     return Tokens(ids, np.cumsum(np.asarray(sizes, dtype=np.int64)), False)
 
 
-def tokenize(tok, doc: Document, use_cache: bool = True) -> Tokens:
+def tokenize(tok: Any, doc: Document, use_cache: bool = True) -> Tokens:
     if not use_cache:
         return _tokenize(tok, doc.text)
     key = hashlib.sha256(f"{CACHE_FORMAT}\0{tokenizer_fingerprint(tok)}\0{doc.sha256}".encode()).hexdigest()

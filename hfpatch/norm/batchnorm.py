@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +26,9 @@ from ..adapters.probe import restore_modes
 from ..edits import Edits
 from ..utils.warn import warn_caller
 from .modules import BatchNorm
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PADDING_ATTR = "hfpatch_padding"
 
@@ -35,7 +39,7 @@ class PaddingMask:
     def __init__(self):
         self.mask = None
 
-    def record(self, attention_mask) -> None:
+    def record(self, attention_mask: torch.Tensor | None) -> None:
         if attention_mask is None:
             self.mask = None
             return
@@ -69,7 +73,7 @@ class RecordsPadding:
         return super().forward(*args, **kwargs)
 
 
-def attach(model, edits: Edits) -> PaddingMask:
+def attach(model: PreTrainedModel, edits: Edits) -> PaddingMask:
     """Make the base model record its attention mask; returns the PaddingMask its BatchNorms should read."""
     base = model.base_model
     padding = PaddingMask()
@@ -79,7 +83,7 @@ def attach(model, edits: Edits) -> PaddingMask:
 
 
 @contextlib.contextmanager
-def batch_statistics(model):
+def batch_statistics(model: PreTrainedModel):
     """Inside: every BatchNorm of `model` normalises with the statistics of the batch it is given, even in eval(),
     and leaves its running statistics alone."""
     norms = [m for m in model.modules() if isinstance(m, BatchNorm)]
@@ -97,7 +101,7 @@ PROBE_BATCH = (4, 64)  # [batch, tokens] of the seeded random batch calibrate() 
 
 
 @torch.no_grad()
-def calibrate(model, batches=None) -> int:
+def calibrate(model: PreTrainedModel, batches: Any = None) -> int:
     """Set the running statistics of every BatchNorm of `model` to the mean and variance of its input over
     `batches` (the model's inputs: a tensor of token ids [batch, seq], a dict such as a tokenizer's output with
     input_ids and attention_mask, or a list of those; None: one seeded batch of random tokens). Each norm normalises
@@ -136,7 +140,7 @@ def calibrate(model, batches=None) -> int:
     return len(norms)
 
 
-def model_batches(model, batches) -> list[dict]:
+def model_batches(model: Any, batches: Any) -> list[dict]:
     if batches is None:
         embeddings = model.get_input_embeddings()
         g = torch.Generator().manual_seed(1234)
@@ -162,7 +166,7 @@ def model_batches(model, batches) -> list[dict]:
 
 
 @torch.no_grad()
-def fresh_statistics_problem(model) -> str | None:
+def fresh_statistics_problem(model: PreTrainedModel) -> str | None:
     """Why the model, just given BatchNorms with fresh running statistics, cannot be used in eval() as it is: its
     logits on a probe batch are not finite (None: they are)."""
     modes = [(m, m.training) for m in model.modules()]

@@ -8,6 +8,8 @@ parameters themselves.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -20,13 +22,16 @@ from ..utils.warn import warn_caller
 from . import exact as ex
 from .modules import NormModule, NormParams, RMSNorm, build, read
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def _parent(root, path: str):
+
+def _parent(root: nn.Module, path: str):
     head, _, name = path.rpartition(".")
     return (get_path(root, head) if head else root), name
 
 
-def norm_sites(model, adapter: Adapter) -> list[tuple[str, nn.Module]]:
+def norm_sites(model: PreTrainedModel, adapter: Adapter) -> list[tuple[str, nn.Module]]:
     """(path from `model`, module) of every norm: per block, QK norms, the embedding and final norms, task heads.
     Only modules that compute a recognised norm (a hybrid block may hold a gated norm under the same name)."""
     if adapter.layers is None:
@@ -42,16 +47,16 @@ def norm_sites(model, adapter: Adapter) -> list[tuple[str, nn.Module]]:
     return [(p, m) for p, m in sites if m is not None and recognised(m, adapter)]  # OPT without a final norm
 
 
-def recognised(module, adapter: Adapter) -> bool:
+def recognised(module: nn.Module, adapter: Adapter) -> bool:
     return isinstance(module, (NormModule, nn.LayerNorm)) or class_key(module) in adapter.norm_classes
 
 
-def current_kind(model, adapter: Adapter) -> str:
+def current_kind(model: PreTrainedModel, adapter: Adapter) -> str:
     kinds = {read(m, adapter.norm_classes).kind for _, m in norm_sites(model, adapter)}
     return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else "none")
 
 
-def exact_blocker(model, adapter: Adapter, placement: str | None) -> str | None:
+def exact_blocker(model: PreTrainedModel, adapter: Adapter, placement: str | None) -> str | None:
     """Why LayerNorm -> RMSNorm cannot be function-preserving on this model (None: it can)."""
     if placement is None:
         return adapter.notes.get("exact") or adapter.notes.get("placement") or "the block layout is unknown"
@@ -75,7 +80,8 @@ def _warn_once(message: str):
         warn_caller(message)
 
 
-def apply_norm(model, adapter: Adapter, req: dict, norm, placement: str | None, edits: Edits) -> dict:
+def apply_norm(model: PreTrainedModel, adapter: Adapter, req: dict, norm: Any, placement: str | None,
+               edits: Edits) -> dict:
     """Swap the norms for the kind `req` asks for (`norm`: its record in norm/kinds.NORMS, whose requirements the
     caller checked); returns facts for describe(): {"exact": bool, "reason": str (when not exact)}."""
     kind, want_exact = req["kind"], req.get("exact", True)
@@ -101,7 +107,7 @@ def apply_norm(model, adapter: Adapter, req: dict, norm, placement: str | None, 
     return {"exact": False, "reason": reason}
 
 
-def _on_meta(model) -> bool:
+def _on_meta(model: PreTrainedModel) -> bool:
     """Built without weights (transformers builds on the meta device while a saved patch is reloaded)."""
     return any(p.device.type == "meta" for p in model.parameters())
 
@@ -129,7 +135,7 @@ def _plain_swap(model, path, module, norm, adapter, edits, attributes):
 # ------------------------------------------------------------------------------------------------- exact conversion
 
 
-def _linear(module):
+def _linear(module: nn.Module):
     """(weight, bias, conv1d?) of nn.Linear or GPT-2's Conv1D."""
     if isinstance(module, Conv1D):
         return module.weight, module.bias, True
@@ -163,7 +169,7 @@ def _param(t: torch.Tensor, like: nn.Parameter | None) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=True if like is None else like.requires_grad)
 
 
-def _find(base, path: str):
+def _find(base: nn.Module, path: str):
     """The module at `path` ("a|b": the first alternative the model has and that is not None), or None."""
     for alt in path.split("|"):
         try:
@@ -186,14 +192,14 @@ def _centre_writer(m, edits):
         edits.set(m, "bias", _param(b2, m.bias))
 
 
-def exact_rmsnorm(model, adapter: Adapter, placement: str, edits: Edits) -> str | None:
+def exact_rmsnorm(model: PreTrainedModel, adapter: Adapter, placement: str, edits: Edits) -> str | None:
     """The function-preserving LayerNorm -> RMSNorm conversion (norm/exact.py), made through `edits` where the model
     allows it and its logits confirm it: None, or why not (and nothing is changed)."""
     return exact_blocker(model, adapter, placement) or _exact_verified(model, adapter, edits)
 
 
 @torch.no_grad()
-def _exact_verified(model, adapter: Adapter, edits: Edits) -> str | None:
+def _exact_verified(model: PreTrainedModel, adapter: Adapter, edits: Edits) -> str | None:
     """The exact conversion, kept only if the model's logits on a probe input stay what they were (the residual
     stream's readers and writers were read off the model: this checks the reading). None, or why it was undone.
     A model without weights yet (built on the meta device while a saved conversion is reloaded) is converted
@@ -223,11 +229,11 @@ def _exact_verified(model, adapter: Adapter, edits: Edits) -> str | None:
     return None
 
 
-def _output(out) -> torch.Tensor:
+def _output(out: Any) -> torch.Tensor:
     return (out.logits if getattr(out, "logits", None) is not None else out[0]).double()
 
 
-def _probe_ids(model):
+def _probe_ids(model: Any):
     vocab = model.get_input_embeddings().num_embeddings
     g = torch.Generator().manual_seed(4321)
     device = model.get_input_embeddings().weight.device
@@ -235,7 +241,7 @@ def _probe_ids(model):
 
 
 @torch.no_grad()
-def _exact_to_rmsnorm(model, adapter: Adapter, edits: Edits):
+def _exact_to_rmsnorm(model: Any, adapter: Adapter, edits: Edits):
     base = model.base_model
     head = model.get_output_embeddings() if model is not base else None
     tied = head is not None and head.weight is base.get_input_embeddings().weight

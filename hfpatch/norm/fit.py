@@ -24,6 +24,7 @@ Nothing else changes, and a calibration that fails or is interrupted leaves ever
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,6 +36,9 @@ from .batchnorm import calibrate as calibrate_batchnorm
 from .batchnorm import model_batches
 from .kinds import NORMS
 from .modules import BatchNorm, DyT, NormModule
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ROWS = 256  # tokens of each batch a DyT's α is fit on (a seeded sample where there are more)
 ALPHA_RANGE = (1e-3, 1e4)  # where the α search starts: a grid over log α, refined around its best point
@@ -56,7 +60,7 @@ def fitted_dyts(model: nn.Module) -> list[DyT]:
     return [m for m in model.modules() if isinstance(m, DyT) and m.replaced is not None]
 
 
-def calibrate(model, batches=None) -> int:
+def calibrate(model: PreTrainedModel, batches: Any = None) -> int:
     """Calibrate every BatchNorm, DyT and Peri-LN output norm of `model` on `batches` (see the module's docstring;
     `batches` as norm/batchnorm.calibrate takes them). Returns the number of norms calibrated."""
     batchnorms = [m for m in model.modules() if isinstance(m, BatchNorm)]
@@ -83,7 +87,7 @@ def calibrate(model, batches=None) -> int:
 
 
 @torch.no_grad()
-def _fit(model, inputs: list[dict], dyts: list[DyT], outputs: list[NormModule]) -> None:
+def _fit(model: PreTrainedModel, inputs: list[dict], dyts: list[DyT], outputs: list[NormModule]) -> None:
     fits = [AlphaFit(m, seed=i) for i, m in enumerate(dyts)] + [AffineFit(m) for m in outputs]
     modes = [(m, m.training) for m in model.modules()]
     hooks = [f.module.register_forward_pre_hook(f.hook) for f in fits]
@@ -109,7 +113,7 @@ class AlphaFit:
         self.weight = None if scale is None else scale.detach().float().pow(2)  # γ_c²
         self.reference = replaced_norm(module)
 
-    def hook(self, module, args) -> None:
+    def hook(self, module: Any, args: tuple) -> None:
         x = args[0].detach().float().reshape(-1, args[0].shape[-1])
         if x.shape[0] > ROWS:
             x = x[torch.randperm(x.shape[0], generator=self.generator)[:ROWS].to(x.device)]
@@ -164,7 +168,7 @@ class AffineFit:
         self.module = module
         self.sums: dict[str, torch.Tensor] = {}
 
-    def hook(self, module, args) -> None:
+    def hook(self, module: Any, args: tuple) -> None:
         y = args[0].detach().float().reshape(-1, args[0].shape[-1])
         z = module.normalize(y)
         add = {"n": torch.tensor(float(y.shape[0])), "z": z.sum(0), "y": y.sum(0), "zz": (z * z).sum(0),

@@ -21,11 +21,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..registry import Registry
 from .batchnorm import attach, fresh_statistics_problem
 from .convert import exact_rmsnorm, norm_sites
 from .modules import BatchNorm, DyT, LayerNorm, RMSNorm
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..adapters import Adapter
+    from ..edits import Edits
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,7 @@ class Requirement:
     why: Callable  # (model, adapter, kind) -> the reason it does not apply
 
 
-def _no_norms(model, adapter, kind: str) -> str:
+def _no_norms(model: PreTrainedModel, adapter: Adapter, kind: str) -> str:
     unread = adapter.notes.get("unrecognised_norms")
     return (f"norm={kind!r}: no norm module of {adapter.model_type} computes RMSNorm or LayerNorm of its input (none "
             f"was recognised){'; ' + unread if unread else ''}")
@@ -58,7 +65,7 @@ class Norm:
     check: Callable | None = None  # (model) -> why the swapped model cannot be used as it is (None: it can)
 
 
-def _padding(model, edits) -> dict:
+def _padding(model: PreTrainedModel, edits: Edits) -> dict:
     return {"padding": attach(model, edits)}
 
 
@@ -77,7 +84,7 @@ NORMS: Registry[Norm] = Registry.of("norm kind", {
 })
 
 
-def unavailable(kind: str, model, adapter) -> str | None:
+def unavailable(kind: str, model: PreTrainedModel, adapter: Adapter) -> str | None:
     """Why norm kind `kind` does not apply to this model (None: it applies)."""
     for r in NORMS[kind].requires:
         if not REQUIREMENTS[r].test(model, adapter):

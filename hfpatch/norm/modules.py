@@ -22,7 +22,8 @@ class NormModule(nn.Module):
     # a DyT's calibration fits its α to (norm/fit.py)
     replaced: str | None = None
 
-    def __init__(self, shape, eps, offset=0.0, bias=False, affine=True, dtype=None, device=None):
+    def __init__(self, shape: int | tuple[int, ...], eps: float, offset: float = 0.0, bias: bool = False,
+                 affine: bool = True, dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__()
         shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
         self.normalized_shape = shape
@@ -37,7 +38,7 @@ class NormModule(nn.Module):
             return None
         return self.weight.float() + self.offset if self.offset else self.weight.float()
 
-    def _affine(self, x):
+    def _affine(self, x: torch.Tensor):
         if self.weight is not None:
             x = x * self._scale()
         if self.bias is not None:
@@ -66,11 +67,11 @@ class RMSNorm(NormModule):
 
     kind = "rmsnorm"
 
-    def normalize(self, x):
+    def normalize(self, x: torch.Tensor):
         h = x.float()
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor):
         return self._affine(self.normalize(x)).to(x.dtype)
 
 
@@ -79,12 +80,12 @@ class LayerNorm(NormModule):
 
     kind = "layernorm"
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor):
         # torch's fused kernel (about 3x faster than the composite ops on CPU, forward + backward)
         bias = None if self.bias is None else self.bias.float()
         return F.layer_norm(x.float(), self.normalized_shape, self._scale(), bias, self.eps).to(x.dtype)
 
-    def normalize(self, x):
+    def normalize(self, x: torch.Tensor):
         return F.layer_norm(x.float(), self.normalized_shape, None, None, self.eps)
 
 
@@ -96,14 +97,16 @@ class DyT(NormModule):
     kind = "dyt"
     ALPHA0 = 0.5  # the paper's default initial α (what a swap without calibration, or a fresh model, starts from)
 
-    def __init__(self, shape, eps, offset=0.0, bias=True, affine=True, dtype=None, device=None, alpha0=ALPHA0):
+    def __init__(self, shape: int | tuple[int, ...], eps: float, offset: float = 0.0, bias: bool = True,
+                 affine: bool = True, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 alpha0: float = ALPHA0):
         super().__init__(shape, eps, offset, bias, affine, dtype, device)
         self.alpha = nn.Parameter(torch.full((), float(alpha0), dtype=dtype, device=device))
 
-    def normalize(self, x):
+    def normalize(self, x: torch.Tensor):
         return torch.tanh(self.alpha.float() * x.float())
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor):
         return self._affine(self.normalize(x)).to(x.dtype)
 
     def sibling(self) -> NormModule:
@@ -137,7 +140,7 @@ class BatchNorm(NormModule):
         self.padding = None
         self.use_batch_statistics = False
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor):
         return self._affine(self.normalize(x)).to(x.dtype)
 
     def normalize(self, x):
@@ -201,7 +204,8 @@ def read(module: nn.Module, classes: dict | None = None) -> NormParams:
                       cls.offset)
 
 
-def build(cls: type, shape, eps: float, offset: float, weight, bias, like: torch.Tensor) -> NormModule:
+def build(cls: type, shape: int | tuple[int, ...], eps: float, offset: float, weight: torch.Tensor | None,
+          bias: torch.Tensor | None, like: torch.Tensor) -> NormModule:
     """A new norm module of class `cls` (one of the above) on `like`'s dtype and device, holding copies of `weight` /
     `bias` (None: no such parameter)."""
     m = cls(shape, eps, offset=offset, bias=bias is not None, affine=weight is not None, dtype=like.dtype,

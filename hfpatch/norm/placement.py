@@ -25,8 +25,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from ..adapters import Adapter, get_path
 from ..adapters.blocks import SPEC_ATTR, BlockSpec, GenericBlock
@@ -34,6 +36,9 @@ from ..edits import Edits
 from ..registry import Registry
 from .kinds import NORMS
 from .modules import NormModule, build, read
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class PreNormBertBlock:
@@ -53,7 +58,7 @@ class PreNormBertBlock:
         return hidden_states + ff
 
 
-def _fraction(value) -> float:
+def _fraction(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
         raise ValueError(f"post_fraction must be a number with 0 < post_fraction < 1 (the fraction of the blocks, from "
                          f"the first, that become post-norm; the Mix-LN paper uses 0.25); got {value!r}")
@@ -108,7 +113,7 @@ def layer_forms(req: dict, n: int) -> list[str]:
     return [req["kind"]] * n
 
 
-def apply_placement(model, adapter: Adapter, req: dict, edits: Edits) -> dict:
+def apply_placement(model: PreTrainedModel, adapter: Adapter, req: dict, edits: Edits) -> dict:
     want, have = req["kind"], adapter.placement_of(model.config)
     if want == have:
         return {}
@@ -142,7 +147,7 @@ def apply_placement(model, adapter: Adapter, req: dict, edits: Edits) -> dict:
     return {"layers": forms} if len(set(forms)) > 1 else {}
 
 
-def _add_output_norms(layer, adapter: Adapter, edits: Edits) -> tuple[str, str]:
+def _add_output_norms(layer: nn.Module, adapter: Adapter, edits: Edits) -> tuple[str, str]:
     """Give the block its two Peri-LN output norms, each of the kind of the block's first norm, unit scale."""
     source = get_path(layer, adapter.norms[0])
     for name in OUTPUT_NORMS:
@@ -151,7 +156,7 @@ def _add_output_norms(layer, adapter: Adapter, edits: Edits) -> tuple[str, str]:
 
 
 @torch.no_grad()
-def _unit_norm(source, adapter: Adapter) -> NormModule:
+def _unit_norm(source: nn.Module, adapter: Adapter) -> NormModule:
     """A new norm like `source` (its kind, shape, eps, scale form, dtype, device), with a unit scale and a zero bias
     where `source` has a weight / bias: the identity's nearest norm."""
     if isinstance(source, NormModule):

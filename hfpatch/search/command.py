@@ -71,12 +71,12 @@ def _families(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     return command.run_main(_main, sys.argv[1:] if argv is None else argv, PROG,
                             interrupted="run the same command again to continue the search from the results file")
 
 
-def _main(argv) -> int:
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     args.device_map = None
     # every option checked before the model is loaded (seconds to minutes)

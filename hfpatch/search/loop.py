@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -35,6 +36,9 @@ from ..lm.causal import causal_lm_parts
 from ..lm.text import Document, tokenizer_fingerprint
 from ..utils.files import describe_os_error
 from . import objective, space
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 RESULTS = "results.json"
 BEST = "best.json"
@@ -103,7 +107,7 @@ def check_options(opts: Options) -> None:
         raise ValueError(f"guard must be in [0, 10) (a relative rise: 0.01 is 1 %), got {opts.guard}")
 
 
-def model_identity(model) -> dict:
+def model_identity(model: PreTrainedModel) -> dict:
     """A live model by content: a SHA-256 over its parameters and buffers (names, dtypes, values), and the patch
     it carries."""
     h = hashlib.sha256()
@@ -118,7 +122,7 @@ def model_identity(model) -> dict:
 
 
 class Search:
-    def __init__(self, model, tok, opts: Options, setting: space.Setting, families: list[str],
+    def __init__(self, model: PreTrainedModel, tok: Any, opts: Options, setting: space.Setting, families: list[str],
                  samples: list[objective.Sample], results: Results):
         self.model, self.tok, self.opts, self.setting = model, tok, opts, setting
         self.families, self.samples, self.results = families, samples, results
@@ -350,7 +354,8 @@ def _write_text(path: Path, text: str) -> None:
 # ------------------------------------------------------------------------------------------------------ the API
 
 
-def search(model, tokenizer, target_length: int, *, out, budget: Budget | str, text_files: list | None = None,
+def search(model: PreTrainedModel, tokenizer: Any, target_length: int, *, out: Path | str, budget: Budget | str,
+           text_files: list | None = None,
            documents: list[Document] | None = None, seed: int = 0, population: int = 8, parents: int = 4,
            samples: int = 2, span: int | None = None, needle_weight: float = 0.5, guard: float = 0.01,
            families: list[str] | str | None = None, window: int | None = None, overwrite: bool = False,
@@ -416,7 +421,7 @@ def search(model, tokenizer, target_length: int, *, out, budget: Budget | str, t
         results.close()
 
 
-def _estimate(model, opts: Options, memory_check: bool) -> float:
+def _estimate(model: PreTrainedModel, opts: Options, memory_check: bool) -> float:
     """Refuse a target length whose forward cannot fit in the memory that is free; the expected seconds per
     candidate (printed), from one timed forward."""
     target = unwrap(model)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,11 +42,11 @@ class Sample:
     needle: list[tuple[int, int]]  # [start, end) runs of token positions scored as needle tokens
 
 
-def _piece(tok, text: str) -> list[int]:
+def _piece(tok: Any, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
-def shortest_target(tok, window: int, span: int) -> int:
+def shortest_target(tok: Any, window: int, span: int) -> int:
     """The shortest target length whose samples hold the passkey and the span, each more than `window` tokens from
     where it is asked for (with the widest key)."""
     needle = len(_piece(tok, NEEDLE.format(key="99999")))
@@ -53,7 +54,7 @@ def shortest_target(tok, window: int, span: int) -> int:
     return needle + span + window + span + question + 2
 
 
-def build(tok, docs: list[Document], target: int, window: int, samples: int, span: int, seed: int) -> list[Sample]:
+def build(tok: Any, docs: list[Document], target: int, window: int, samples: int, span: int, seed: int) -> list[Sample]:
     """`samples` calibration samples of `target` tokens, cut in order from the documents' tokens joined; every
     random choice (key, depths) from a generator seeded by the seed and the sample's number."""
     need = shortest_target(tok, window, span)

@@ -22,8 +22,9 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from ..apply import unwrap
 from ..evaluate.common import applied
 from ..position.registry import unavailable
 from ..position.signal import rotaries_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # The schemes whose per-pair factors start the LongRoPE population (each at factor = target / window).
 SEED_SCHEMES = ("linear", "ntk", "yarn", "llama3")
@@ -185,7 +189,7 @@ def _yarn_mutate(rng: random.Random, p: dict, s: Setting) -> dict:
     return _temperature(rng, {**p, **moved, "from": "mutation"})
 
 
-def _mix(rng: random.Random, a: dict, b: dict, keys) -> dict:
+def _mix(rng: random.Random, a: dict, b: dict, keys: Iterable[str]) -> dict:
     return {k: (a if rng.random() < 0.5 else b)[k] for k in keys}
 
 
@@ -312,7 +316,7 @@ def parse_families(text: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _rotary_frequencies(model):
+def _rotary_frequencies(model: PreTrainedModel):
     """The flat inv_freq buffer and attention scaling of the model's first rotary module, None where there is none
     (no RoPE, or RoPE nested per layer type)."""
     target = unwrap(model)
@@ -326,7 +330,7 @@ def _rotary_frequencies(model):
     return inv_freq.detach().double().clone(), float(getattr(rotary, "attention_scaling", 1.0))
 
 
-def per_pair_factors(model, kwargs: dict) -> tuple[list[float], float]:
+def per_pair_factors(model: PreTrainedModel, kwargs: dict) -> tuple[list[float], float]:
     """(λ_i = θ_i / θ'_i for every rotary pair, the attention scaling) of the patch `kwargs` on this model: read
     off its rotary module with the patch applied, against plain RoPE at the original theta."""
     with applied(model, {"position": "rope"}, "rope"):
@@ -341,7 +345,8 @@ def per_pair_factors(model, kwargs: dict) -> tuple[list[float], float]:
     return _project([round(f, 9) for f in factors], math.inf), scaled[1]
 
 
-def setting_for(model, window: int, target: int, families: list[str]) -> tuple[Setting, dict[str, str]]:
+def setting_for(model: PreTrainedModel, window: int, target: int, families: list[str]) -> tuple[Setting,
+                dict[str, str]]:
     """The Setting of `model`, and {family: why it is left out} for the families that do not apply to it."""
     target_model = unwrap(model)
     adapter = adapter_for(target_model)

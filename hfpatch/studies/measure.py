@@ -9,7 +9,7 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -25,6 +25,9 @@ from ..train.loop import CausalLMLoss
 from ..utils.timing import medians
 from .study import StudyConfig
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 # ------------------------------------------------------------------------------------------------ gradient norms
 
 class GradNorms:
@@ -34,7 +37,7 @@ class GradNorms:
     as they come; a run resumed at `first_step` first cuts it back to the rows up to that step (those of the steps
     after it are computed again), so that each step has one row, from the run that the checkpoints continue."""
 
-    def __init__(self, model, path: Path, first_step: int):
+    def __init__(self, model: PreTrainedModel, path: Path, first_step: int):
         cut_log(path, first_step)
         target = unwrap(model)
         prefix = "" if target.base_model is target else target.base_model_prefix + "."
@@ -52,12 +55,12 @@ class GradNorms:
             self.handles.append(p.register_post_accumulate_grad_hook(self._reader(group, id(p))))
         self.handles.append(register_optimizer_step_pre_hook(self._flush))
 
-    def _reader(self, group, key):
-        def read(p):
+    def _reader(self, group: str, key: int):
+        def read(p: Any):
             self.sq[key] = (group, float(p.grad.detach().float().pow(2).sum()))  # latest = the accumulated gradient
         return read
 
-    def _flush(self, optimizer, args, kwargs) -> None:
+    def _flush(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict[str, Any]) -> None:
         self.step += 1
         groups: dict[str, float] = {}
         for group, sq in self.sq.values():
@@ -72,7 +75,7 @@ class GradNorms:
             h.remove()
 
 
-def first_step_gradients(model, ids: torch.Tensor) -> dict[str, dict[str, float]]:
+def first_step_gradients(model: PreTrainedModel, ids: torch.Tensor) -> dict[str, dict[str, float]]:
     """The gradient norm of every parameter of every block for one batch at the model's current weights (at
     initialisation: the gradients of the first step, before clipping), as the training loop takes it (its loss
     module): {"layer.i": {name inside the block: norm}}. Finer than GradNorms' per-block rows: Xiong et al. 2020's
@@ -92,7 +95,7 @@ def first_step_gradients(model, ids: torch.Tensor) -> dict[str, dict[str, float]
     return dict(sorted(out.items(), key=lambda kv: int(kv[0].split(".")[1])))
 
 
-def _group_order(item):
+def _group_order(item: Any):
     g = item[0]
     return (0, 0) if g == "embedding" else (2, 0) if g == "final" else (1, int(g.split(".")[1]))
 
@@ -111,7 +114,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------------- the models
 
-def held_out_tokens(study: StudyConfig, tok) -> torch.Tensor:
+def held_out_tokens(study: StudyConfig, tok: Any) -> torch.Tensor:
     """The first tokens_per_doc tokens of the evaluation text (its first document that long)."""
     ev = study.evaluate
     for doc in documents(ev.text_files):
@@ -121,13 +124,13 @@ def held_out_tokens(study: StudyConfig, tok) -> torch.Tensor:
     raise ConfigError(f"evaluate.text_files: no document has tokens_per_doc={ev.tokens_per_doc} tokens")
 
 
-def _mean_nll(model, seqs: torch.Tensor, batch: int) -> float:
+def _mean_nll(model: PreTrainedModel, seqs: torch.Tensor, batch: int) -> float:
     """Mean -log p of every token after the first of each sequence, `batch` sequences per forward."""
     total, count = logits_nll(model, seqs, first=1, batch=batch)
     return total / count
 
 
-def statistics_effect(model, ids: torch.Tensor, seq_len: int, batch: int) -> dict:
+def statistics_effect(model: PreTrainedModel, ids: torch.Tensor, seq_len: int, batch: int) -> dict:
     """Held-out NLL of chunks of seq_len: the model in eval() (a batch norm uses its running statistics) at batch
     1 and at the training batch, and with every batch norm using the statistics of the batch it is given
     (batch_statistics) at those sizes. For a model without batch norms all four agree."""
@@ -142,7 +145,8 @@ def statistics_effect(model, ids: torch.Tensor, seq_len: int, batch: int) -> dic
 
 
 @torch.no_grad()
-def recall(model, ids: torch.Tensor, distances: list[int], span: int = 32, trials: int = 16, seed: int = 0,
+def recall(model: PreTrainedModel, ids: torch.Tensor, distances: list[int], span: int = 32, trials: int = 16,
+           seed: int = 0,
            limit: int | None = None) -> dict:
     """Can the model use what it read `distance` tokens ago? Span A (held-out text) appears, then `distance` tokens
     of other held-out text, then A again; the control has another span B in A's first place. The gain is the NLL of
@@ -174,7 +178,7 @@ def step_times(models: dict, batch: torch.Tensor, rounds: int) -> dict:
     """Seconds of a training step's forward and backward per model, measured side by side (hfpatch.utils.timing): every
     round times every model once, so a machine that gets busier slows them alike; the median over `rounds` (after
     one round of warm-up)."""
-    def step(model):
+    def step(model: PreTrainedModel):
         model.train()
         model.zero_grad(set_to_none=True)
         model(input_ids=batch, labels=batch, use_cache=False).loss.backward()

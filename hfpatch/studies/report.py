@@ -6,13 +6,14 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 from ..evaluate.report import colors, figure, markdown_table
 from ..evaluate.stats import mean
 from .study import grid_arms
 
 
-def _f(x, digits=2):
+def _f(x: Any, digits: int = 2):
     return "—" if x is None else (f"{x:.{digits}f}" if abs(x) < 1e4 else f"{x:.3g}")
 
 
@@ -137,7 +138,7 @@ def step1_axes(summary: dict) -> list[str]:
     runs = [r for r in summary["runs"] if r["arm"] in grid and r.get("grad_norms", {}).get("init")]
     keep = []
     for axis in summary["config"]["grid"]:
-        def rest(r, axis=axis):
+        def rest(r: Any, axis: Any = axis):
             return (r["seed"], *(v for a, v in grid[r["arm"]].items() if a != axis))
         groups: dict = {}
         for r in runs:
@@ -392,7 +393,7 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _json_safe(x):
+def _json_safe(x: Any):
     """JSON has no NaN or infinity: they are written as null. Floats keep 6 significant digits (the runs' loss and
     gradient curves would otherwise fill megabytes with noise digits)."""
     if isinstance(x, float):

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import string
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models
@@ -73,6 +74,9 @@ from .shrink import (
     widths,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
+
 
 class TinyBuildError(RuntimeError):
     """A family that cannot be built tiny on a CPU, or whose forward on input_ids fails; the message is one line."""
@@ -114,7 +118,7 @@ _TINY: dict[str, dict[str, Any]] = {
 }
 
 
-def _set_language(model):
+def _set_language(model: Any):
     model.set_default_language(model.config.languages[0])
 
 
@@ -168,7 +172,7 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
-def tiny_config(model_type: str, **overrides):
+def tiny_config(model_type: str, **overrides: Any):
     """The family's own config class with every size shrunk; `overrides` are passed to it last."""
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"unknown model_type {model_type!r}; accepted: a key of transformers' CONFIG_MAPPING")
@@ -186,12 +190,12 @@ def tiny_config(model_type: str, **overrides):
             raise TinyBuildError(f"{model_type}: tiny config rejected ({_one_line(e)})") from e
 
 
-def text_config(config):
+def text_config(config: PreTrainedConfig):
     """The decoder's config: config.get_text_config(decoder=True)."""
     return config.get_text_config(decoder=True)
 
 
-def has_rope(config) -> bool:
+def has_rope(config: PreTrainedConfig) -> bool:
     """Whether the (text) config carries RoPE: rope_parameters, rope_theta or rope_scaling, and no switch leaves
     them unused (granitemoehybrid's position_embedding_type None, zamba2's use_mem_rope False). Families that
     rotate with a fixed base and no RoPE in their config (gptj, codegen, roformer) do not count."""
@@ -209,7 +213,8 @@ def sample_ids(batch: int = 1, length: int = 8, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB - 8, (batch, length), generator=g)
 
 
-def from_config(config, seed: int = 0, norm_noise: float = 0.0, auto_class=AutoModelForCausalLM, dtype=None):
+def from_config(config: PreTrainedConfig, seed: int = 0, norm_noise: float = 0.0,
+                auto_class: Any = AutoModelForCausalLM, dtype: torch.dtype | None = None):
     """The one way a tiny model is made: `auto_class.from_config(config)` (in `dtype` if given, which the config then
     records) with the RNG seeded by `seed`, in eval mode; with `norm_noise`, every norm weight moved off its init by
     N(0, norm_noise²) (perturb_norms)."""
@@ -220,7 +225,7 @@ def from_config(config, seed: int = 0, norm_noise: float = 0.0, auto_class=AutoM
     return model.eval()
 
 
-def perturb_norms(model, scale: float = 0.1) -> None:
+def perturb_norms(model: PreTrainedModel, scale: float = 0.1) -> None:
     """Norm weights and biases plus N(0, scale²) noise from the global RNG, so that a test notices a norm that is
     lost or mis-scaled (their init, all ones or zeros, hides both)."""
     with torch.no_grad():
@@ -229,7 +234,7 @@ def perturb_norms(model, scale: float = 0.1) -> None:
                 p.add_(scale * torch.randn_like(p))
 
 
-def _build(model_type: str, seed: int = 0, **overrides):
+def _build(model_type: str, seed: int = 0, **overrides: Any):
     config = tiny_config(model_type, **overrides)
     with quiet():
         try:
@@ -247,7 +252,7 @@ def _build(model_type: str, seed: int = 0, **overrides):
 
 
 @torch.no_grad()
-def greedy_check(model, prompt: int = 24, new_tokens: int = 3):
+def greedy_check(model: Any, prompt: int = 24, new_tokens: int = 3):
     """Cached greedy generation of a few tokens after `prompt` sample tokens (24: past the tiny sliding windows, so
     their caches roll over). Returns the generated sequences and, per step, the largest difference between the
     step's logits (before the family's logits processors) and an uncached forward over the same tokens."""
@@ -259,7 +264,7 @@ def greedy_check(model, prompt: int = 24, new_tokens: int = 3):
     return out.sequences, diffs
 
 
-def stepped_and_full(model, length: int = 33, steps: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+def stepped_and_full(model: PreTrainedModel, length: int = 33, steps: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     """(the logits of a cached prefill's last token and of `steps - 1` one-token steps on its DynamicCache, the
     uncached forward's logits at the same tokens) on `length` sample tokens. The defaults step over kv lengths
     29..32: past the tiny sliding windows, and a length where a family that picks keys in blocks (qwen4_exp's indexer
@@ -275,7 +280,7 @@ def stepped_and_full(model, length: int = 33, steps: int = 5) -> tuple[torch.Ten
     return torch.stack(got, 1), full
 
 
-def build_tiny(model_type: str, seed: int = 0, **overrides):
+def build_tiny(model_type: str, seed: int = 0, **overrides: Any):
     """AutoModelForCausalLM.from_config(tiny_config(...)): fp32, eval mode, seeded, the family's default attention
     implementation; checked by one forward pass on input_ids. Raises TinyBuildError (one line) where it cannot."""
     if model_type in EXPECTED_FAILURES:
@@ -311,14 +316,14 @@ SIZED: dict[str, dict] = {
 _ENCODERS = {"bert"}  # built as masked LMs
 
 
-def sized_config(model_type: str, **overrides):
+def sized_config(model_type: str, **overrides: Any):
     """The hand-sized config of `model_type` (a key of SIZED; any other family with the common sizes), `overrides`
     applied last."""
     return AutoConfig.for_model(model_type, **{**SIZED.get(model_type, dict(_SIZED_COMMON, num_key_value_heads=2)),
                                                **overrides})
 
 
-def sized_model(model_type: str, seed: int = 0, **overrides):
+def sized_model(model_type: str, seed: int = 0, **overrides: Any):
     """A hand-sized model: sized_config, seeded, with its norm weights perturbed (scale 0.1)."""
     config = sized_config(model_type, **overrides)
     auto_class = AutoModelForMaskedLM if model_type in _ENCODERS else AutoModelForCausalLM
@@ -343,7 +348,7 @@ def char_text(n_chars: int, seed: int) -> str:
     return "".join(alphabet[i] for i in torch.randint(0, len(alphabet), (n_chars,), generator=g).tolist())
 
 
-def save_sized(path, model_type: str = "llama"):
+def save_sized(path: Path | str, model_type: str = "llama"):
     """A hand-sized model and the char tokenizer saved in folder `path` (a model any command can load); `path`."""
     sized_model(model_type).save_pretrained(path)
     char_tokenizer().save_pretrained(path)

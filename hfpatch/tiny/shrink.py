@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 from transformers import PreTrainedConfig
 
@@ -17,7 +18,7 @@ EXPERTS, TOP_K, EXPERT_INTERMEDIATE = 4, 2, 32
 
 
 # --- sizes: what each name becomes -----------------------------------------------------------------------------------
-def _at_most(n):
+def _at_most(n: int):
     return lambda old: min(old, n)
 
 
@@ -79,7 +80,7 @@ _TOKEN_DEFAULTS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "dec
                    "forced_eos_token_id": 2}
 
 
-def _is_int(value) -> bool:
+def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -132,11 +133,11 @@ def _even(x: float) -> int:
     return max(2, 2 * round(x / 2))
 
 
-def _is_int_list(value) -> bool:
+def _is_int_list(value: Any) -> bool:
     return isinstance(value, list) and len(value) > 0 and all(_is_int(v) for v in value)
 
 
-def _apply(rule, value):
+def _apply(rule: Any, value: Any):
     """A size rule on one value, or on a per-layer list of them (gemma3n's intermediate_size per layer), keeping
     the list's proportions."""
     if isinstance(value, list):
@@ -144,7 +145,7 @@ def _apply(rule, value):
     return rule(value) if callable(rule) else rule
 
 
-def _mla_head_dim(default: dict, tiny: dict, free) -> dict:
+def _mla_head_dim(default: dict, tiny: dict, free: Any) -> dict:
     """MLA families tie head_dim to the rotated channels (head_dim = qk_rope_head_dim, the rotary size) or to the
     whole query/key head (head_dim = qk_nope_head_dim + qk_rope_head_dim): the tiny config keeps the relation the
     default has, changing head_dim, or else the not-rotated part, whichever of them is in `free`."""
@@ -161,7 +162,7 @@ def _mla_head_dim(default: dict, tiny: dict, free) -> dict:
     return {}
 
 
-def _token_ids(name: str, value, taken: set):
+def _token_ids(name: str, value: Any, taken: set):
     if isinstance(value, list):
         return [_token_ids(name, v, taken) for v in value]
     if not _is_int(value) or 0 <= value < VOCAB:
@@ -197,7 +198,7 @@ def _sections(d: dict, declared: dict, n: int) -> list[str]:
     return names if len(names) > 1 and sum(d[k] for k in names) == n else []
 
 
-def _is_index_list(name: str, value, n_layers: int) -> bool:
+def _is_index_list(name: str, value: Any, n_layers: int) -> bool:
     return (name.endswith(_INDEX_LIST_SUFFIXES) and isinstance(value, list) and len(value) > 0
             and all(_is_int(v) for v in value) and all(a < b for a, b in itertools.pairwise(value))
             and value[-1] < n_layers)
@@ -277,7 +278,7 @@ def _scale_override(override: dict, d: dict, changes: dict) -> dict:
 
 
 # --- RoPE: the family's settings, only the window moves --------------------------------------------------------------
-def _rope_params(params, scale: float, rotary_half):
+def _rope_params(params: dict, scale: float, rotary_half: Any):
     """rope_parameters (flat, or one dict per layer type) with the window moved to WINDOW and M-RoPE sections
     (which split the rotated half-head between time / height / width) resized to the tiny rotary size."""
     if not isinstance(params, dict):
@@ -326,7 +327,7 @@ def _window(d: dict, changes: dict) -> None:
 
 
 # --- one config ------------------------------------------------------------------------------------------------------
-def shrink(config, widths: frozenset, given: dict) -> dict:
+def shrink(config: PreTrainedConfig, widths: frozenset, given: dict) -> dict:
     """The keyword arguments that rebuild `config` (a family's default config) tiny; sub-configs as dicts. Fields
     in `given` (from _DEFAULTS) count as declared with that value, so the rules shrink them too."""
     d = _fields(config)
@@ -347,7 +348,7 @@ def shrink(config, widths: frozenset, given: dict) -> dict:
     return changes
 
 
-def _fields(config) -> dict:
+def _fields(config: PreTrainedConfig) -> dict:
     """config.to_dict(), with the integer and list fields as the config object holds them. A family may serialize
     another layout than it runs (dory writes each layer as an attention and an mlp block and doubles the counts,
     undoing it on load); the layers are cut in the layout the model is built from."""
@@ -369,7 +370,7 @@ def _declared(cls) -> dict:
     return out
 
 
-def widths(config) -> frozenset:
+def widths(config: PreTrainedConfig) -> frozenset:
     """The hidden sizes of a config and all its sub-configs (a vision adapter's output is the text width)."""
     out = {config.to_dict().get("hidden_size")}
     for sub in vars(config).values():
@@ -378,7 +379,7 @@ def widths(config) -> frozenset:
     return frozenset(w for w in out if _is_int(w))
 
 
-def _configured(config) -> dict:
+def _configured(config: PreTrainedConfig) -> dict:
     """What a parent config set on a sub-config: its declared fields that differ from their defaults, without those
     that __post_init__ derives (declared None), which must be derived again from the tiny sizes."""
     d = config.to_dict()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
 class UsageError(Exception):
@@ -14,11 +16,11 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse prints the whole usage by default)
+    def error(self, message: str):  # one line, exit 2 (argparse prints the whole usage by default)
         raise UsageError(f"{self.prog}: error: {message}")
 
 
-def run_main(fn, argv, prog: str, interrupted: str | None = None) -> int:
+def run_main(fn: Callable[..., Any], argv: list[str] | None, prog: str, interrupted: str | None = None) -> int:
     """Run a command (`fn(argv)`); bad input is one line on stderr and exit code 2. With `interrupted`, Ctrl-C
     prints that hint and exits with 130 (the evaluations say how to resume)."""
     try:

@@ -15,8 +15,10 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from safetensors import SafetensorError
 
@@ -51,7 +53,7 @@ class Lock:
     one (without the check, two runs could each lock a different file of the same name). A killed run leaves its
     file; the next run takes it over."""
 
-    def __init__(self, path, what: str):
+    def __init__(self, path: Path | str, what: str):
         self.path = Path(path)
         while True:
             # "a+", not "w": that would empty the holder's pid before the lock is tried
@@ -92,7 +94,7 @@ class Lock:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any):
         self.close()
 
 
@@ -100,7 +102,7 @@ class Lock:
 # content hashes
 
 
-def sha256(path) -> str:
+def sha256(path: Path | str) -> str:
     """SHA-256 of a file's content, read in 8 MiB blocks (hashlib releases the GIL on each: files hash in parallel
     threads)."""
     h = hashlib.sha256()
@@ -126,7 +128,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HFPATCH_CACHE") or Path.home() / ".cache" / "hfpatch")
 
 
-def cached_sha256(path) -> str:
+def cached_sha256(path: Path | str) -> str:
     """sha256(path), remembered per (path, stat) in the cache folder (see the module docstring)."""
     path = Path(path)
     key = _stat_key(path)
@@ -148,7 +150,7 @@ def cached_sha256(path) -> str:
     return digest
 
 
-def differences(old, new, prefix: str = "") -> list[str]:
+def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
     """The keys (a/b for nested dicts) whose values differ between two JSON-like dicts."""
     if not (isinstance(old, dict) and isinstance(new, dict)):
         return [prefix] if old != new else []
@@ -162,7 +164,7 @@ def differences(old, new, prefix: str = "") -> list[str]:
 # folders written whole
 
 
-def fsync(path) -> None:
+def fsync(path: Path | str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -187,7 +189,7 @@ def publish(tmp: Path, path: Path) -> None:
     fsync(path.parent)
 
 
-def write_whole(path, write) -> Path:
+def write_whole(path: Path | str, write: Callable[[Path], Any]) -> Path:
     """Write a folder through `write(tmp)` into `path.partial`, then publish it as `path`. When writing fails or is
     interrupted, the partial folder is removed and what was at `path` before stays as it was; a failure of the disk
     (a full disk, a read-only place, safetensors' own error for them included) is an OSError naming `path`."""
@@ -206,7 +208,7 @@ def write_whole(path, write) -> Path:
     return path
 
 
-def write_folder(path, write) -> Path:
+def write_folder(path: Path | str, write: Callable[[Path], Any]) -> Path:
     """write_whole, its disk failure a ValueError naming `path` (the commands' one line)."""
     try:
         return write_whole(path, write)
@@ -248,7 +250,7 @@ def describe_os_error(e: OSError) -> str:
     return f"{e.strerror or e}{where}"
 
 
-def write_json(path: Path, value) -> None:
+def write_json(path: Path, value: Any) -> None:
     with open(path, "w") as f:
         json.dump(value, f, indent=1)
         f.flush()

@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 from types import FrameType
 
-_PACKAGE = str(Path(__file__).resolve().parent)
+_PACKAGE = str(Path(__file__).resolve().parents[1])  # hfpatch/, this module being in hfpatch/utils/
 
 
 def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:

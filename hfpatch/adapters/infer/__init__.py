@@ -13,7 +13,7 @@ blocks as the probe saw them.
 from __future__ import annotations
 
 import re
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from torch import nn
 
@@ -25,6 +25,9 @@ from .placement import read_block_forms, read_mlp, read_placement
 from .positions import mixer_paths, read_position_notes, read_position_table, read_rotaries
 from .reading import InferenceError, Info, Stack, layer_index
 from .residual import read_residual
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 
 def _find_layers(info: Info, attention_names: list[str]) -> str | None:
@@ -43,7 +46,7 @@ def _find_layers(info: Info, attention_names: list[str]) -> str | None:
     return sized[0] if len(sized) == 1 else None
 
 
-def infer(model, model_type: str | None = None) -> Adapter:
+def infer(model: PreTrainedModel, model_type: str | None = None) -> Adapter:
     """The Adapter of `model`, read off one probe forward: each step below reads one row of the table of what is
     read and how (README, "Adapters"). InferenceError if not even the blocks can be found."""
     config = model.config.get_text_config()
@@ -105,7 +108,7 @@ def infer(model, model_type: str | None = None) -> Adapter:
     )
 
 
-def _probe(model) -> Info:
+def _probe(model: PreTrainedModel) -> Info:
     """One probe forward; where the recording attention function breaks it, one without."""
     prefix = "" if model.base_model is model else model.base_model_prefix + "."
     probe = probes.run(model)
@@ -150,7 +153,8 @@ def _blocks(info: Info, attention_names: list[str], notes: dict) -> Stack | None
                   tuple(sorted(per_block)) if attention else ())
 
 
-def _without_blocks(model, rotaries, model_type: str, config) -> Adapter:
+def _without_blocks(model: PreTrainedModel, rotaries: tuple[str, ...], model_type: str,
+                    config: PreTrainedConfig) -> Adapter:
     """Without a list of blocks, the rotary modules alone are enough to rescale RoPE; everything that needs the
     blocks is refused. InferenceError where there are none either."""
     if not rotaries:

@@ -7,6 +7,7 @@ eps matters and where it does not). Then the norms of a block in forward order, 
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,13 +15,16 @@ from torch import nn
 from ..base import NormClass, class_key
 from .reading import Info, Stack, call_order
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps")
 
 
 _EPS_CONFIG = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
 
 
-def _reference(kind: str, x: torch.Tensor, eps: float, scale, bias):
+def _reference(kind: str, x: torch.Tensor, eps: float, scale: torch.Tensor | None, bias: torch.Tensor | None):
     h = x.double()
     if kind == "layernorm":
         h = h - h.mean(-1, keepdim=True)
@@ -32,7 +36,7 @@ def _reference(kind: str, x: torch.Tensor, eps: float, scale, bias):
     return h
 
 
-def classify_norm(module: nn.Module, config=None) -> NormClass | None:
+def classify_norm(module: nn.Module, config: PreTrainedConfig | None = None) -> NormClass | None:
     """What a norm-like module computes ("rmsnorm"/"layernorm", scale offset, eps), or None if it computes neither.
     Runs a float32 copy of the module on inputs of its own; the module itself is not touched."""
     if list(module.children()):
@@ -82,7 +86,7 @@ def classify_norm(module: nn.Module, config=None) -> NormClass | None:
     return None
 
 
-def _upcast(module, kind, eps, offset, x) -> str | None:
+def _upcast(module: nn.Module, kind: str, eps: float, offset: float, x: torch.Tensor) -> str | None:
     """How the norm computes in bfloat16, read by running a bfloat16 copy: "fp32" (statistics and scale in float32,
     one rounding at the end: Gemma, hfpatch's own), "normalize" (statistics in float32, the scale applied in the
     input dtype: Llama), "none" (everything in bfloat16), or None if none matches bit for bit."""
@@ -95,12 +99,12 @@ def _upcast(module, kind, eps, offset, x) -> str | None:
     w = getattr(twin, "weight", None)
     b = getattr(twin, "bias", None)
 
-    def normed(h):
+    def normed(h: Any):
         if kind == "layernorm":
             h = h - h.mean(-1, keepdim=True)
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
-    def affine(h, dtype):
+    def affine(h: Any, dtype: torch.dtype):
         h = h if w is None else h * (w.to(dtype) + offset)
         return h if b is None else h + b.to(dtype)
 
@@ -111,11 +115,11 @@ def _upcast(module, kind, eps, offset, x) -> str | None:
     return next((name for name, ref in forms.items() if torch.equal(ref, got)), None)
 
 
-def _mag(y):
+def _mag(y: Any):
     return float(y.abs().max())
 
 
-def _norm_dim(module):
+def _norm_dim(module: nn.Module):
     shape = getattr(module, "normalized_shape", None)
     if isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1:
         return int(shape[0])
@@ -124,7 +128,7 @@ def _norm_dim(module):
     return None
 
 
-def read_norms(info: Info, config, notes: dict) -> tuple[dict, dict]:
+def read_norms(info: Info, config: PreTrainedConfig, notes: dict) -> tuple[dict, dict]:
     """({module path: NormClass} of every module the probe saw that computes RMSNorm / LayerNorm, {"module.Class":
     NormClass} of their classes)."""
     model, probe = info.model, info.probe
@@ -152,7 +156,7 @@ def read_norms(info: Info, config, notes: dict) -> tuple[dict, dict]:
 def read_block_norms(info: Info, stack: Stack, recognised: dict, notes: dict) -> tuple[list, list]:
     """(the block's own norms, its QK norms: those inside the attention module), block-relative, in forward order;
     the same in every block read, or a note says which differs."""
-    def of(i):
+    def of(i: int):
         names = [n for n in recognised if n.startswith(f"{stack.top}.{i}.")]
         inner = f"{stack.top}.{i}.{stack.attention}." if stack.attention else None
         qk = [n for n in names if inner and n.startswith(inner)]

@@ -87,7 +87,8 @@ def read_placement(info: Info, stack: Stack, norms: list, mlp: str | None, notes
     return layout, placement
 
 
-def read_block_forms(info: Info, stack: Stack, layout, placement, norms: list, mlp: str | None, notes: dict) -> tuple:
+def read_block_forms(info: Info, stack: Stack, layout: Any, placement: str | None, norms: list, mlp: str | None,
+                     notes: dict) -> tuple:
     """("generic" where the pre/post block forms (adapters/blocks.py) reproduce the block, else None; the residual
     dropouts they apply)."""
     if placement not in ("pre", "post") or "placement" in notes:

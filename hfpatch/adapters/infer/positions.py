@@ -4,6 +4,8 @@ whether taking them out leaves anything else that encodes position (the position
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
 
@@ -13,14 +15,18 @@ from ..base import get_path
 from ..positions import ZeroPositions, make_identity
 from .reading import Info
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def mixer_paths(layers_top: str, attention: str | None, indices) -> list[str]:
+
+def mixer_paths(layers_top: str, attention: str | None, indices: list[int]) -> list[str]:
     """Top-model paths of the modules that mix positions: the attention modules, or the blocks where none was
     found."""
     return [f"{layers_top}.{i}.{attention}" if attention else f"{layers_top}.{i}" for i in indices]
 
 
-def read_position_notes(model, rotaries, table, mixers, layers_top, removable: bool) -> dict:
+def read_position_notes(model: PreTrainedModel, rotaries: tuple[str, ...], table: Any, mixers: Any, layers_top: str,
+                        removable: bool) -> dict:
     """{"positions": why} when the model encodes position somewhere hfpatch did not find; {"removal": why} when
     taking out what it found leaves a position signal (checked only where `removable`: attention goes through the
     interface, which alibi / nope / sinusoidal need anyway); {} otherwise."""
@@ -39,7 +45,7 @@ def read_position_notes(model, rotaries, table, mixers, layers_top, removable: b
     return {}
 
 
-def _removal_leaves(model, rotaries, table, attention, layers_top) -> str | None:
+def _removal_leaves(model: Any, rotaries: tuple[str, ...], table: Any, attention: Any, layers_top: Any) -> str | None:
     """Whether taking out the position signal hfpatch found (rotaries -> identity, the table -> zeros) leaves none
     (what alibi / nope / sinusoidal rely on): tried on the model, checked numerically, undone. None, or what
     still tells positions apart."""
@@ -103,11 +109,11 @@ def read_rotaries(info: Info) -> tuple[str, ...]:
     return tuple(sorted(out, key=lambda n: (n.count("."), n)))
 
 
-def _is_ids(v) -> bool:
+def _is_ids(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and v.dtype in (torch.int64, torch.int32)
 
 
-def _flat(out) -> torch.Tensor:
+def _flat(out: Any) -> torch.Tensor:
     parts = out if isinstance(out, (tuple, list)) else (out,)
     return torch.cat([p.detach().float().reshape(-1) for p in parts if isinstance(p, torch.Tensor)])
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ class Info:
     probe: probes.Probe
     prefix: str  # name prefix of the base model inside the top model ("model." or "")
 
-    def call(self, name):
+    def call(self, name: str):
         return self.probe.calls.get(name)
 
     def rel(self, name: str) -> str:
@@ -37,7 +38,7 @@ class Info:
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-9, 1e-9)}
 
 
-def same(a, b) -> bool:
+def same(a: Any, b: Any) -> bool:
     if a is None or b is None or a.shape != b.shape:
         return False
     rtol, atol = TOLERANCES.get(a.dtype, (2e-2, 2e-2))
@@ -82,7 +83,7 @@ def call_order(info: Info):
     return lambda name: info.probe.calls[name].order
 
 
-def is_linear(module) -> bool:
+def is_linear(module: nn.Module) -> bool:
     """nn.Linear, GPT-2's Conv1D, or a peft tuner layer around one (the exact conversion then refuses with what
     to do, instead of folding into the wrapped base layer while the adapter keeps reading the norm's output)."""
     return isinstance(module, LINEARS) or hasattr(module, "base_layer")
@@ -93,7 +94,7 @@ def linear_calls(info: Info, within: str):
             if n.startswith(within) and is_linear(info.model.get_submodule(n)) and ".base_layer" not in n]
 
 
-def combos(items, size):
+def combos(items: list, size: int):
     if size == 1:
         return [[x] for x in items]
     return [[a, b] for k, a in enumerate(items) for b in items[k + 1:]]

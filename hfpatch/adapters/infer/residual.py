@@ -5,12 +5,15 @@ reads the final norm's output.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from .reading import LINEARS, Info, combos, is_linear, linear_calls, same
 
 
-def read_residual(info: Info, layers_top, indices, attention, mlp, norms, placement, final_norm):
+def read_residual(info: Info, layers_top: str, indices: list[int], attention: str | None, mlp: str | None, norms: list,
+                  placement: str | None, final_norm: str | None):
     """The residual stream's readers (linears fed by each block norm), writers (linears whose output is added to the
     stream), embedding writers (what starts the stream) and what reads the final norm: what the exact
     LayerNorm -> RMSNorm conversion folds into. ((), ..., reason) when they cannot all be identified, or when the
@@ -33,7 +36,7 @@ def read_residual(info: Info, layers_top, indices, attention, mlp, norms, placem
     return readers, writers, embedding, _final_readers(info, final_norm), None
 
 
-def _block_residual(info: Info, block: str, attention, mlp, norms):
+def _block_residual(info: Info, block: str, attention: Any, mlp: Any, norms: list):
     """(readers, writers) of one block, or why they cannot be identified."""
     calls = linear_calls(info, block)
     readers = {}
@@ -74,7 +77,7 @@ def _stream_start(info: Info, layers_top: str):
     return embedding
 
 
-def _final_readers(info: Info, final_norm):
+def _final_readers(info: Info, final_norm: str | None):
     """What reads the final norm if not the LM head (OPT's project_out)."""
     final_readers: tuple[str, ...] = ()
     if final_norm:

@@ -22,10 +22,11 @@ Writes OUT/results.json after every trial (resumable), OUT/table.md (also printe
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ...lm import text as texts
 from ...lm.causal import greedy
@@ -91,7 +92,7 @@ def build(src: hs.Source, offset: int, n_words: int, needles: dict, depth: float
                      {"fractions": fractions, "positions": positions, "sentences": len(units)})
 
 
-def _check_haystack(src: hs.Source, size: int, length: int, text_files) -> None:
+def _check_haystack(src: hs.Source, size: int, length: int, text_files: Any) -> None:
     """A haystack is a stretch of the text without repeats: a text shorter than the cell needs would be read
     round and round (or, when empty, leave a prompt far shorter than the cell's length)."""
     if size > len(src.words):
@@ -121,7 +122,7 @@ class Niah(sweep.Evaluation):
     unit_key = "trial"
     axes: ClassVar[dict[str, str]] = {"lengths": "length", "depths": "depth"}
 
-    def add_arguments(self, p) -> None:
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--lengths", default="1k,2k,4k,8k",
                        help="prompt + generation lengths, k = 1024 (default 1k,2k,4k,8k)")
         p.add_argument("--depths", default="0,0.25,0.5,0.75,1",
@@ -137,7 +138,7 @@ class Niah(sweep.Evaluation):
         p.add_argument("--chat-template", action="store_true", dest="chat_template",
                        help="wrap the question and haystack in the tokenizer's chat template")
 
-    def plan(self, args, tok) -> sweep.Plan:
+    def plan(self, args: argparse.Namespace, tok: Any) -> sweep.Plan:
         lengths = parse_lengths(args.lengths)
         depths = parse_fractions(args.depths, "--depths", "0 = the start of the haystack, 1 = its end")
         for flag, value in (("--trials", args.trials), ("--new-tokens", args.new_tokens)):
@@ -169,7 +170,7 @@ class Niah(sweep.Evaluation):
         return sweep.Plan(identity, cells, read=max(lengths), new_tokens=args.new_tokens,
                           info={"settings": settings})
 
-    def run_unit(self, run, cell, unit, progress) -> dict:
+    def run_unit(self, run: Any, cell: dict, unit: Any, progress: Any) -> dict:
         ids, references, offset, size = unit.data
         eos = {i for i in [run.tok.eos_token_id] if i is not None}
         answer = run.tok.decode(greedy(run.parts, ids, run.args.new_tokens, eos, hs.all_found(run.tok, references)),
@@ -179,21 +180,21 @@ class Niah(sweep.Evaluation):
                 "found": [r.lower() in clean.lower() for r in references],
                 "score": hs.string_match_all(clean, references)}
 
-    def summarize(self, records) -> dict:
+    def summarize(self, records: list[dict]) -> dict:
         return {"score": sum(r["score"] for r in records) / len(records)}
 
-    def caption(self, data) -> str:
+    def caption(self, data: dict) -> str:
         s = data["settings"]
         name = data.get("model", {}).get("name", data["identity"]["model"])
         return (f"{name}: needle in a haystack ({s['needles']}), {s['trials']} haystack(s) per cell, share of the "
                 "answers found")
 
-    def tables(self, data) -> str:
+    def tables(self, data: dict) -> str:
         s = data["settings"]
         return report.grid_tables(data["cells"], s["patches"], s["lengths"], s["depths"], title="needle retrieval",
                                   row="depth", value="score")
 
-    def plot(self, data, path, title) -> None:
+    def plot(self, data: dict, path: Path | str, title: str) -> None:
         s = data["settings"]
         report.grid_heatmap(data["cells"], s["patches"], s["lengths"], s["depths"], path, title=title,
                             row="depth of the needle", value="score")

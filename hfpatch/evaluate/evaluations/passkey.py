@@ -16,10 +16,12 @@ and OUT/passkey.png (heatmap of accuracy by length x depth, one panel per patch 
 
 from __future__ import annotations
 
+import argparse
 import random
 import re
 import sys
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 from ...lm.causal import greedy
 from .. import report, sweep
@@ -38,11 +40,11 @@ def prompt_text(n_filler: int, depth: float, key: str) -> str:
                       " ".join([FILLER] * (n_filler - before)), QUESTION])
 
 
-def _n_tokens(tok, text: str) -> int:
+def _n_tokens(tok: Any, text: str) -> int:
     return len(tok(text, verbose=False)["input_ids"])
 
 
-def build_prompt(tok, length: int, depth: float, key: str) -> tuple[list[int], int]:
+def build_prompt(tok: Any, length: int, depth: float, key: str) -> tuple[list[int], int]:
     """(token ids of the longest prompt with at most `length` tokens, filler repetitions in it)."""
     base = _n_tokens(tok, prompt_text(0, depth, key))
     if base > length:
@@ -77,7 +79,7 @@ class Passkey(sweep.Evaluation):
     unit_key = "trial"
     axes: ClassVar[dict[str, str]] = {"lengths": "length", "depths": "depth"}
 
-    def add_arguments(self, p) -> None:
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--lengths", default="1k,2k,4k,8k",
                        help="prompt lengths in tokens, k = 1024 (default 1k,2k,4k,8k)")
         p.add_argument("--depths", default="0,0.5,1", help="where the key goes, 0..1 of the filler (default 0,0.5,1)")
@@ -87,7 +89,7 @@ class Passkey(sweep.Evaluation):
                        help="tokens to generate (default 12)")
         p.add_argument("--seed", type=int, default=0)
 
-    def plan(self, args, tok) -> sweep.Plan:
+    def plan(self, args: argparse.Namespace, tok: Any) -> sweep.Plan:
         lengths = parse_lengths(args.lengths)
         depths = parse_fractions(args.depths, "--depths", "0 = right after the task line, 1 = right before the "
                                  "question")
@@ -114,26 +116,26 @@ class Passkey(sweep.Evaluation):
         return sweep.Plan(identity, cells, read=max(lengths), new_tokens=args.new_tokens,
                           info={"settings": settings})
 
-    def run_unit(self, run, cell, unit, progress) -> dict:
+    def run_unit(self, run: Any, cell: dict, unit: Any, progress: Any) -> dict:
         key, ids, n_filler = unit.data
         eos = {i for i in [run.tok.eos_token_id] if i is not None}
         answer = run.tok.decode(greedy(run.parts, ids, run.args.new_tokens, eos), skip_special_tokens=True)
         return {"key": key, "prompt_tokens": len(ids), "filler": n_filler, "answer": answer,
                 "correct": is_correct(answer, key)}
 
-    def summarize(self, records) -> dict:
+    def summarize(self, records: list[dict]) -> dict:
         return {"accuracy": sum(r["correct"] for r in records) / len(records)}
 
-    def caption(self, data) -> str:
+    def caption(self, data: dict) -> str:
         name = data.get("model", {}).get("name", data["identity"]["model"])
         return f"{name}: passkey retrieval, {data['settings']['trials']} random key(s) per cell, greedy decoding"
 
-    def tables(self, data) -> str:
+    def tables(self, data: dict) -> str:
         s = data["settings"]
         return report.grid_tables(data["cells"], s["patches"], s["lengths"], s["depths"], title="passkey accuracy",
                                   row="depth")
 
-    def plot(self, data, path, title) -> None:
+    def plot(self, data: dict, path: Path | str, title: str) -> None:
         s = data["settings"]
         report.grid_heatmap(data["cells"], s["patches"], s["lengths"], s["depths"], path, title=title,
                             row="depth of the key")

@@ -21,9 +21,11 @@ resumes there), then OUT/table.md (also printed) and OUT/ppl.png. The run-time e
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -42,7 +44,7 @@ class Perplexity(sweep.Evaluation):
     unit_key = "name"
     axes: ClassVar[dict[str, str]] = {"windowing": "windowing", "lengths": "length"}
 
-    def add_arguments(self, p) -> None:
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--lengths", default=DEFAULT_LENGTHS,
                        help=f"context lengths, k = 1024 (default {DEFAULT_LENGTHS})")
         g = p.add_argument_group("data (default: long source files of the Python standard library)")
@@ -66,7 +68,7 @@ class Perplexity(sweep.Evaluation):
         p.add_argument("--score-chunk", type=int, default=1024, dest="score_chunk",
                        help="positions per LM-head chunk (memory vs overhead; default 1024)")
 
-    def plan(self, args, tok) -> sweep.Plan:
+    def plan(self, args: argparse.Namespace, tok: Any) -> sweep.Plan:
         lengths = parse_lengths(args.lengths)
         longest = max(lengths)
         names = ["chunks", "sliding"] if args.windowing == "both" else [w.strip() for w in args.windowing.split(",")]
@@ -134,14 +136,14 @@ class Perplexity(sweep.Evaluation):
         return sweep.Plan(identity, cells, read=longest, score_chunk=args.score_chunk,
                           info={"settings": settings, "corpus": corpus})
 
-    def run_unit(self, run, cell, unit, progress) -> dict:
+    def run_unit(self, run: Any, cell: dict, unit: Any, progress: Any) -> dict:
         toks, ids, wins, shift = unit.data
         nll, n, scored = document_nll(run.parts, ids, wins, run.args.score_chunk, progress)
         # bytes of the scored tokens; with a prefix token (rolling), ids[i] is the document's token i - 1
         nbytes = sum(toks.bytes_between(a - shift, b - shift) for a, b in scored)
         return {"tokens": n, "nll_sum": nll, "bytes": nbytes, "windows": len(wins)}
 
-    def summarize(self, records) -> dict:
+    def summarize(self, records: list[dict]) -> dict:
         # a document's NaN loss is stored as null: it keeps the cell's loss NaN when the cell is checked on resume
         nll = sum(math.nan if r["nll_sum"] is None else r["nll_sum"] for r in records)
         n, nbytes = (sum(r[k] for r in records) for k in ("tokens", "bytes"))
@@ -151,7 +153,7 @@ class Perplexity(sweep.Evaluation):
                 "bpb": nll / math.log(2) / nbytes if nbytes else None,
                 "seconds": round(sum(r["seconds"] for r in records), 3)}
 
-    def caption(self, data) -> str:
+    def caption(self, data: dict) -> str:
         model = data.get("model", {})
         src = data["corpus"]
         src_name = {"stdlib": "Python stdlib sources", "files": "text files",
@@ -162,7 +164,7 @@ class Perplexity(sweep.Evaluation):
         name = model.get("name", data["identity"]["model"])
         return f"{name}: {len(src['documents'])} document(s) of {src_name}, {each}"
 
-    def tables(self, data) -> str:
+    def tables(self, data: dict) -> str:
         """One table per windowing and measure: rows = patch spec, columns = length."""
         cells, settings = data["cells"], data["settings"]
         done = {(c["patch"], c["windowing"], c["length"]): c for c in report.complete(cells)}
@@ -179,7 +181,7 @@ class Perplexity(sweep.Evaluation):
                 out.append(f"**{title}** ({label})\n\n" + report.markdown_table(header, rows))
         return "\n\n".join(out)
 
-    def plot(self, data, path, title) -> None:
+    def plot(self, data: dict, path: Path | str, title: str) -> None:
         """Perplexity vs length, one line per patch spec (solid: chunks, dashed: sliding), log-log axes."""
         settings, window = data["settings"], data.get("model", {}).get("trained_window")
         lengths, windowings = settings["lengths"], settings["windowing"]
@@ -223,7 +225,7 @@ def _shown(cell: dict, measure: str, digits: int) -> str:
     return report.number(cell[measure], digits)
 
 
-def _count(text, flag: str, default, parse: bool = False):
+def _count(text: str, flag: str, default: Any, parse: bool = False):
     """--max-docs / --tokens-per-doc: a positive number, or 'all' (None)."""
     if text is None:
         return default
@@ -238,7 +240,7 @@ def _count(text, flag: str, default, parse: bool = False):
     return value
 
 
-def _prefix_token(tok) -> int:
+def _prefix_token(tok: Any) -> int:
     """The token lm-evaluation-harness puts before a document for its rolling loglikelihood: BOS, else EOS."""
     for t in (tok.bos_token_id, tok.eos_token_id):
         if t is not None:
@@ -246,7 +248,7 @@ def _prefix_token(tok) -> int:
     raise ValueError("--windowing rolling needs a BOS or EOS token to start each document; this tokenizer has neither")
 
 
-def select_documents(docs, tok, span: int, max_docs: int | None, use_cache: bool = True):
+def select_documents(docs: Any, tok: Any, span: int, max_docs: int | None, use_cache: bool = True):
     """The first `max_docs` (None: all) documents with at least `span` tokens: [(Document, Tokens)], and the
     skipped ones."""
     chosen, skipped, longest = [], [], None

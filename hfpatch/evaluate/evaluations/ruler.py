@@ -33,10 +33,12 @@ Writes OUT/results.json after every sample (resumable), OUT/table.md (also print
 
 from __future__ import annotations
 
+import argparse
 import random
 import string
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 from ...lm import text as texts
@@ -260,7 +262,7 @@ class Ruler(sweep.Evaluation):
     unit_key = "sample"
     axes: ClassVar[dict[str, str]] = {"tasks": "task", "lengths": "length"}
 
-    def add_arguments(self, p) -> None:
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--tasks", default="all", help=f"comma-separated tasks or all (default): {', '.join(TASKS)}")
         p.add_argument("--lengths", default="4k,8k,16k", help="prompt + generation lengths, k = 1024 "
                                                              "(default 4k,8k,16k)")
@@ -271,7 +273,7 @@ class Ruler(sweep.Evaluation):
         p.add_argument("--chat-template", action="store_true", dest="chat_template",
                        help="wrap each task in the tokenizer's chat template (default: plain text, RULER's base)")
 
-    def plan(self, args, tok) -> sweep.Plan:
+    def plan(self, args: argparse.Namespace, tok: Any) -> sweep.Plan:
         tasks, lengths = parse_tasks(args.tasks), parse_lengths(args.lengths)
         if args.samples < 1:
             raise ValueError(f"--samples must be >= 1, got {args.samples}")
@@ -302,7 +304,7 @@ class Ruler(sweep.Evaluation):
         return sweep.Plan(identity, cells, read=max(lengths), new_tokens=max(TASKS[t][2] for t in tasks),
                           info={"settings": settings})
 
-    def run_unit(self, run, cell, unit, progress) -> dict:
+    def run_unit(self, run: Any, cell: dict, unit: Any, progress: Any) -> dict:
         ids, references, new = unit.data
         eos = {i for i in [run.tok.eos_token_id] if i is not None}
         answer = run.tok.decode(greedy(run.parts, ids, new, eos, hs.all_found(run.tok, references)),
@@ -310,18 +312,18 @@ class Ruler(sweep.Evaluation):
         return {"prompt_tokens": len(ids), "references": references, "answer": answer,
                 "score": hs.string_match_all(hs.postprocess(answer), references)}
 
-    def summarize(self, records) -> dict:
+    def summarize(self, records: list[dict]) -> dict:
         n = len(records)
         score = sum(r["score"] for r in records) / n
         low, high = wilson(score, n)
         return {"score": score, "n": n, "ci95": [low, high]}
 
-    def caption(self, data) -> str:
+    def caption(self, data: dict) -> str:
         name = data.get("model", {}).get("name", data["identity"]["model"])
         return (f"{name}: RULER, {data['settings']['samples']} sample(s) per task and length, greedy decoding; "
                 "score % [95 % Wilson interval]")
 
-    def tables(self, data) -> str:
+    def tables(self, data: dict) -> str:
         """One table per patch spec: rows = task (+ the mean over tasks), columns = length, entries = score % [CI]."""
         s = data["settings"]
         tasks, lengths = s["tasks"], s["lengths"]
@@ -339,7 +341,7 @@ class Ruler(sweep.Evaluation):
             out.append(f"**{p}**\n\n" + report.markdown_table(["task"] + [length_label(n) for n in lengths], rows))
         return "\n\n".join(out)
 
-    def plot(self, data, path, title) -> None:
+    def plot(self, data: dict, path: Path | str, title: str) -> None:
         """Score vs length, one line per patch spec with its 95 % interval as error bars: one panel for the mean over
         the tasks (samples pooled) and one per task."""
         s, window = data["settings"], data.get("model", {}).get("trained_window")
@@ -384,11 +386,11 @@ class Ruler(sweep.Evaluation):
         fig.savefig(path, dpi=120)
 
 
-def _percent(p: float, ci) -> str:
+def _percent(p: float, ci: Any) -> str:
     return f"{100 * p:.0f} [{100 * ci[0]:.0f}, {100 * ci[1]:.0f}]"
 
 
-def _score_and_interval(pooled_result):
+def _score_and_interval(pooled_result: Any):
     p, _, ci = pooled_result
     return p, ci
 

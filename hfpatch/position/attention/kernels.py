@@ -17,6 +17,7 @@ flash-attn (the package) is an optional extra, imported where it is used.
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 
@@ -24,7 +25,8 @@ MIN = torch.finfo(torch.float32).min
 FLOOR = -1e30  # log-sum-exp of a part a row sees nothing of, for merging: exp(FLOOR - any real lse) is 0
 
 
-def attend(q, k, v, scale: float, *, mask=None, causal: bool = False):
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, mask: torch.Tensor | None = None,
+           causal: bool = False):
     """(output [b, H, q, d], log-sum-exp [b, H, q] float32) of softmax(q·kᵀ·scale + mask) v. k/v may have fewer
     heads than q (grouped-query attention). A row that sees no key gets a finite log-sum-exp far below any real one
     (CPU, masks) or -inf: either weighs nothing in `merge`."""
@@ -34,7 +36,8 @@ def attend(q, k, v, scale: float, *, mask=None, causal: bool = False):
     return _attend_cuda(q, k, v, scale, mask, causal)
 
 
-def _attend_cuda(q, k, v, scale, mask, causal):
+def _attend_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+                 causal: bool):
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # neither CUDA kernel takes grouped keys here
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -54,7 +57,7 @@ def _attend_cuda(q, k, v, scale, mask, causal):
     return out, _empty_rows(lse[..., :q_len])  # the kernel pads the log-sum-exp to a multiple of 32 rows
 
 
-def _aligned_bias(mask, b, h, q_len, kv_len):
+def _aligned_bias(mask: Any, b: Any, h: Any, q_len: Any, kv_len: Any):
     """The memory-efficient kernel reads its bias with the last dimension's stride a multiple of 16 elements (as
     torch's sdpa prepares it): pad, slice back, broadcast to [b, H, q, kv]."""
     pad = -kv_len % 16
@@ -63,12 +66,12 @@ def _aligned_bias(mask, b, h, q_len, kv_len):
     return mask.expand(b, h, q_len, kv_len)
 
 
-def _empty_rows(lse):
+def _empty_rows(lse: torch.Tensor):
     """flash-style kernels give +inf as the log-sum-exp of a row that sees no key; it weighs nothing: -inf."""
     return lse.masked_fill(lse == float("inf"), float("-inf"))
 
 
-def merge(acc, lse, out, part_lse):
+def merge(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, part_lse: torch.Tensor):
     """Fold one part (out [b, H, q, d], part_lse [b, H, q]) into the running float32 (acc, lse); returns the new
     (acc, lse). A row that sees no key in a part (lse -inf) takes nothing from it. The log-sum-exps are floored at
     FLOOR first: a row that sees no key at all then averages two empty outputs instead of computing exp(-inf + inf),
@@ -79,7 +82,7 @@ def merge(acc, lse, out, part_lse):
     return acc, total
 
 
-def merge_parts(parts):
+def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]):
     """softmax over the union of the parts [(out, lse), ...], as float32 (out, lse)."""
     (acc, lse), rest = parts[0], parts[1:]
     acc, lse = acc.float(), _empty_rows(lse.float())
@@ -99,8 +102,9 @@ def flash_attn_missing() -> str | None:
     return None
 
 
-def flash_attn(q, k, v, scale: float, *, causal: bool, window=(-1, -1), alibi_slopes=None, softcap=0.0,
-               dropout=0.0, lse=False):
+def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool,
+               window: tuple[int, int] = (-1, -1), alibi_slopes: torch.Tensor | None = None, softcap: float = 0.0,
+               dropout: float = 0.0, lse: bool = False):
     """flash-attn 2's flash_attn_func on [b, H, n, d] tensors (it takes [b, n, H, d]; grouped keys as they are).
     Causal is bottom-right aligned (the queries are the last q of the keys); `window` = (left, right) keys around
     the diagonal. Returns the output [b, q, H, d] (the layout transformers wants), and with `lse` its log-sum-exp

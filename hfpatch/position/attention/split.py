@@ -15,6 +15,8 @@ Distances are in slots: d = (query slot) - (key slot), the queries being the las
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import flex, kernels
@@ -25,7 +27,8 @@ BAND_ROWS = 128  # queries per band call of near_far_bias: the call covers rows 
 
 # -------------------------------------------------------------------------------------------- two position maps
 
-def two_maps_flex(qn, kn, qg, kg, value, attention_mask, window: int, scaling: float, softcap=None,
+def two_maps_flex(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, window: int, scaling: float, softcap: float | None = None,
                   compiled: bool = True):
     """Near keys (d < window) by (qn, kn), far keys (d >= window) by (qg, kg): [b, H, q, d] in value's dtype."""
     q_len, kv_len = qn.shape[2], kn.shape[2]
@@ -39,7 +42,8 @@ def two_maps_flex(qn, kn, qg, kg, value, attention_mask, window: int, scaling: f
     return out.to(value.dtype)
 
 
-def two_maps_flash(qn, kn, qg, kg, value, window: int, scaling: float, softcap=None):
+def two_maps_flash(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, value: torch.Tensor,
+                   window: int, scaling: float, softcap: float | None = None):
     """The same with flash-attn (no padding mask): the band is a causal sliding window of `window` keys (key i -
     window + 1 .. i); the far part is a causal call against the keys up to slot kv_len - 1 - window, which
     flash-attn aligns bottom-right, so query slot p sees keys <= p - window. Output [b, q, H, d]."""
@@ -61,7 +65,7 @@ def two_maps_flash(qn, kn, qg, kg, value, window: int, scaling: float, softcap=N
 
 # ------------------------------------------------------------------------------------------- near/far distance bias
 
-def additive(mask, dtype):
+def additive(mask: Any, dtype: Any):
     """A slice of the model's mask as an additive float mask of `dtype` (bool: True = attend). Masked scores get the
     dtype's lowest finite value, so a part in which a row sees no key keeps a finite log-sum-exp (it then weighs
     nothing in the merge)."""
@@ -70,7 +74,8 @@ def additive(mask, dtype):
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
-def near_far_bias(query, key, value, attention_mask, scaling: float, near: torch.Tensor, far: torch.Tensor):
+def near_far_bias(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                  scaling: float, near: torch.Tensor, far: torch.Tensor):
     """Causal softmax(q·kᵀ·scaling + bias + mask) v where bias[h, d] = near[h, d] for d < D = near.shape[1] and
     far[h] for d >= D. query [b, H, q, d], key/value [b, KV, kv, d] (grouped as they are); attention_mask None or
     [b, 1, q, kv] (bool or additive). Returns [b, H, q, d] in value's dtype."""
@@ -81,7 +86,8 @@ def near_far_bias(query, key, value, attention_mask, scaling: float, near: torch
     return out.to(value.dtype)
 
 
-def _band(query, key, value, attention_mask, scaling, near):
+def _band(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+          scaling: float, near: torch.Tensor):
     """The keys at distances 0 .. D - 1, with their bias: blocks of BAND_ROWS queries, each one kernel call whose
     additive mask is the bias (and -inf off the band). The bias only depends on the distance, so one [H, rows,
     rows + D - 1] mask serves every block. Returns float32 (out, lse)."""
@@ -107,7 +113,8 @@ def _band(query, key, value, attention_mask, scaling, near):
     return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
-def _far(query, key, value, attention_mask, scaling, D):
+def _far(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+         scaling: float, D: int):
     """Plain attention over the keys at distances >= D (query slot p sees keys <= p - D). Without a mask: at most
     two kernel calls over the whole sequence; with one: blocks of PIECE_ROWS queries, so that the additive mask
     made from the model's bool mask stays a block. Rows without such keys get lse = -inf. Returns float32."""
@@ -124,7 +131,7 @@ def _far(query, key, value, attention_mask, scaling, D):
             continue
         rows = slice(g - first, e - first)
 
-        def mask(lo, hi, rows=rows):
+        def mask(lo: int, hi: int, rows: slice = rows):
             return None if attention_mask is None else additive(attention_mask[:, :, rows, lo:hi], query.dtype)
 
         # top-left causal over keys g - D .. e - D - 1: query slot p sees keys <= p - D

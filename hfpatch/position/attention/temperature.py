@@ -21,9 +21,10 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -37,6 +38,9 @@ from ..registry import number, positive_int
 from ..schemes.rotated import positions
 from ..signal import attention_modules
 from . import paths
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SDPA_NAME = "hfpatch_temperature"  # wraps functions that take sdpa's mask (sdpa, hfpatch's own functions)
 EAGER_NAME = "hfpatch_temperature_eager"  # wraps functions that take eager's float mask
@@ -57,14 +61,14 @@ def llama4_scale(pos: torch.Tensor, opts: dict, window: int | None) -> torch.Ten
     return 1.0 + opts["attn_scale"] * torch.log1p(floors)
 
 
-def _window(name, value):
+def _window(name: str, value: Any):
     value = positive_int(name, value)
     if value < 2:  # log(W) is the divisor
         raise ValueError(f"{name} must be at least 2 (the trained window; logn divides by log(window)), got {value}")
     return value
 
 
-def _attn_scale(name, value):
+def _attn_scale(name: str, value: Any):
     return number(name, value, at_most=100.0, why="the temperature's growth per doubling of floor_scale steps")
 
 
@@ -90,7 +94,7 @@ TEMPERATURES: Registry[Temperature] = Registry.of("attention temperature", {
 })
 
 
-def request(value) -> dict:
+def request(value: Any) -> dict:
     """Validate attention_temperature=: a kind name, or {"kind": name, **options}. Returns {"kind": ..., **options}
     (only the options given)."""
     if isinstance(value, str):
@@ -142,7 +146,7 @@ class Tuning:
     neutral: bool = False
 
 
-def _tuning(module) -> Tuning:
+def _tuning(module: nn.Module) -> Tuning:
     tuning = getattr(module, STATE_ATTR, None)
     if tuning is None:
         raise RuntimeError(f"{type(module).__name__} runs hfpatch's attention temperature function but was not "
@@ -150,7 +154,7 @@ def _tuning(module) -> Tuning:
     return tuning
 
 
-def scaled_query(tuning: Tuning, query: torch.Tensor, key: torch.Tensor, position_ids) -> torch.Tensor:
+def scaled_query(tuning: Tuning, query: torch.Tensor, key: torch.Tensor, position_ids: Any) -> torch.Tensor:
     """query [b, H, q, d] times s(position), computed at float32 at least and rounded once, as Llama 4 does."""
     if tuning.neutral:
         return query
@@ -161,7 +165,8 @@ def scaled_query(tuning: Tuning, query: torch.Tensor, key: torch.Tensor, positio
     return (query * scale[:, None, :, None].to(wide)).to(query.dtype)
 
 
-def tempered(module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, Any]:
+def tempered(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: Any,
+             attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
     tuning = _tuning(module)
     query = scaled_query(tuning, query, key, kwargs.get("position_ids"))
     return tuning.inner(module, query, key, value, attention_mask, **kwargs)
@@ -178,7 +183,7 @@ _BY_MASK: dict[Any, str] = {sdpa_mask: SDPA_NAME, eager_mask: EAGER_NAME}
 
 # -------------------------------------------------------------------------------------------------------- apply
 
-def _inner(attn, implementation: str, kind: str) -> Callable:
+def _inner(attn: Callable, implementation: str, kind: str) -> Callable:
     """The attention function `attn` runs now: the registered one, or for "eager" its family's own module-level
     eager_attention_forward (transformers' fallback)."""
     if implementation == "eager":
@@ -191,7 +196,7 @@ def _inner(attn, implementation: str, kind: str) -> Callable:
     return fn
 
 
-def apply_temperature(model, adapter: Adapter, req: dict, edits: Edits) -> dict:
+def apply_temperature(model: PreTrainedModel, adapter: Adapter, req: dict, edits: Edits) -> dict:
     """Each attention module gets its Tuning, the model the wrapper of its attention function. Returns the facts
     (the window it grows past, where the kind has one)."""
     kind = req["kind"]
@@ -229,7 +234,7 @@ def apply_temperature(model, adapter: Adapter, req: dict, edits: Edits) -> dict:
     return {**chosen, **({"window": window} if window is not None else {})}
 
 
-def _logits(model, kind: str, state: str) -> torch.Tensor:
+def _logits(model: PreTrainedModel, kind: str, state: str) -> torch.Tensor:
     probe = probe_run(model, record_interface=False)
     if probe.error:
         raise ValueError(f"attention_temperature={kind!r} is checked on a probe forward, and the model {state} could "

@@ -9,13 +9,18 @@ change the distances between real tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch import nn
 
 BLOCK_ELEMENTS = 1 << 24  # scores per block of queries when blocked (64 MB in fp32)
 
 
-def explicit_attention(scores, value, attention_mask, q_pos, k_pos, *, softcap=None, causal=True, dropout=0.0,
-                       training=False, block=False):
+def explicit_attention(scores: Callable[[int, int], tuple[torch.Tensor, torch.Tensor | None]], value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor, *,
+                       softcap: float | None = None, causal: bool = True, dropout: float = 0.0,
+                       training: bool = False, block: bool = False):
     """Like transformers' eager attention, with the scores of query rows s:e given by `scores(s, e)` as (logits [b,
     H, e - s, kv], scaled; bias or None): softcapping of the logits, then the bias added, then the mask (bool:
     True = attend; float: additive; None: causal by q_pos / k_pos when `causal`), softmax in float32, dropout, times
@@ -46,8 +51,11 @@ def explicit_attention(scores, value, attention_mask, q_pos, k_pos, *, softcap=N
     return out, (torch.cat(weights, dim=2) if weights else None)
 
 
-def biased_attention(module, query, key, value, attention_mask, terms, dropout=0.0, causal=True, block=True,
-                     softcap=None):
+def biased_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None,
+                     terms: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], dropout: float = 0.0,
+                     causal: bool = True, block: bool = True,
+                     softcap: float | None = None):
     """softmax(scores + bias + mask) @ V where a scheme's `terms(query_block, key, q_pos, k_pos)` gives the logits
     and the bias of a block of queries. query [b, H, q, d], key/value [b, KV, kv, d] (GQA: KV divides H);
     attention_mask None, a bool mask (True = attend) or an additive float mask [b, 1, q, kv]. With `block`, memory is
@@ -63,6 +71,6 @@ def biased_attention(module, query, key, value, attention_mask, terms, dropout=0
                               block=block)
 
 
-def causal_of(module, is_causal=None) -> bool:
+def causal_of(module: nn.Module, is_causal: bool | None = None) -> bool:
     """Whether this call attends causally: the `is_causal` the model passed, else the module's own flag."""
     return getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)

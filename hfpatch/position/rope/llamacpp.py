@@ -14,6 +14,7 @@ llama-cpp-python 0.3.36.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 from transformers import LlamaConfig
@@ -56,19 +57,19 @@ def yarn_attn_factor(attention_factor: float, factor: float) -> float:
     llama-context.cpp), so the metadata holds the attention factor divided by that default."""
     return attention_factor / (1.0 + 0.1 * math.log(factor))
 
-def plain_keys(kind: str, **extra) -> dict:
+def plain_keys(kind: str, **extra: Any) -> dict:
     return {"rope.scaling.type": (kind, "str"), **extra}
 
-def rope_form(info, params, opts, n_positions):
+def rope_form(info: Any, params: dict, opts: dict, n_positions: int):
     return plain_keys("none"), {}
 
-def linear_form(info, params, opts, n_positions):
+def linear_form(info: Any, params: dict, opts: dict, n_positions: int):
     return plain_keys("linear", **{"rope.scaling.factor": (params["factor"], "f32")}), {}
 
-def ntk_form(info, params, opts, n_positions):
+def ntk_form(info: Any, params: dict, opts: dict, n_positions: int):
     return plain_keys("none"), {}  # the raised base is the plan's rope.freq_base
 
-def yarn_form(info, params, opts, n_positions):
+def yarn_form(info: Any, params: dict, opts: dict, n_positions: int):
     if opts.get("truncate") is False:
         raise ValueError("yarn with truncate=False: llama.cpp always rounds YaRN's correction range to whole "
                          "channels (truncate=True)")
@@ -87,7 +88,7 @@ def yarn_form(info, params, opts, n_positions):
         "rope.scaling.yarn_beta_slow": (betas["beta_slow"], "f32"),
     }), {}
 
-def llama3_form(info, params, opts, n_positions):
+def llama3_form(info: Any, params: dict, opts: dict, n_positions: int):
     if info.arch not in ROPE_FREQS_ARCHS:
         raise ValueError(f"llama3 scaling lives in a rope_freqs tensor, which llama.cpp's {info.arch} loader does not "
                          f"read (architectures that do: {', '.join(sorted(ROPE_FREQS_ARCHS))})")
@@ -96,7 +97,7 @@ def llama3_form(info, params, opts, n_positions):
     # llama.cpp divides each angle by its factor: the factor is the ratio of the plain to the scaled frequency
     return plain_keys("none"), {TENSORS["freqs"]: (plain / scaled).astype(np.float32)}
 
-def longrope_form(info, params, opts, n_positions):
+def longrope_form(info: Any, params: dict, opts: dict, n_positions: int):
     if info.arch not in LONGROPE_ARCHS:
         raise ValueError(f"LongRoPE lives in rope_factors_long/short tensors, which llama.cpp's {info.arch} loader "
                          f"does not read (architectures that do: {', '.join(sorted(LONGROPE_ARCHS))})")

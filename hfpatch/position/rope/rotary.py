@@ -9,16 +9,22 @@ result is the module a natively configured model would have built (logits identi
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ...adapters.positions import layer_types, params_of, prefix
 from ...edits import Edits
 from .builders import dynamic_yarn_scale, yarn_parameters_at
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
-def compute(rotary, config, layer_type):
+
+def compute(rotary: Any, config: Any, layer_type: Any):
     """(inv_freq, attention_scaling) for one layer type, by transformers' own functions. A heterogeneous config
     (per-layer head dims, gemma4) is resolved for the layer type first, as the rotary classes' __init__ does."""
     rope_type = params_of(config, layer_type)["rope_type"]
@@ -29,7 +35,7 @@ def compute(rotary, config, layer_type):
     return fn(config, device=None, **kwargs)
 
 
-def fitted(inv_freq, old):
+def fitted(inv_freq: torch.Tensor, old: torch.Tensor):
     """`inv_freq` in the shape of the buffer it replaces: rotary types that keep a frequency per channel pair and
     set the unrotated ones to 0 ("proportional" partial rotation) get the new frequencies padded with zeros. None
     when it cannot fit."""
@@ -41,7 +47,8 @@ def fitted(inv_freq, old):
     return None
 
 
-def _put(rotary, layer_type, inv_freq, scaling, set_attr):
+def _put(rotary: Any, layer_type: str | None, inv_freq: torch.Tensor, scaling: float,
+         set_attr: Callable[[nn.Module, str, Any], None]):
     """Write inv_freq/attention_scaling where the class reads them, on the device and dtype the old buffer had."""
     p = prefix(layer_type)
     old = getattr(rotary, f"{p}inv_freq")
@@ -53,7 +60,7 @@ def _put(rotary, layer_type, inv_freq, scaling, set_attr):
     set_attr(rotary, f"{p}attention_scaling", scaling)
 
 
-def rebuild(rotary, config, edits: Edits) -> None:
+def rebuild(rotary: Any, config: PreTrainedConfig, edits: Edits) -> None:
     """Recompute every rotary buffer and attribute from `config`, as the rotary class's __init__ would."""
     edits.track_new_attributes(rotary)
     if getattr(config, "max_position_embeddings", None) is not None:  # RecurrentGemma's config names no window
@@ -93,7 +100,7 @@ class DynamicYarnRotary:
         return super().forward(x, position_ids, *args, **kwargs)
 
 
-def refresh_dynamic_yarn(rotary, seq_len: int) -> None:
+def refresh_dynamic_yarn(rotary: Any, seq_len: int) -> None:
     state = rotary.hfpatch_dynamic_yarn
     s = dynamic_yarn_scale(seq_len, state["window"], state["opts"].get("factor"))
     if s == state["scale"]:
@@ -107,7 +114,7 @@ def refresh_dynamic_yarn(rotary, seq_len: int) -> None:
     state["scale"] = s
 
 
-def make_dynamic_yarn(rotary, base: dict, window: int, opts: dict, edits: Edits) -> None:
+def make_dynamic_yarn(rotary: Any, base: dict, window: int, opts: dict, edits: Edits) -> None:
     edits.mix_in(rotary, DynamicYarnRotary)
     edits.set(rotary, "hfpatch_dynamic_yarn", {"base": base, "window": window, "opts": dict(opts), "scale": 1.0})
 

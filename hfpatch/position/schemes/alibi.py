@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
@@ -43,6 +45,9 @@ from ..attention import flex, kernels, paths
 from ..attention.written import biased_attention, causal_of
 from ..signal import attention_modules, remove_positions, use_attention
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 SDPA_NAME = "hfpatch_alibi"
 EAGER_NAME = "hfpatch_alibi_eager"
 SLOPES_ATTR = "hfpatch_alibi_slopes"
@@ -51,7 +56,7 @@ SLOPES_ATTR = "hfpatch_alibi_slopes"
 def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> list[float]:
     """The ALiBi paper's slopes: for n a power of two, m_h = 2^(−max_bias·h/n), h = 1..n; otherwise the slopes
     of the closest smaller power of two p, then every other slope of 2p for the remaining n − p heads."""
-    def power_of_two(n):
+    def power_of_two(n: int):
         return [2.0 ** (-max_bias * (h + 1) / n) for h in range(n)]
 
     p = 2 ** math.floor(math.log2(n_heads))
@@ -67,13 +72,14 @@ def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, b
     return -slopes[:, None, None] * dist[None].to(slopes.dtype)
 
 
-def _slopes(module, like):
+def _slopes(module: nn.Module, like: torch.Tensor):
     return getattr(module, SLOPES_ATTR).to(device=like.device, dtype=torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------- factorised path
 
-def factorise(slopes: torch.Tensor, query, key, value, scaling: float, centre: int):
+def factorise(slopes: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+              centre: int):
     """Query/key/value with the ALiBi channels appended: scaling·(q'·k') = scaling·q·k + m·(j − centre)."""
     b, h, q_len, _ = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -92,13 +98,17 @@ def factorise(slopes: torch.Tensor, query, key, value, scaling: float, centre: i
     return (torch.cat([query, q_cols], -1), torch.cat([key, k_cols], -1), torch.cat([value, v_cols], -1))
 
 
-def alibi_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+def alibi_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+               is_causal: bool | None = None, **kwargs: Any):
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     return paths.run("alibi", module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                      causal=causal_of(module, is_causal), kwargs=kwargs)
 
 
-def _factorised(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _factorised(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
+                softcap: float | None, kwargs: dict[str, Any]):
     q_len, kv_len, d = query.shape[2], key.shape[2], query.shape[-1]
     q, k, v = factorise(_slopes(module, query), query, key, value, scaling, centre=kv_len - (q_len + 1) // 2)
     with no_denormals(query.device):
@@ -113,7 +123,7 @@ def _flushing() -> bool:
 
 
 @contextlib.contextmanager
-def no_denormals(device):
+def no_denormals(device: torch.device):
     if device.type != "cpu" or _flushing() or not torch.set_flush_denormal(True):
         yield
         return
@@ -125,19 +135,22 @@ def no_denormals(device):
 
 # --------------------------------------------------------------------------------------------------- explicit path
 
-def explicit(module, query, key, value, attention_mask, scaling, dropout=0.0, causal=True, block=False, softcap=None,
-             **kwargs):
+def explicit(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, causal: bool = True,
+             block: bool = False, softcap: float | None = None,
+             **kwargs: Any):
     """Scores with the bias written out, like eager attention; with `block`, a block of queries at a time."""
     slopes = _slopes(module, query)
 
-    def terms(q, k, q_pos, k_pos):
+    def terms(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
         bias = alibi_bias(slopes, q_pos, k_pos, bidirectional=not causal)[None]
         return torch.matmul(q, k.transpose(2, 3)) * scaling, bias
 
     return biased_attention(module, query, key, value, attention_mask, terms, dropout, causal, block, softcap)
 
 
-def alibi_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def alibi_eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, **kwargs: Any):
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     causal = getattr(module, "is_causal", True)
     paths.record(module, "eager")
@@ -145,7 +158,9 @@ def alibi_eager(module, query, key, value, attention_mask, scaling=None, dropout
         return explicit(module, query, key, value, attention_mask, scaling, dropout, causal, block=False, **kwargs)
 
 
-def _written_out(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
+                 softcap: float | None, kwargs: dict[str, Any]):
     with no_denormals(query.device):
         out, _ = explicit(module, query, key, value, attention_mask, scaling, dropout, causal, block=True,
                           softcap=softcap)
@@ -161,7 +176,9 @@ def score_mod(slopes: torch.Tensor, offset: torch.Tensor, bidirectional: bool):
     return lambda score, b, h, q_idx, kv_idx: score - slopes[h] * (q_idx + offset - kv_idx)
 
 
-def _flex(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _flex(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool, softcap: float | None,
+          kwargs: dict[str, Any]):
     q_len, kv_len = query.shape[2], key.shape[2]
     offset = torch.tensor(kv_len - q_len, device=query.device)
     mods = flex.softcapped(score_mod(_slopes(module, query), offset, bidirectional=not causal), softcap, query.device)
@@ -171,7 +188,9 @@ def _flex(module, query, key, value, attention_mask, *, scaling, dropout, causal
     return out.transpose(1, 2).contiguous()
 
 
-def _flash(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _flash(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool, softcap: float | None,
+           kwargs: dict[str, Any]):
     """flash-attn adds −m·|i + kv − q − j| to the scores: ALiBi with the queries as the last q keys."""
     return kernels.flash_attn(query, key, value, scaling, causal=causal, alibi_slopes=_slopes(module, query),
                               softcap=softcap or 0.0, dropout=dropout)
@@ -195,7 +214,7 @@ AttentionMaskInterface.register(SDPA_NAME, sdpa_mask)
 AttentionMaskInterface.register(EAGER_NAME, eager_mask)
 
 
-def apply_alibi(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+def apply_alibi(model: PreTrainedModel, adapter: Adapter, req: dict, scheme: Any, edits: Edits) -> None:
     """The model's own position signal out; each attention module gets its heads' slopes and the attention functions
     above."""
     remove_positions(model, adapter, req["scheme"], edits)

@@ -34,14 +34,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from ...adapters import Adapter
 from ...edits import Edits
 from ..attention import kernels, paths, split
 from ..attention.written import explicit_attention
 from . import rotated
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 NAMES = rotated.Names(scheme="dual-chunk", sdpa="hfpatch_dual_chunk", eager="hfpatch_dual_chunk_eager",
                       state="hfpatch_dual_chunk")
@@ -104,7 +109,8 @@ class Chunks:
         """Positions per chunk."""
         return self.chunk_size - self.local_window
 
-    def maps(self, query, key, position_ids, attention_mask) -> Maps:
+    def maps(self, query: torch.Tensor, key: torch.Tensor, position_ids: torch.Tensor,
+             attention_mask: torch.Tensor | None) -> Maps:
         rotated.check_cache(NAMES.scheme, attention_mask, key, query.shape[2])
         q_pos, k_pos = rotated.positions(position_ids, query.shape[0], query.shape[2], key.shape[2], query.device)
         s, C, rotate = self.length, self.chunk_size, self.rotation.rotate
@@ -122,7 +128,7 @@ def _same_rows(t: torch.Tensor) -> bool:
     return bool((t == t[:1]).all().item())
 
 
-def _pieces(m: Maps, value, attention_mask, scaling: float) -> torch.Tensor:
+def _pieces(m: Maps, value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Dual chunk attention, [b, H, q, d], for a batch whose rows share their chunks (m.q_chunk / m.k_chunk rows
     equal): per chunk n of the queries (slots [t0, t1), the last q_len of the key slots), up to four kernel calls
     merged by log-sum-exp — keys of chunk n: [t0, t1) causal and [a, t0) in full; chunk n - 1: [p, a); earlier
@@ -136,7 +142,7 @@ def _pieces(m: Maps, value, attention_mask, scaling: float) -> torch.Tensor:
         t0, t1 = first + r0, first + r1
         a, p = (int(torch.searchsorted(k_chunk, v)) for v in (n, n - 1))
 
-        def piece(q, lo, hi, causal=False, r0=r0, r1=r1):
+        def piece(q: Any, lo: int, hi: int, causal: bool = False, r0: int = r0, r1: int = r1):
             mask = None if attention_mask is None else split.additive(attention_mask[:, :, r0:r1, lo:hi], q.dtype)
             return kernels.attend(q[:, :, r0:r1], m.key[:, :, lo:hi], value[:, :, lo:hi], scaling, mask=mask,
                                   causal=causal)
@@ -160,14 +166,15 @@ def _monotonic(m: Maps) -> bool:
 
 # ------------------------------------------------------------------------------------------- attention functions
 
-def _explicit(m: Maps, value, attention_mask, scaling, dropout, training, softcap, block):
+def _explicit(m: Maps, value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float, dropout: float,
+              training: bool, softcap: float | None, block: bool):
     q_len, kv_len = m.intra.shape[2], m.key.shape[2]
     slots = torch.arange(kv_len, device=value.device)
     groups = m.intra.shape[1] // m.key.shape[1]
     key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (m.key, value))
     kt = key.transpose(2, 3)
 
-    def scores(s, e):
+    def scores(s: int, e: int):
         x = m.intra[:, :, s:e] @ kt
         if m.successive is not None and m.inter is not None:
             qc, kc = m.q_chunk[:, None, s:e, None], m.k_chunk[:, None, None, :]
@@ -179,12 +186,14 @@ def _explicit(m: Maps, value, attention_mask, scaling, dropout, training, softca
                               dropout=dropout, training=training, block=block)
 
 
-def _maps(module, query, key, attention_mask, kwargs) -> Maps:
+def _maps(module: nn.Module, query: Any, key: Any, attention_mask: Any, kwargs: Any) -> Maps:
     chunks: Chunks = getattr(module, NAMES.state)
     return chunks.maps(query, key, kwargs.get("position_ids"), attention_mask)
 
 
-def _run_pieces(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _run_pieces(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
+                softcap: float | None, kwargs: dict[str, Any]):
     m = _maps(module, query, key, attention_mask, kwargs)
     if not _monotonic(m):
         raise paths.PathUnavailable("position ids that go back: the written-out path takes this call")
@@ -197,7 +206,9 @@ def _run_pieces(module, query, key, value, attention_mask, *, scaling, dropout, 
     return out.transpose(1, 2).contiguous()
 
 
-def _run_written_out(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _run_written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
+                     softcap: float | None, kwargs: dict[str, Any]):
     m = _maps(module, query, key, attention_mask, kwargs)
     return _explicit(m, value, attention_mask, scaling, dropout, module.training, softcap, block=True)[0]
 
@@ -210,14 +221,17 @@ PATHS = (
 )
 
 
-def dual_chunk_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def dual_chunk_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    **kwargs: Any):
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     return paths.run(NAMES.scheme, module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                      causal=True, kwargs=kwargs)
 
 
-def dual_chunk_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                     **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+def dual_chunk_eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     paths.record(module, "eager")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     m = _maps(module, query, key, attention_mask, kwargs)
@@ -244,7 +258,7 @@ def settings(req: dict, trained: int, model_type: str) -> tuple[int, int]:
     return chunk_size, local_window
 
 
-def apply_dual_chunk(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> dict:
+def apply_dual_chunk(model: PreTrainedModel, adapter: Adapter, req: dict, scheme: Any, edits: Edits) -> dict:
     targets, trained = rotated.rotations(model, adapter, NAMES.scheme)
     chunk_size, local_window = settings(req, trained, adapter.model_type)
     states = [(attn, Chunks(chunk_size, local_window, rotation)) for attn, rotation in targets]

@@ -11,6 +11,8 @@ is refused with a clear error, where GPT-2's own table fails with an index error
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -39,7 +41,7 @@ class LearnedInput:
         return super().forward(hidden_states + pe, *args, **kwargs)
 
 
-def apply_learned(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+def apply_learned(model: Any, adapter: Adapter, req: dict, scheme: Any, edits: Edits) -> None:
     size = req.get("table_size") or adapter.window
     if size is None:
         raise ValueError(f"position='learned' sizes its table by the trained window, and {adapter.model_type}'s config "

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +46,9 @@ from ..attention import flex, paths, split
 from ..attention.written import biased_attention, causal_of
 from ..signal import attention_modules, remove_positions, use_attention
 from .absolute import sinusoidal_table
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 T5_NAME, T5_EAGER = "hfpatch_t5", "hfpatch_t5_eager"
 XL_NAME, XL_EAGER = "hfpatch_xl", "hfpatch_xl_eager"
@@ -300,7 +303,7 @@ for _scheme, _name, _eager_name, _terms in (("t5", T5_NAME, T5_EAGER, _t5_terms)
 
 # ---------------------------------------------------------------------------------------------------- appliers
 
-def apply_t5(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+def apply_t5(model: PreTrainedModel, adapter: Adapter, req: dict, scheme: Any, edits: Edits) -> None:
     if len(set(adapter.heads)) != 1:
         raise ValueError("position='t5' shares one bias table across the layers (as T5 does), "
                          f"but {adapter.model_type}'s attention layers have different head counts "
@@ -327,7 +330,7 @@ def check_t5(req: dict) -> None:
                          f"own), got max_distance={far} with num_buckets={n}")
 
 
-def apply_xl(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+def apply_xl(model: Any, adapter: Adapter, req: dict, scheme: Any, edits: Edits) -> None:
     remove_positions(model, adapter, req["scheme"], edits, reloadable=True)
     text = model.config.get_text_config()
     like = model.get_input_embeddings().weight

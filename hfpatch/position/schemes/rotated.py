@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import AttentionInterface
@@ -35,6 +35,9 @@ from ...adapters.probe import run as probe_run
 from ...edits import Edits
 from ..attention import paths
 from ..signal import attention_layers, rotaries_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class OwnRotary:
@@ -83,7 +86,8 @@ def register(names: Names, sdpa_fn: Callable, eager_fn: Callable) -> None:
 
 # ---------------------------------------------------------------------------------------------------- positions
 
-def positions(position_ids, batch: int, q_len: int, kv_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def positions(position_ids: torch.Tensor, batch: int, q_len: int, kv_len: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(query positions [b, q], key positions [b, kv]). Without a cache the keys are the queries; with one, the
     cached keys continue the queries' positions backwards, one per slot."""
     if position_ids is None:
@@ -96,7 +100,7 @@ def positions(position_ids, batch: int, q_len: int, kv_len: int, device) -> tupl
     return q, torch.arange(kv_len, device=device)[None] + (q[:, -1:] - (kv_len - 1))
 
 
-def check_cache(scheme: str, attention_mask, key: torch.Tensor, q_len: int) -> None:
+def check_cache(scheme: str, attention_mask: torch.Tensor | None, key: torch.Tensor, q_len: int) -> None:
     """Cached keys are taken to end at the newest query: refuse a cache with empty slots after it (a StaticCache),
     where the key positions would come out wrong. The mask alone cannot tell: families that choose which keys a query
     sees (doge's dynamic mask, qwen4_exp's block indexer) can hide the newest slot from the newest query, and
@@ -111,7 +115,7 @@ def check_cache(scheme: str, attention_mask, key: torch.Tensor, q_len: int) -> N
                      "(a StaticCache?)")
 
 
-def _newest_slot_seen(attention_mask, q_len: int, kv_len: int) -> bool:
+def _newest_slot_seen(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> bool:
     """Whether the model's mask lets the newest query (of some batch row and head) see the last key slot. A float
     mask may carry a bias besides the masking (doge's dynamic mask), so a slot counts as seen unless it holds the
     masking value (the dtype's lowest, or -inf)."""
@@ -125,7 +129,8 @@ def _newest_slot_seen(attention_mask, q_len: int, kv_len: int) -> bool:
 
 # -------------------------------------------------------------------------------------------------------- apply
 
-def rotations(model, adapter: Adapter, scheme: str) -> tuple[list[tuple[torch.nn.Module, Rotation]], int]:
+def rotations(model: PreTrainedModel, adapter: Adapter, scheme: str) -> tuple[list[tuple[torch.nn.Module, Rotation]],
+              int]:
     """([(attention module, its Rotation)], the trained window) of a RoPE model whose attention layers all read
     one rotary module."""
     rotaries = rotaries_of(model, adapter)
@@ -149,7 +154,7 @@ def rotations(model, adapter: Adapter, scheme: str) -> tuple[list[tuple[torch.nn
     return out, trained
 
 
-def install(model, adapter: Adapter, names: Names, states: list[tuple[torch.nn.Module, Any]],
+def install(model: PreTrainedModel, adapter: Adapter, names: Names, states: list[tuple[torch.nn.Module, Any]],
             neutral: Callable[[Any], Any], edits: Edits) -> None:
     """Give each attention module its state, the rotary module OwnRotary, and the model the scheme's attention
     function. First, on a probe input, the model with every state made `neutral` (its maps the identity) must give
@@ -178,7 +183,7 @@ def install(model, adapter: Adapter, names: Names, states: list[tuple[torch.nn.M
         edits.set(attn, names.state, state)
 
 
-def _logits(model, scheme: str, state: str) -> torch.Tensor:
+def _logits(model: PreTrainedModel, scheme: str, state: str) -> torch.Tensor:
     """The model's output on the adapter probe's input (a few seeded random tokens)."""
     probe = probe_run(model, record_interface=False)
     if probe.error:

@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from ...adapters import Adapter
 from ...edits import Edits
@@ -44,6 +46,9 @@ from ..attention import flex, kernels, paths, split
 from ..attention.written import explicit_attention
 from ..rope.llamacpp import group_attention_flags
 from . import rotated
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 NAMES = rotated.Names(scheme="self-extend", sdpa="hfpatch_self_extend", eager="hfpatch_self_extend_eager",
                       state="hfpatch_self_extend")
@@ -77,7 +82,7 @@ class Maps:
     window: int
     rotation: rotated.Rotation
 
-    def both(self, query, key, position_ids, attention_mask):
+    def both(self, query: Any, key: Any, position_ids: Any, attention_mask: torch.Tensor | None):
         """(q, k) at their own positions and (q, k) at the grouped ones."""
         rotated.check_cache(NAMES.scheme, attention_mask, key, query.shape[2])
         q_pos, k_pos = rotated.positions(position_ids, query.shape[0], query.shape[2], key.shape[2], query.device)
@@ -88,7 +93,8 @@ class Maps:
 
 # ------------------------------------------------------------------------------------------------------ piece path
 
-def _attend(q, k, v, mask, causal, scaling, flip=False):
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scaling: float,
+            flip: bool = False):
     """(output, log-sum-exp of the scores) of one piece by a flash-attention kernel (kernels.attend: GQA as given,
     causal = top-left aligned). flip: rows and keys in reverse order, which turns the upper triangle into the
     lower one the kernel skips to."""
@@ -99,7 +105,8 @@ def _attend(q, k, v, mask, causal, scaling, flip=False):
     return (out.flip(2), lse.flip(-1)) if flip else (out, lse)
 
 
-def _pieces(qn, kn, qg, kg, v, attention_mask, window: int, scaling: float):
+def _pieces(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, v: torch.Tensor,
+            attention_mask: torch.Tensor | None, window: int, scaling: float):
     """Self-Extend attention over blocks of B <= W - 1 query slots [s, e) (the queries are the last q_len key slots),
     five pieces per block, each a causal or unmasked kernel call, merged by log-sum-exp:
       neighbour keys (i - W < j <= i): [s, e) causal; [s - W + 1, e - W + 1) where j >= i - W + 1, causal once
@@ -113,7 +120,8 @@ def _pieces(qn, kn, qg, kg, v, attention_mask, window: int, scaling: float):
         e = min(kv_len, s + rows_per_block)
         r = slice(s - first, e - first)
 
-        def piece(q, k, lo, hi, rows=slice(None), causal=False, flip=False, r=r):  # r: this block's query rows
+        def piece(q: Any, k: torch.Tensor, lo: int, hi: int, rows: slice = slice(None), causal: bool = False,
+                  flip: bool = False, r: slice = r):  # r: this block's query rows
             m = None if attention_mask is None else split.additive(attention_mask[:, :, r][:, :, rows, lo:hi], q.dtype)
             return _attend(q[:, :, r][:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], m, causal, scaling, flip)
 
@@ -140,14 +148,16 @@ def _pieces(qn, kn, qg, kg, v, attention_mask, window: int, scaling: float):
 
 # ------------------------------------------------------------------------------------------- attention functions
 
-def _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, training, softcap, block):
+def _explicit(maps: Maps, qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, scaling: float, dropout: float, training: bool,
+              softcap: float | None, block: bool):
     kv_len = kn.shape[2]
     slots = torch.arange(kv_len, device=qn.device)
     q_slots = slots[kv_len - qn.shape[2]:]
     groups = qn.shape[1] // kn.shape[1]
     kn, kg, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (kn, kg, value))
 
-    def scores(s, e):
+    def scores(s: int, e: int):
         near = (q_slots[s:e, None] - slots[None]) < maps.window
         return torch.where(near, qn[:, :, s:e] @ kn.transpose(2, 3), qg[:, :, s:e] @ kg.transpose(2, 3)) * scaling, None
 
@@ -155,34 +165,45 @@ def _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, tra
                               training=training, block=block)
 
 
-def self_extend_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def self_extend_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any):
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     return paths.run("self-extend", module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                      causal=True, kwargs=kwargs)
 
 
-def _both(module, query, key, attention_mask, kwargs):
+def _both(module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+          kwargs: dict[str, Any]):
     maps: Maps = getattr(module, STATE_ATTR)
     return (maps, *maps.both(query, key, kwargs.get("position_ids"), attention_mask))
 
 
-def _run_pieces(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _run_pieces(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
+                softcap: float | None, kwargs: dict[str, Any]):
     maps, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
     return _pieces(qn, kn, qg, kg, value, attention_mask, maps.window, scaling).transpose(1, 2).contiguous()
 
 
-def _run_flex(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _run_flex(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
+              softcap: float | None, kwargs: dict[str, Any]):
     maps, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
     out = split.two_maps_flex(qn, kn, qg, kg, value, attention_mask, maps.window, scaling, softcap)
     return out.transpose(1, 2).contiguous()
 
 
-def _run_flash(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _run_flash(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
+               softcap: float | None, kwargs: dict[str, Any]):
     maps, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
     return split.two_maps_flash(qn, kn, qg, kg, value, maps.window, scaling, softcap)
 
 
-def _run_written_out(module, query, key, value, attention_mask, *, scaling, dropout, causal, softcap, kwargs):
+def _run_written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
+                     softcap: float | None, kwargs: dict[str, Any]):
     maps, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
     out, _ = _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, module.training, softcap,
                        block=True)
@@ -204,8 +225,9 @@ PATHS = (
 )
 
 
-def self_extend_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+def self_extend_eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     maps: Maps = getattr(module, STATE_ATTR)
     paths.record(module, "eager")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -225,7 +247,7 @@ def default_settings(trained: int) -> tuple[int, int]:
     return DEFAULT_GROUP_SIZE, max(1, trained // DEFAULT_WINDOW_FRACTION)
 
 
-def apply_self_extend(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> dict:
+def apply_self_extend(model: PreTrainedModel, adapter: Adapter, req: dict, scheme: Any, edits: Edits) -> dict:
     targets, trained = rotated.rotations(model, adapter, NAMES.scheme)
     default_g, default_w = default_settings(trained)
     G, W = req.get("group_size", default_g), req.get("window", default_w)
