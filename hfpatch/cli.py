@@ -61,7 +61,16 @@ def _boolean(text: str) -> bool:
 
 
 def _scheme_name(text: str) -> str:
-    """As patch(position=...) reads a scheme's name: any case, "_" for "-"."""
+    """As patch(position=...) reads a scheme's name (any case, "_" for "-"), refused with the registry's own message
+    (the valid names, and the hint for a spec string such as "yarn:4")."""
+    from .position.registry import request  # the registries import torch: only when `hfpatch patch` is parsed
+
+    try:
+        request(text, {})
+    except ValueError as e:
+        if str(e).startswith("unknown position scheme"):
+            raise argparse.ArgumentTypeError(str(e)) from None
+        # a known scheme that needs options (factor=): they are checked with the others, once parsed
     return text.strip().lower().replace("_", "-")
 
 
@@ -150,7 +159,7 @@ def _patch_arguments(s) -> None:
     s.add_argument("model")
     s.add_argument("--out", required=True, help="folder to save the patched model (and tokenizer) to; a .gguf path "
                                                 "with a .gguf model: a copy with llama.cpp's RoPE metadata")
-    s.add_argument("--position", choices=list(SCHEMES), metavar="SCHEME", type=_scheme_name,
+    s.add_argument("--position", metavar="SCHEME", type=_scheme_name,
                    help="the position scheme: " + ", ".join(SCHEMES) + " (what each does and takes: hfpatch docs, "
                         "Patch options)")
     s.add_argument("--factor", type=float, help="context extension ratio (> 1), for the schemes that take one: "
