@@ -23,7 +23,7 @@ import types
 from pathlib import Path
 
 from eval import attention_paths_smollm2 as smollm2_paths
-from eval import bench_attention, bench_long_train, bench_self_extend
+from eval import bench_attention, bench_long_train, bench_self_extend, vllm_saved_keys
 from eval import cross_engine as ce
 from eval import gpu_check as gpu
 from eval import memory_breakdown as mb
@@ -276,11 +276,25 @@ def serving_engines():
     return serving_markdown()
 
 
-def cross_engine_table(lengths: str) -> str:
-    result = load(f"cross_engine/{lengths}/cross_engine.json")
-    return (f"SmolLM2-135M (Q4_1 GGUF), the first {result['windows']} window(s) of {result['book']} at the longest "
+def cross_engine_table(lengths: str, folder: str = "cross_engine",
+                       weights: str = "SmolLM2-135M (Q4_1 GGUF)") -> str:
+    result = load(f"{folder}/{lengths}/cross_engine.json")
+    return (f"{weights}, the first {result['windows']} window(s) of {result['book']} at the longest "
             f"length; mean NLL per token; passkey at the longest length, depth 0.5: keys found of those both engines "
             f"were given; {result['machine']}.\n\n" + ce.table(result))
+
+
+VLLM_WEIGHTS = "SmolLM2-135M (its Q4_1 GGUF dequantized to float32, the weights both engines run)"
+
+
+@table("eval/results/cross_engine_vllm/2k/cross_engine.json")
+def cross_engine_vllm():
+    return cross_engine_table("2k", "cross_engine_vllm", VLLM_WEIGHTS)
+
+
+@table("eval/results/cross_engine_vllm/longrope_keys.json")
+def vllm_longrope_keys():
+    return vllm_saved_keys.table(load("cross_engine_vllm/longrope_keys.json"))
 
 
 @table("eval/results/cross_engine/2k/cross_engine.json")
@@ -535,8 +549,7 @@ def code_metrics():
 @table("hfpatch/position/registry.py", "hfpatch/norm/kinds.py")
 def patch_options():
     """Every keyword `hfpatch.patch` takes, per scheme and norm kind, read off the registries that validate them."""
-    from hfpatch.norm.kinds import NORMS
-    from hfpatch.position.registry import LAYER_SCHEMES, SCHEMES
+    from hfpatch.position.registry import LAYER_SCHEMES
     code = lambda names: ", ".join(f"`{n}`" for n in names) or "—"
     positions = [[f"`{name}`", rec.summary, rec.factor, code(rec.options), ", ".join(rec.requires) or "—"]
                  for name, rec in SCHEMES.items()]

@@ -35,7 +35,7 @@ LAYERS: dict[str, set[str]] = {
     "hfpatch": {"introspect", "spec", "apply", "families", "interop"},  # the public API
     # running models: what evaluations and training share, then each
     "lm": {"apply", "introspect", "adapters", "models", "utils"},  # a causal LM as body + head; documents and tokenizers
-    "evaluate": {"hfpatch", "introspect", "apply", "spec", "adapters", "lm", "models", "interop", "registry", "utils"},
+    "evaluate": {"hfpatch", "introspect", "position", "apply", "spec", "adapters", "lm", "models", "interop", "registry", "utils"},
     # the search over patches: candidates, the objective, the resumable loop (over the evaluations' machinery)
     "search": {"evaluate", "apply", "introspect", "adapters", "position", "lm", "models", "utils"},
     "train": {"hfpatch", "introspect", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models", "registry",
@@ -55,6 +55,7 @@ OPTIONAL = {
     "flash_attn": "flash-attention, where installed: the flash_attention_2 paths of alibi and self-extend",
     "gguf": "the gguf extra: reading and writing GGUF files",
     "llama_cpp": "the llama-cpp extra: the llama.cpp engine of the evaluations",
+    "vllm": "vLLM, in its own Python: the vLLM engine's worker runs there, never in hfpatch's",
 }
 # Files whose imports are deferred on purpose, so that `hfpatch --help` does not load torch: the command's entry point
 # imports each subcommand's modules when it runs, and the evaluations' package (which the command reads for the list

@@ -35,30 +35,33 @@ def test_plain_yarn_is_served_the_same_everywhere(tmp_path):
     assert serving.folder_differences(saved(tmp_path, position="yarn", factor=4.0)) == []
 
 
-def test_an_explicit_yarn_attention_factor_is_lost_in_both_engines(tmp_path):
+def test_an_explicit_yarn_attention_factor_is_lost_in_sglang_only(tmp_path):
+    """vLLM (0.32) reads YaRN's attention_factor as transformers does; SGLang applies its default."""
     out = serving.folder_differences(saved(tmp_path, position="yarn", factor=4.0, attention_factor=1.3))
-    default = 0.1 * math.log(4) + 1  # YaRN's default, what both engines apply without their own attn_factor
-    assert len(out) == 2
-    for engine, line in zip(("vLLM", "SGLang"), out):
-        assert line.startswith(f"{engine} applies a yarn attention factor of {default:.6g}, transformers 1.3")
-        assert "it does not read attention_factor" in line
+    default = 0.1 * math.log(4) + 1  # YaRN's default, what SGLang applies without its own attn_factor
+    assert len(out) == 1
+    assert out[0].startswith(f"SGLang applies a yarn attention factor of {default:.6g}, transformers 1.3")
+    assert "it does not read attention_factor" in out[0]
+    assert serving.ENGINES["vLLM"].attention["yarn"][0]({"factor": 4.0, "attention_factor": 1.3}, 0) == 1.3
 
 
-def test_mscale_pair_is_lost_in_vllm_only(tmp_path):
+def test_mscale_pair_is_served_as_transformers_by_both_engines(tmp_path):
     out = serving.folder_differences(saved(tmp_path, position="yarn", factor=4.0, mscale=0.8, mscale_all_dim=0.6))
-    assert len(out) == 1 and out[0].startswith("vLLM") and "mscale, mscale_all_dim" in out[0]
-    # SGLang's formula gives transformers' number (the ratio of the two corrections), by hand:
+    assert out == []
+    # both formulas give transformers' number (the ratio of the two corrections), by hand:
     by_hand = (0.1 * 0.8 * math.log(4) + 1) / (0.1 * 0.6 * math.log(4) + 1)
     params = {"factor": 4.0, "mscale": 0.8, "mscale_all_dim": 0.6}
-    assert serving.ENGINES["SGLang"].attention["yarn"][0](params, 4 * WINDOW) == pytest.approx(by_hand)
+    for engine in ("vLLM", "SGLang"):
+        assert serving.ENGINES[engine].attention["yarn"][0](params, 4 * WINDOW) == pytest.approx(by_hand)
 
 
 def test_longrope_attention_and_vllms_long_factors(tmp_path):
+    """The saved short_mscale / long_mscale carry transformers' attention factor, explicit or not: what is left is
+    vLLM's choice of factors by the served length."""
     spec = dict(position="longrope", factor=4.0, short_factor=[1.0] * 8, long_factor=[2.0] * 8)
-    out = serving.folder_differences(saved(tmp_path, **spec))
-    assert out == [f"vLLM longrope: {serving.ENGINES['vLLM'].behaviour['longrope']}"]
-    out = serving.folder_differences(saved(tmp_path / "b", **spec, attention_factor=1.0))
-    assert sum("longrope attention factor of" in line and "attention_factor" in line for line in out) == 2
+    only_factors = [f"vLLM longrope: {serving.ENGINES['vLLM'].behaviour['longrope']}"]
+    assert serving.folder_differences(saved(tmp_path, **spec)) == only_factors
+    assert serving.folder_differences(saved(tmp_path / "b", **spec, attention_factor=1.0)) == only_factors
 
 
 def test_dynamic_is_fixed_in_both_engines(tmp_path):
@@ -75,9 +78,9 @@ def test_describe_warns_on_a_saved_folder(tmp_path, capsys):
     folder = saved(tmp_path, position="yarn", factor=4.0, attention_factor=1.3)
     assert main(["describe", folder]) == 0
     captured = capsys.readouterr()
-    assert len(json.loads(captured.out)["serving"]) == 2
+    assert len(json.loads(captured.out)["serving"]) == 1
     warnings = [line for line in captured.err.splitlines() if line.startswith("hfpatch: warning: ")]
-    assert len(warnings) == 2 and "vLLM" in warnings[0] and "SGLang" in warnings[1]
+    assert len(warnings) == 1 and "SGLang" in warnings[0]
 
 
 def test_the_docs_page_carries_the_table_of_the_code():

@@ -83,7 +83,7 @@ class LlamaCppModel:
         remove_stale_exports()
         self._tmp, held = exports_folder()
         # the exported copies go with the model (and the lock on them with the process)
-        self._remove_exports = weakref.finalize(self, _remove_exports, self._tmp, held)
+        self.remove_exports = weakref.finalize(self, remove_exports, self._tmp, held)
         self._exports: dict = {}
         self._llm: Any = None  # a llama_cpp.Llama (an optional extra)
         self._key: tuple | None = None
@@ -149,7 +149,7 @@ class LlamaCppModel:
 
     def close(self) -> None:
         self.close_context()
-        self._remove_exports()
+        self.remove_exports()
 
 
 # The copies a spec is exported to live in a folder of their own under the temporary directory, named EXPORTS + a
@@ -159,24 +159,24 @@ class LlamaCppModel:
 EXPORTS = "hfpatch-llamacpp-"
 
 
-def exports_folder() -> tuple[str, int | None]:
-    """A new, locked folder for exported copies: (its path, the descriptor that holds the lock). It is created
-    under a name that remove_stale_exports does not look at and renamed once locked, so that no other run ever sees
-    it unlocked."""
-    tmp = tempfile.mkdtemp(prefix="." + EXPORTS)
+def exports_folder(prefix: str = EXPORTS, where: str | None = None) -> tuple[str, int | None]:
+    """A new, locked folder for exported copies, named `prefix` + a random suffix under `where` (default: the
+    temporary directory): (its path, the descriptor that holds the lock). It is created under a name that
+    remove_stale_exports does not look at and renamed once locked, so that no other run ever sees it unlocked."""
+    tmp = tempfile.mkdtemp(prefix="." + prefix, dir=where)
     held = _lock_folder(tmp)
     path = os.path.join(os.path.dirname(tmp), os.path.basename(tmp)[1:])
     os.rename(tmp, path)  # the lock is on the folder (its inode), not its name
     return path, held
 
 
-def remove_stale_exports(where: str | None = None) -> list[str]:
+def remove_stale_exports(where: str | None = None, prefix: str = EXPORTS) -> list[str]:
     """Remove the export folders of runs that ended without removing them (killed): those no process holds locked.
     Returns the folders removed."""
     if fcntl is None:
         return []  # no locks on this system: nothing tells a leftover from a live run's folder
     removed = []
-    for path in sorted(glob.glob(os.path.join(where or tempfile.gettempdir(), EXPORTS + "*"))):
+    for path in sorted(glob.glob(os.path.join(where or tempfile.gettempdir(), prefix + "*"))):
         try:
             held = _lock_folder(path)
         except OSError:
@@ -205,7 +205,7 @@ def _lock_folder(path: str) -> int | None:
     return fd
 
 
-def _remove_exports(path: str, held: int | None) -> None:
+def remove_exports(path: str, held: int | None) -> None:
     shutil.rmtree(path, ignore_errors=True)
     if held is not None:
         with contextlib.suppress(OSError):

@@ -20,6 +20,7 @@ are always a prefix of its units and resuming continues after the last one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import itertools
 import json
@@ -46,6 +47,7 @@ from ..utils import command
 from .common import applied, length_label, load_model, parse_lengths, parse_patches, versions
 from .llamacpp import Engine as LlamaCppEngine
 from .results import Results, now
+from .vllm_engine import Engine as VllmEngine
 
 
 @dataclass
@@ -177,7 +179,12 @@ def build_parser(ev: Evaluation) -> command.Parser:
                                     "ignored with --device-map; transformers engine only")
     p.add_argument("--engine", default="transformers", choices=list(ENGINES),
                    help="transformers (default), or llama.cpp: the same cells run by llama.cpp on the GGUF file, "
-                        "specs applied as its RoPE metadata (needs pip install 'hfpatch[llama-cpp]')")
+                        "specs applied as its RoPE metadata (needs pip install 'hfpatch[llama-cpp]'), or vllm: "
+                        "the same cells run by vLLM on the folder hfpatch.save_pretrained writes for each spec, in "
+                        "vLLM's own Python (--engine-python)")
+    p.add_argument("--engine-python", dest="engine_python",
+                   help="--engine vllm: the Python of the environment vLLM is installed in (default: "
+                        "$HFPATCH_VLLM_PYTHON, else ~/.cache/hfpatch/vllm/bin/python)")
     p.add_argument("--patches", default=ev.default_patches,
                    help="comma-separated patch specs, each applied to the same loaded model and removed again: "
                         "none, yarn:2, ntk:2, dynamic, linear:2, yarn:4:beta_fast=16, ... "
@@ -227,6 +234,9 @@ def execute(ev: Evaluation, args, *, record_argv: list | None = None, given: Giv
     if given is not None and args.engine != "transformers":
         raise ValueError(f"a loaded model runs in the transformers engine; --engine {args.engine} loads its own model "
                          "by name: give the model's name or path instead")
+    if args.engine_python and not getattr(ENGINES[args.engine], "runs_python", False):
+        raise ValueError(f"--engine-python names the Python that runs --engine vllm; --engine {args.engine} runs "
+                         "in this one: leave it out")
     engine = ENGINES[args.engine](args)
     shape = budget.shape_of_config(unwrap(given.model).config) if given else None
     if not args.no_memory_check:
@@ -250,15 +260,16 @@ def execute(ev: Evaluation, args, *, record_argv: list | None = None, given: Giv
             if not args.no_memory_check:
                 engine.check_memory(args, plan, shape)
             model = given.model if given else engine.load(args)
-            run = Run(model, engine.prepare(model, patches, plan, results, given.name if given else args.model), tok,
-                      args, engine.applied, engine.paths_ran)
-            estimate = engine.estimate(ev, run, plan, todo)
-            if args.dry_run:  # writes nothing: a dry run with other settings must not decide the real run's file
-                return None
-            results.data.setdefault("runs", []).append({"started": now(), "estimate_s": round(estimate, 1)})
-            results.save()
-            t0 = time.perf_counter()
-            _run(ev, run, todo, results)
+            with _closing(model):  # an engine's model may hold processes and files (vLLM's worker and folders)
+                run = Run(model, engine.prepare(model, patches, plan, results, given.name if given else args.model),
+                          tok, args, engine.applied, engine.paths_ran)
+                estimate = engine.estimate(ev, run, plan, todo)
+                if args.dry_run:  # writes nothing: a dry run with other settings must not decide the real run's file
+                    return None
+                results.data.setdefault("runs", []).append({"started": now(), "estimate_s": round(estimate, 1)})
+                results.save()
+                t0 = time.perf_counter()
+                _run(ev, run, todo, results)
             took = time.perf_counter() - t0
             results.data["runs"][-1].update(seconds=round(took, 1), finished=now())
             results.save()
@@ -288,6 +299,17 @@ def loaded_fingerprint(model, tokenizer) -> dict:
     return {"config": hashlib.sha256(target.config.to_json_string().encode()).hexdigest(),
             "weights": weights.hexdigest(),
             "tokenizer": hashlib.sha256((vocab + "\0" + str(template)).encode()).hexdigest()}
+
+
+@contextlib.contextmanager
+def _closing(model):
+    """The engine's model, closed at the end if it can be (a transformers model has nothing to close)."""
+    try:
+        yield model
+    finally:
+        close = getattr(model, "close", None)
+        if callable(close) and not isinstance(model, torch.nn.Module):
+            close()
 
 
 def report(ev: Evaluation, data: dict, out: Path, plot: bool) -> str:
@@ -494,7 +516,7 @@ class TransformersEngine:
 # estimate, applied, paths_ran; the class says which of MODEL_OPTIONS it reads (`reads`) and why it reads no others
 # (`unread_reason`)
 ENGINES: Registry[Callable[[argparse.Namespace], Any]] = Registry.of(
-    "evaluation engine", {"transformers": TransformersEngine, "llama.cpp": LlamaCppEngine})
+    "evaluation engine", {"transformers": TransformersEngine, "llama.cpp": LlamaCppEngine, "vllm": VllmEngine})
 
 
 def _add_paths_since(cell: dict, before: dict, now: dict) -> None:

@@ -11,6 +11,7 @@ applies the recorded spec again.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -37,6 +38,7 @@ from ..apply import (
     unwrap,
 )
 from ..introspect import describe
+from .serving import serving_keys
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
@@ -78,7 +80,8 @@ def save_pretrained(model: PreTrainedModel, path: Path | str, tokenizer: Any = N
             "hfpatch as its quantization method, which transformers does not know)",
             stacklevel=2,
         )
-    save_marked(target, path, **kwargs)
+    with _serving_keys(target):  # the serving engines' own keys, where they read RoPE otherwise
+        save_marked(target, path, **kwargs)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     if kwargs.get("is_main_process", True):
@@ -283,3 +286,19 @@ def refuse_pickled_weights(path: Path | str, use_safetensors: bool | None, opt_i
 def remote_code_refused(path: Path | str, opt_in: str) -> str:
     return (f"{path} needs the Python code it carries (auto_map in its config) to be run, which hfpatch does not do "
             f"unless asked: {opt_in}, after reading that code")
+
+
+@contextlib.contextmanager
+def _serving_keys(model):
+    """The saved config carries the serving engines' own keys where they read the RoPE otherwise than transformers
+    (serving.serving_keys: LongRoPE's attention factor as vLLM and SGLang read it); the live config is left as it
+    was."""
+    config = model.config.get_text_config()
+    extra = serving_keys(config)
+    before = config.rope_parameters
+    if extra:
+        config.rope_parameters = {**before, **extra}
+    try:
+        yield
+    finally:
+        config.rope_parameters = before

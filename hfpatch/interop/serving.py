@@ -4,12 +4,14 @@ folder and the table of docs/serving.md both come from `ENGINES` below.
 A checkpoint that hfpatch saves carries its RoPE in transformers' own `rope_parameters` (config.json), which
 transformers reloads exactly. vLLM and SGLang build their rotary embeddings from the same dict, but each reads its own
 list of keys for a rope_type and computes the attention factor (the cos/sin magnitude of YaRN and LongRoPE) its own
-way; where that gives another number than transformers, the engine serves a different model. hfpatch writes no keys
-of theirs into the config (transformers would warn about, or keep, unknown keys): it says what differs instead.
+way; where that gives another number than transformers, the engine serves a different model. Where an engine key
+exists that makes it serve the model as transformers does (LongRoPE's `short_mscale` / `long_mscale`, which vLLM and
+SGLang read in place of `attention_factor`), `hfpatch.save_pretrained` writes it beside transformers' own keys
+(`serving_keys`); what no key can fix, it says (`differences`).
 
-Read from the engines' source (vLLM: vllm/model_executor/layers/rotary_embedding/, get_rope and the YaRN, LongRoPE
-and dynamic NTK classes; SGLang: python/sglang/srt/layers/rotary_embedding/, get_rope in factory.py, yarn.py,
-rope_variant.py). Engines change: check the version you serve with.
+Read from the engines' source (vLLM 0.32: vllm/model_executor/layers/rotary_embedding/, get_rope and the YaRN,
+LongRoPE and dynamic NTK classes; SGLang: python/sglang/srt/layers/rotary_embedding/, get_rope in factory.py,
+yarn.py, rope_variant.py). Engines change: check the version you serve with.
 """
 
 from __future__ import annotations
@@ -39,7 +41,16 @@ def _longrope_attention(p: dict, max_positions: int) -> float:
 
 
 def _vllm_yarn(p: dict, max_positions: int) -> float:
-    return yarn_mscale(p["factor"]) * p.get("attn_factor", 1.0)
+    if p.get("attention_factor") is not None:
+        return float(p["attention_factor"])
+    if p.get("mscale") and p.get("mscale_all_dim"):
+        return yarn_mscale(p["factor"], p["mscale"]) / yarn_mscale(p["factor"], p["mscale_all_dim"])
+    return yarn_mscale(p["factor"])
+
+
+def _mscale_longrope(p: dict, max_positions: int) -> float:
+    """LongRoPE's magnitude in vLLM and SGLang: their own short_mscale / long_mscale keys, else the default."""
+    return float(p.get("long_mscale") or _longrope_attention(p, max_positions))
 
 
 def _sglang_yarn(p: dict, max_positions: int) -> float:
@@ -60,6 +71,8 @@ class Engine:
     # rope_type -> ((rope_parameters, max_position_embeddings) -> the cos/sin magnitude the engine applies, how)
     attention: dict = field(default_factory=dict)
     behaviour: dict = field(default_factory=dict)  # rope_type -> how the engine's scheme differs beyond its keys
+    # rope_types the engine serves as transformers does only up to the trained window (its behaviour says why)
+    window_only: tuple = ()
 
 
 ENGINES = {
@@ -70,21 +83,24 @@ ENGINES = {
             "linear": ("rope_theta", "factor"),
             "dynamic": ("rope_theta", "factor", "alpha"),
             "yarn": ("rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
-                     "attn_factor", "extrapolation_factor", "apply_yarn_scaling"),
+                     "attention_factor", "mscale", "mscale_all_dim"),
             "llama3": ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings"),
             "longrope": ("rope_theta", "short_factor", "long_factor", "original_max_position_embeddings",
                          "short_mscale", "long_mscale"),
         },
-        attention={"yarn": (_vllm_yarn, "(0.1 ln factor + 1) x attn_factor (its own key, default 1)"),
-                   "longrope": (_longrope_attention, LONGROPE_TEXT)},
+        attention={"yarn": (_vllm_yarn, "attention_factor; else (0.1 mscale ln factor + 1) / (0.1 mscale_all_dim "
+                                        "ln factor + 1) when both are given; else 0.1 ln factor + 1 (as "
+                                        "transformers)"),
+                   "longrope": (_mscale_longrope, LONGROPE_TEXT)},
         behaviour={
             "dynamic": "plain RoPE at every length: its base for max_position_embeddings x factor positions, "
                        "theta * (s - (s - 1))^(d/(d-2)), is theta itself; transformers grows the base with each "
-                       "sequence's length",
+                       "sequence's length past the trained window",
             "longrope": "the long factors for every sequence once the served length (max_model_len) exceeds "
                         "original_max_position_embeddings; transformers switches per sequence",
-        }),
+        },
+        window_only=("dynamic",)),
     "SGLang": Engine(
         source="python/sglang/srt/layers/rotary_embedding/factory.py (get_rope)",
         reads={
@@ -101,7 +117,7 @@ ENGINES = {
         attention={"yarn": (_sglang_yarn, "(0.1 mscale ln factor + 1) / (0.1 mscale_all_dim ln factor + 1) when "
                                           "both are given, else 0.1 ln factor + 1; times attn_factor (its own key, "
                                           "default 1)"),
-                   "longrope": (_longrope_attention, LONGROPE_TEXT)},
+                   "longrope": (_mscale_longrope, LONGROPE_TEXT)},
         behaviour={
             "dynamic": "one RoPE for every length, with the base transformers uses at a length of "
                        "max_position_embeddings x factor (plain RoPE when the factor is 1); transformers grows the "
@@ -152,6 +168,22 @@ def differences(config) -> list[str]:
             if kind in engine.behaviour:
                 out.append(f"{name} {kind}{where}: {engine.behaviour[kind]}")
     return out
+
+
+# rope_type -> the engine keys that carry the attention factor (cos/sin magnitude) in place of transformers'
+# attention_factor: vLLM and SGLang read LongRoPE's from these, and compute another default without them
+ATTENTION_KEYS: dict[str, tuple[str, ...]] = {"longrope": ("short_mscale", "long_mscale")}
+
+
+def serving_keys(config) -> dict:
+    """The engine keys to write beside transformers' own in a flat `rope_parameters`, so that the engines serve the
+    RoPE with the attention factor transformers computes; {} where none is needed."""
+    params = getattr(config, "rope_parameters", None)
+    keys = ATTENTION_KEYS.get(str(params.get("rope_type")), ()) if isinstance(params, dict) else ()
+    if not keys:
+        return {}
+    factor = transformers_attention(config)
+    return dict.fromkeys(keys, factor)
 
 
 def folder_differences(path) -> list[str]:
