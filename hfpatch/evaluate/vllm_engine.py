@@ -265,10 +265,10 @@ class Engine:
         self.python = python_for(args)
         self.tokens = 0
 
-    def check_longest_read(self, args) -> None:
+    def check_longest_read(self, args, shape=None) -> None:
         pass  # vLLM allocates its KV cache itself and says when it cannot
 
-    def check_memory(self, args, plan) -> None:
+    def check_memory(self, args, plan, shape=None) -> None:
         self.tokens = plan.read + plan.new_tokens
 
     def load(self, args):
