@@ -15,6 +15,7 @@ from conftest import stdlib_text
 from hfpatch.evaluate import evaluation, sweep
 from hfpatch.evaluate.common import load_model
 from hfpatch.lm.causal import causal_lm_parts, document_nll, greedy
+from hfpatch.registry import Registry
 from hfpatch.tiny import save_sized as save_tiny
 
 
@@ -44,10 +45,10 @@ class ForeignEngine:
     def __init__(self, args):
         pass
 
-    def check_longest_read(self, args) -> None:
+    def check_longest_read(self, args, shape=None) -> None:
         pass
 
-    def check_memory(self, args, plan) -> None:
+    def check_memory(self, args, plan, shape=None) -> None:
         pass
 
     def load(self, args):
@@ -75,7 +76,8 @@ class ForeignEngine:
 
 @pytest.fixture
 def foreign(monkeypatch):
-    monkeypatch.setitem(sweep.ENGINES, "foreign", ForeignEngine)
+    # the registry with one more engine, for this test only (a registry takes each name once, for good)
+    monkeypatch.setattr(sweep, "ENGINES", Registry.of("evaluation engine", {**sweep.ENGINES, "foreign": ForeignEngine}))
     ForeignEngine.loaded = []
     return ForeignEngine
 

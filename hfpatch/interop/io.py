@@ -294,10 +294,12 @@ def _serving_keys(model):
     (serving.serving_keys: LongRoPE's attention factor as vLLM and SGLang read it); the live config is left as it
     was."""
     config = model.config.get_text_config()
-    extra = serving_keys(config)
+    extra = serving_keys(config)  # {} for a config without RoPE, or whose engines read it as transformers does
+    if not extra:
+        yield
+        return
     before = config.rope_parameters
-    if extra:
-        config.rope_parameters = {**before, **extra}
+    config.rope_parameters = {**before, **extra}
     try:
         yield
     finally:
