@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import hfpatch
 from hfpatch.apply import PatchRefused
 import hfpatch.apply
-from hfpatch.position import schemes
+from hfpatch.position import registry as schemes
 
 SCHEMES = [
     dict(position="linear", factor=2.0),
@@ -122,7 +122,7 @@ BAD = [
     (dict(position="yarn", factor="4"), TypeError, "factor must be a number"),
     (dict(position="yarn"), ValueError, "needs factor="),
     (dict(position="yran", factor=2), ValueError,
-     "valid: rope, linear, ntk, dynamic, yarn, dynamic-yarn, llama3, longrope, alibi, nope, sinusoidal, interpolate"),
+     "valid: rope, linear, ntk, dynamic, yarn, dynamic-yarn, llama3, longrope, p-rope, alibi, nope, sinusoidal, interpolate"),
     (dict(factor=2.0), ValueError, "without position="),
     (dict(position="yarn", factor=2, bogus=1), ValueError, "does not take bogus"),
     (dict(position="linear", factor=2, beta_fast=3), ValueError, "does not take beta_fast"),
@@ -206,7 +206,8 @@ def test_failure_half_way_is_rolled_back(monkeypatch, already):
         record.per_forward(*args, **kwargs)
         raise RuntimeError("injected failure")
 
-    monkeypatch.setitem(schemes.SCHEMES, "dynamic-yarn", dataclasses.replace(record, per_forward=boom))
+    # a registry takes each name once: the test swaps the record in its table for its own run only
+    monkeypatch.setitem(schemes.SCHEMES._records, "dynamic-yarn", dataclasses.replace(record, per_forward=boom))
     with pytest.raises(PatchRefused, match=r"gemma3_text model \(RuntimeError: injected failure\)"):
         hfpatch.patch(model, position="dynamic-yarn")
     assert_same_fingerprint(fingerprint(model), fp)

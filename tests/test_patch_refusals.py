@@ -56,7 +56,7 @@ def test_an_internal_error_in_a_repatch_is_a_refusal_and_the_previous_patch_stay
     ids = tiny.sample_ids(1, 80)
     hfpatch.patch(model, position="yarn", factor=4.0)
     patched, snap = _logits(model, ids), _snapshot(model)
-    monkeypatch.setitem(SCHEMES, "ntk", _crash_after("ntk", error))
+    monkeypatch.setitem(SCHEMES._records, "ntk", _crash_after("ntk", error))
     with pytest.raises(PatchRefused, match=r"'ntk:2' to this llama model \(" + type(error).__name__):
         hfpatch.patch(model, position="ntk", factor=2.0)
     assert torch.equal(_logits(model, ids), patched)
@@ -69,7 +69,7 @@ def test_an_interrupt_is_not_turned_into_a_refusal(monkeypatch):
     model = tiny.build_tiny("llama")
     ids = tiny.sample_ids(1, 80)
     before = _logits(model, ids)
-    monkeypatch.setitem(SCHEMES, "ntk", _crash_after("ntk", KeyboardInterrupt()))
+    monkeypatch.setitem(SCHEMES._records, "ntk", _crash_after("ntk", KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         hfpatch.patch(model, position="ntk", factor=2.0)
     assert torch.equal(_logits(model, ids), before)

@@ -98,7 +98,7 @@ def test_failure_while_applying_puts_back_the_previous_objects(monkeypatch):
         real(*args, **kwargs)
         raise RuntimeError("disk full")
 
-    monkeypatch.setitem(SCHEMES, "interpolate", dataclasses.replace(SCHEMES["interpolate"], apply=half_then_fail))
+    monkeypatch.setitem(SCHEMES._records, "interpolate", dataclasses.replace(SCHEMES["interpolate"], apply=half_then_fail))
     with pytest.raises(PatchRefused, match=r"gpt2 model \(RuntimeError: disk full\)"):
         hfpatch.patch(model, position="interpolate", factor=3.0)
     assert max_diff(logits(model, x), ref) == 0.0
