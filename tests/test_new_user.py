@@ -18,7 +18,7 @@ def folder(tmp_path):
 def test_patch_without_any_patch_is_an_error_not_a_copy(folder, tmp_path, capsys):
     assert main(["patch", str(folder), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "nothing to patch: give --position, --norm, --placement or --attention-temperature" in err
+    assert "nothing to patch: give --position, --norm, --placement, --attention-temperature or --spec-file" in err
     assert not (tmp_path / "out").exists()
 
 
