@@ -151,12 +151,44 @@ class LlamaCppModel:
         self.close_context()
         self.remove_exports()
 
+    def document_nll(self, ids: Any, spans: Any, progress: Any = None):
+        """lm.document_nll in llama.cpp: (nll sum, tokens scored, scored runs) over the windows of `ids`."""
+        ids = np.asarray(ids, dtype=np.int64)
+        llm = None
+        n_ctx = max(end - start - 1 for start, end, _ in spans)
+        total, count, runs = 0.0, 0, []
+        for start, end, first in spans:
+            llm = self.llm(n_ctx)
+            window = ids[start:end]
+            llm.eval(window[:-1].tolist())
+            total += _nll(llm.scores[first - 1 : len(window) - 1], window[first:])
+            count += len(window) - first
+            runs.append((start + first, end))
+            if progress is not None:
+                progress(end - start - 1)
+        return total, count, runs
+
+    def greedy(self, ids: list[int], new_tokens: int, eos: set, done: Any = None) -> list[int]:
+        """lm.greedy in llama.cpp: the prompt once, then one token at a time on llama.cpp's KV cache."""
+        n_ctx = math.ceil((len(ids) + new_tokens) / DECODE_CTX_STEP) * DECODE_CTX_STEP
+        llm = self.llm(n_ctx)
+        llm.eval(list(map(int, ids)))
+        generated = []
+        for _ in range(new_tokens):
+            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            generated.append(nxt)
+            if nxt in eos or len(generated) == new_tokens or (done is not None and done(generated)):
+                break
+            llm.eval([nxt])
+        return generated
+
 
 # The copies a spec is exported to live in a folder of their own under the temporary directory, named EXPORTS + a
 # random suffix. Its owner holds a lock on the folder itself for its life (the OS releases it when the process dies,
 # killed or not), so a later run tells a killed run's leftovers (about the size of the GGUF file per spec) from a
 # live run's, in this container or another one sharing the directory, and removes them.
 EXPORTS = "hfpatch-llamacpp-"
+
 
 
 def exports_folder(prefix: str = EXPORTS, where: str | None = None) -> tuple[str, int | None]:
@@ -212,38 +244,6 @@ def remove_exports(path: str, held: int | None) -> None:
             os.close(held)
 
     # ------------------------------------------------------------------------------------ scoring and decoding
-
-    def document_nll(self, ids: Any, spans: Any, progress: Any = None):
-        """lm.document_nll in llama.cpp: (nll sum, tokens scored, scored runs) over the windows of `ids`."""
-        ids = np.asarray(ids, dtype=np.int64)
-        llm = None
-        n_ctx = max(end - start - 1 for start, end, _ in spans)
-        total, count, runs = 0.0, 0, []
-        for start, end, first in spans:
-            llm = self.llm(n_ctx)
-            window = ids[start:end]
-            llm.eval(window[:-1].tolist())
-            total += _nll(llm.scores[first - 1 : len(window) - 1], window[first:])
-            count += len(window) - first
-            runs.append((start + first, end))
-            if progress is not None:
-                progress(end - start - 1)
-        return total, count, runs
-
-    def greedy(self, ids: list[int], new_tokens: int, eos: set, done: Any = None) -> list[int]:
-        """lm.greedy in llama.cpp: the prompt once, then one token at a time on llama.cpp's KV cache."""
-        n_ctx = math.ceil((len(ids) + new_tokens) / DECODE_CTX_STEP) * DECODE_CTX_STEP
-        llm = self.llm(n_ctx)
-        llm.eval(list(map(int, ids)))
-        generated = []
-        for _ in range(new_tokens):
-            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            generated.append(nxt)
-            if nxt in eos or len(generated) == new_tokens or (done is not None and done(generated)):
-                break
-            llm.eval([nxt])
-        return generated
-
 
 def _nll(logits: np.ndarray, targets: np.ndarray, chunk: int = 256) -> float:
     """Sum of -log softmax(logits)[target] per row, in float64."""
