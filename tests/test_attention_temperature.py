@@ -227,7 +227,7 @@ def test_a_failed_or_interrupted_patch_leaves_the_model_as_it_was(monkeypatch, f
             raise failure
         return torch.zeros(1)
 
-    monkeypatch.setattr(temperature, "_logits", failing_probe)
+    monkeypatch.setattr(temperature, "probe_logits", failing_probe)
     with pytest.raises(type(failure)):
         hfpatch.patch(model, attention_temperature="logn")
     monkeypatch.undo()

@@ -193,6 +193,17 @@ def run(model: Any, ids: torch.Tensor | None = None, record_interface: bool = Tr
     return probe
 
 
+def probe_logits(model: Any, patch: str, state: str) -> torch.Tensor:
+    """The model's output on the probe's input (a few seeded random tokens), for the patches that check on it that
+    they leave the model's function as it was where they should; `patch` ("position='self-extend'") and `state`
+    name the check in the error when the forward fails."""
+    probe = run(model, record_interface=False)
+    if probe.error:
+        raise ValueError(f"{patch} is checked on a probe forward, and the model {state} could not run it: "
+                         f"{probe.error}")
+    return probe.calls[""].output
+
+
 def _rows_equal(t: Any) -> bool:
     if t is None or t.dim() < 2 or t.shape[-2] < 2:
         return True

@@ -30,8 +30,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ...adapters import Adapter
-from ...adapters.probe import close
-from ...adapters.probe import run as probe_run
+from ...adapters.probe import close, probe_logits
 from ...edits import Edits
 from ...registry import Registry
 from ..registry import number, positive_int
@@ -216,7 +215,7 @@ def apply_temperature(model: PreTrainedModel, adapter: Adapter, req: dict, edits
     modules = attention_modules(model, adapter)
     tunings = [Tuning(kind, opts, window, _inner(attn, implementation, kind)) for attn in modules]
     check = not any(p.device.type == "meta" for p in model.parameters())  # a reload builds on meta: no check
-    before = _logits(model, kind, "as it is") if check else None
+    before = probe_logits(model, f"attention_temperature={kind!r}", "as it is") if check else None
     paths.remember_base(model)  # the loaded implementation, for paths that need it (flash-attn)
     for c in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         edits.set(c, "_attn_implementation_internal", name)
@@ -224,7 +223,7 @@ def apply_temperature(model: PreTrainedModel, adapter: Adapter, req: dict, edits
         # With s = 1 the wrapper must hand every call on unchanged: the model's own logits, or it is refused
         for attn, tuning in zip(modules, tunings):
             edits.set(attn, STATE_ATTR, Tuning(kind, opts, window, tuning.inner, neutral=True))
-        after = _logits(model, kind, f"with attention_temperature={kind!r}")
+        after = probe_logits(model, f"attention_temperature={kind!r}", f"with attention_temperature={kind!r}")
         if not close(before, after):
             raise ValueError(f"attention_temperature={kind!r} does not reproduce {adapter.model_type}'s attention "
                              "through the wrapped attention function (with the scale 1 its logits differ by "
@@ -233,10 +232,3 @@ def apply_temperature(model: PreTrainedModel, adapter: Adapter, req: dict, edits
         edits.set(attn, STATE_ATTR, tuning)
     return {**chosen, **({"window": window} if window is not None else {})}
 
-
-def _logits(model: PreTrainedModel, kind: str, state: str) -> torch.Tensor:
-    probe = probe_run(model, record_interface=False)
-    if probe.error:
-        raise ValueError(f"attention_temperature={kind!r} is checked on a probe forward, and the model {state} could "
-                         f"not run it: {probe.error}")
-    return probe.calls[""].output

@@ -30,8 +30,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from ...adapters import Adapter, get_path
 from ...adapters.positions import layer_types, trained_window
-from ...adapters.probe import close
-from ...adapters.probe import run as probe_run
+from ...adapters.probe import close, probe_logits
 from ...edits import Edits
 from ..attention import paths
 from ..signal import attention_layers, rotaries_of
@@ -161,7 +160,7 @@ def install(model: PreTrainedModel, adapter: Adapter, names: Names, states: list
     the logits it gives now."""
     rotary = states[0][1].rotation.rotary
     check = not any(p.device.type == "meta" for p in model.parameters())  # a reload builds on meta: no check
-    before = _logits(model, names.scheme, "as it is") if check else None
+    before = probe_logits(model, f"position={names.scheme!r}", "as it is") if check else None
     edits.mix_in(rotary, OwnRotary)
     paths.remember_base(model)
     name = names.eager if model.config._attn_implementation == "eager" else names.sdpa
@@ -171,7 +170,7 @@ def install(model: PreTrainedModel, adapter: Adapter, names: Names, states: list
     if before is not None:
         for attn, state in states:
             edits.set(attn, names.state, neutral(state))
-        after = _logits(model, names.scheme, f"with position={names.scheme!r}")
+        after = probe_logits(model, f"position={names.scheme!r}", f"with position={names.scheme!r}")
         if not close(before, after):
             raise ValueError(
                 f"position={names.scheme!r} does not reproduce {adapter.model_type}'s own RoPE attention (with its "
@@ -182,11 +181,3 @@ def install(model: PreTrainedModel, adapter: Adapter, names: Names, states: list
     for attn, state in states:
         edits.set(attn, names.state, state)
 
-
-def _logits(model: PreTrainedModel, scheme: str, state: str) -> torch.Tensor:
-    """The model's output on the adapter probe's input (a few seeded random tokens)."""
-    probe = probe_run(model, record_interface=False)
-    if probe.error:
-        raise ValueError(f"position={scheme!r} is checked on a probe forward, and the model {state} could not "
-                         f"run it: {probe.error}")
-    return probe.calls[""].output
