@@ -87,7 +87,7 @@ def test_p_rope_cached_decoding_equals_the_full_forward():
 
 
 def test_p_rope_on_per_layer_type_rope_changes_only_the_global_layers():
-    model = hfpatch.patch(tiny_model("gemma3"), position="p-rope", keep=0.5)
+    model = hfpatch.patch(tiny_model("gemma3_text"), position="p-rope", keep=0.5)
     rotary = next(m for m in model.modules() if hasattr(m, "full_attention_inv_freq"))
     full, local = rotary.full_attention_inv_freq, rotary.sliding_attention_inv_freq
     half = full.numel()

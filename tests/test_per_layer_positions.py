@@ -172,7 +172,7 @@ def test_describe_and_supported_show_it():
     assert info["position"]["layers"] == {"nope": [2, 5]}
     assert info["applied"]["position"]["layers"] == {"nope": [2, 5]}
     assert hfpatch.supported(model)["patches"]["position_layers"] == ["nope", "p-rope"]
-    gemma3 = hfpatch.supported(tiny_model("gemma3"))["patches"]
+    gemma3 = hfpatch.supported(tiny_model("gemma3_text"))["patches"]
     assert gemma3["position_layers"] == []
     assert "per layer type" in gemma3["not_available"]["position_layers"]
 
@@ -214,7 +214,7 @@ def test_bad_requests_are_refused_before_the_model_is_touched(kwargs, message):
 
 
 def test_refused_on_per_layer_type_rope():
-    model = tiny_model("gemma3")
+    model = tiny_model("gemma3_text")
     ids = tokens(60)
     before = logits(model, ids)
     with pytest.raises(ValueError, match="per layer type"):

@@ -169,3 +169,12 @@ def test_rope_switched_off_is_no_rope():
         assert tiny.has_rope(model.config)
         assert any("Rotary" in type(m).__name__ for m in model.modules())
         generate_and_check(model)
+
+
+@pytest.mark.parametrize("model_type,text_type", [("gemma3", "gemma3_text"), ("llava", "llama")])
+def test_a_composite_config_is_refused_by_the_hand_sized_builder(model_type, text_type):
+    # The sizes would stay on the composite's top level and its text model would be built full-sized (gemma3: 2.7 B
+    # parameters, 13 GB in float32).
+    with pytest.raises(ValueError, match=f"ask for the text model's own type \\('{text_type}'\\)"):
+        tiny.sized_config(model_type)
+    assert tiny.sized_config(text_type).get_text_config().hidden_size == 64

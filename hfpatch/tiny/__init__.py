@@ -319,8 +319,15 @@ _ENCODERS = {"bert"}  # built as masked LMs
 def sized_config(model_type: str, **overrides: Any):
     """The hand-sized config of `model_type` (a key of SIZED; any other family with the common sizes), `overrides`
     applied last."""
-    return AutoConfig.for_model(model_type, **{**SIZED.get(model_type, dict(_SIZED_COMMON, num_key_value_heads=2)),
-                                               **overrides})
+    config = AutoConfig.for_model(model_type, **{**SIZED.get(model_type, dict(_SIZED_COMMON, num_key_value_heads=2)),
+                                                 **overrides})
+    text = config.get_text_config()
+    if text is not config:
+        # A composite config (gemma3, llava, ...) keeps the sizes at its top level and builds its text model from the
+        # full-sized default sub-config: a "hand-sized" gemma3 would have 2.7 B parameters.
+        raise ValueError(f"sized_config: {model_type!r} is a composite config whose text model would keep its full "
+                         f"default size; ask for the text model's own type ({text.model_type!r})")
+    return config
 
 
 def sized_model(model_type: str, seed: int = 0, **overrides: Any):
