@@ -505,6 +505,21 @@ def cli_help():
                            f"wall s (median of {d['rounds']})", "CPU s", "wall / `python -c pass`"], rows)
 
 
+@table("eval/results/reliability/eval_kills.json")
+def eval_kills():
+    d = load("reliability/eval_kills.json")
+    modes = list(next(iter(d["evaluations"].values()))["by_mode"])
+    rows = [[f"`eval {name}`", e["runs"], *(e["by_mode"][m] for m in modes),
+             f"{e['disk_full_one_line']} / {e['by_mode']['full']}", e["resumed_runs_in_file"],
+             "yes" if e["equal_to_uninterrupted"] else "**no**", len(e["leftover_tmp"]) + len(e["disk_full_tmp_left"]),
+             e["seconds"]] for name, e in d["evaluations"].items()]
+    return (f"Seed {d['seed']}, {d['kills_asked']} faults asked per evaluation, {d['machine']}. A fault that came "
+            "after the run had already finished ends nothing, so fewer runs are ended than faults asked.\n\n"
+            + markdown_table(["evaluation", "runs", *(f"ended: {m}" for m in modes),
+                              "full disk: one line, exit 2", "resumed runs in results.json",
+                              "final results = uninterrupted", "temporary files left", "seconds"], rows))
+
+
 @table("eval/results/reliability/patch_interrupts.json")
 def patch_interrupts():
     d = load("reliability/patch_interrupts.json")

@@ -8,8 +8,12 @@ Where a run dies (each kill picks one, at a random save of the results file or a
   before   the temporary file written in full, not yet renamed over results.json
   after    right after the rename
   random   the parent sends SIGKILL at a random time once the work has started
+  full     the disk fills halfway through writing the temporary results file (the write raises ENOSPC): the run
+           must end with one line naming the file and exit code 2, its temporary file removed
 After every kill, results.json (if any) must be valid JSON; the next run resumes from it. The last run is not
 killed; its results must equal the uninterrupted run's, timings and the list of runs aside.
+
+    python -m eval.soak_eval_kills --kills 25 --seed 0 --json eval/results/reliability/eval_kills.json
 
 tests/test_eval_faults.py runs a few kills of each kind through the same functions.
 """
@@ -35,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 # The child: the hfpatch command, with the results file's writes instrumented to SIGKILL the process itself at
 # the N-th save (FAULT=mode:N). Only results.json's temporary file ends in ".tmp".
 CHILD = r"""
-import os, pathlib, signal, sys
+import errno, os, pathlib, signal, sys
 mode, n = os.environ.get("FAULT", "none:0").split(":")
 n, count = int(n), [0]
 write_text, replace = pathlib.Path.write_text, os.replace
@@ -46,8 +50,10 @@ def die():
 def faulty_write(self, data, *a, **k):
     if self.name.endswith(".tmp"):
         count[0] += 1
-        if count[0] == n and mode == "half":
+        if count[0] == n and mode in ("half", "full"):
             write_text(self, data[: len(data) // 2], *a, **k)
+            if mode == "full":  # what a full disk does to a write: part of the data on disk, then ENOSPC
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
             die()
     return write_text(self, data, *a, **k)
 
@@ -65,12 +71,14 @@ from hfpatch.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
-MODES = ("half", "before", "after", "random")
+MODES = ("half", "before", "after", "random", "full")
+DISK_FULL = 2  # the exit code of a run that stopped on a full disk
 
 
-def child(argv: list[str], fault: str, env: dict, kill_after: float | None = None, results: Path | None = None):
+def child(argv: list[str], fault: str, env: dict, kill_after: float | None = None,
+          results: Path | None = None) -> tuple[int, str]:
     """Run the instrumented command; with kill_after, SIGKILL it that many seconds after results.json first
-    changes (the work has started). Returns the exit code (-9 when killed)."""
+    changes (the work has started). Returns the exit code (-9 when killed) and what it printed on stderr."""
     proc = subprocess.Popen([sys.executable, "-c", CHILD, *argv], env={**env, "FAULT": fault},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if kill_after is not None:
@@ -84,9 +92,16 @@ def child(argv: list[str], fault: str, env: dict, kill_after: float | None = Non
                 break
             time.sleep(0.005)
     _, err = proc.communicate(timeout=600)
-    if proc.returncode not in (0, -signal.SIGKILL):
+    if proc.returncode not in (0, -signal.SIGKILL, DISK_FULL):
         raise RuntimeError(f"the run failed with exit code {proc.returncode}:\n{err[-2000:]}")
-    return proc.returncode
+    return proc.returncode, err
+
+
+def one_line_disk_full(err: str) -> bool:
+    """The run's own output on a full disk: one line naming results.json and the full disk (the library's loading
+    messages aside)."""
+    lines = [line for line in err.splitlines() if line.strip() and "Loading weights" not in line]
+    return len(lines) == 1 and "results.json" in lines[0] and "no space left" in lines[0]
 
 
 def saves_of(data: dict) -> int:
@@ -107,14 +122,17 @@ def kill_and_resume(argv: list[str], out: Path, faults: list[tuple[str, float]],
     log = []
     for mode, where in faults:
         if mode == "random":
-            code = child(argv, "none:0", env, kill_after=where, results=results)
+            code, err = child(argv, "none:0", env, kill_after=where, results=results)
         else:
             done = saves_of(json.loads(results.read_text())) - 1 if results.exists() else 0
-            code = child(argv, f"{mode}:{1 + int(where * max(saves - done, 1))}", env)
+            code, err = child(argv, f"{mode}:{1 + int(where * max(saves - done, 1))}", env)
         if results.exists():
             json.loads(results.read_text())  # never a half-written results file
-        log.append({"mode": mode, "killed": code == -signal.SIGKILL})
-    assert child(argv, "none:0", env) == 0
+        full = code == DISK_FULL
+        log.append({"mode": mode, "killed": code == -signal.SIGKILL or full,
+                    "one_line": one_line_disk_full(err) if full else None,
+                    "tmp_left": sorted(p.name for p in out.glob("results.json.*.tmp")) if full else []})
+    assert child(argv, "none:0", env)[0] == 0
     leftovers = sorted(p.name for p in out.glob("results.json.*.tmp"))
     return {"runs": log, "leftover_tmp": leftovers, "final": json.loads(results.read_text())}
 
@@ -128,6 +146,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=25, help="kills per evaluation (default 25)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the summary here (the reliability page's table reads it)")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -148,21 +167,36 @@ def main(argv=None) -> int:
         }
         for name, command in commands.items():
             t0 = time.time()
-            assert child([*command, "--out", str(tmp / name / "whole")], "none:0", env) == 0
+            assert child([*command, "--out", str(tmp / name / "whole")], "none:0", env)[0] == 0
             whole = json.loads((tmp / name / "whole" / "results.json").read_text())
             out = tmp / name / "killed"
             got = kill_and_resume([*command, "--out", str(out)], out, random_faults(rng, args.kills), env,
                                   saves_of(whole))
-            same = comparable(got["final"]) == comparable(whole)
-            summary[name] = {"kills": sum(r["killed"] for r in got["runs"]), "runs": len(got["runs"]) + 1,
-                             "by_mode": {m: sum(r["killed"] for r in got["runs"] if r["mode"] == m) for m in MODES},
-                             "resumed_runs_in_file": len(got["final"].get("runs", [])),
-                             "equal_to_uninterrupted": same, "leftover_tmp": got["leftover_tmp"],
-                             "seconds": round(time.time() - t0, 1)}
+            summary[name] = summarize(got, whole, round(time.time() - t0, 1))
             print(f"{name}: {json.dumps(summary[name])}", flush=True)
-    ok = all(s["equal_to_uninterrupted"] and not s["leftover_tmp"] for s in summary.values())
+    ok = all(s["equal_to_uninterrupted"] and not s["leftover_tmp"] and s["disk_full_one_line"] == s["by_mode"]["full"]
+             and not s["disk_full_tmp_left"] for s in summary.values())
     print("all equal to the uninterrupted runs" if ok else "MISMATCH", flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        record = {"seed": args.seed, "kills_asked": args.kills, "machine": f"{os.cpu_count()} CPU cores, no GPU",
+                  "evaluations": summary, "ok": ok}
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
     return 0 if ok else 1
+
+
+def summarize(got: dict, whole: dict, seconds: float) -> dict:
+    """What one evaluation's soak showed: the runs that a fault ended, by kind, and whether the last run's results
+    equal the uninterrupted run's."""
+    runs = got["runs"]
+    full = [r for r in runs if r["mode"] == "full" and r["killed"]]
+    return {"kills": sum(r["killed"] for r in runs), "runs": len(runs) + 1,
+            "by_mode": {m: sum(r["killed"] for r in runs if r["mode"] == m) for m in MODES},
+            "disk_full_one_line": sum(bool(r["one_line"]) for r in full),
+            "disk_full_tmp_left": sorted({n for r in full for n in r["tmp_left"]}),
+            "resumed_runs_in_file": len(got["final"].get("runs", [])),
+            "equal_to_uninterrupted": comparable(got["final"]) == comparable(whole),
+            "leftover_tmp": got["leftover_tmp"], "seconds": seconds}
 
 
 if __name__ == "__main__":

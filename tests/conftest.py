@@ -17,6 +17,12 @@ from hfpatch import tiny
 
 hf_logging.set_verbosity_error()
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist (-n N) each worker gets one thread, and so do the processes the tests start: N workers of
+    # torch's default thread count would oversubscribe the cores, which makes every worker slower than one alone.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 FAMILIES = list(tiny.SIZED)
 ROPE_FAMILIES = FAMILIES[:10]
 WINDOW = tiny.WINDOW  # trained window of the tiny models; tests run past it

@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import max_diff, tiny_model, tokens
+from conftest import WINDOW, max_diff, tiny_model, tokens
 from torch.nn.attention.flex_attention import flex_attention
 
 import hfpatch
@@ -479,3 +479,21 @@ def test_path_counts_start_at_each_position_patch():
     with torch.no_grad():
         model(x)
     assert hfpatch.describe(model)["position"]["attention_path"]["ran"] == {"factorised": 2}
+
+
+@pytest.mark.slow
+def test_two_self_extend_models_compile_in_one_process_without_breaks_from_hfpatchs_bookkeeping():
+    """torch.compile of a second Self-Extend model in one process once failed in dynamo's guard building. The
+    bookkeeping the attention function does (the path-count table, the implementation the model was loaded with)
+    stays out of the traced graph: no graph break, no recompilation for the second model, and each compiled model
+    gives its eager logits."""
+    torch._dynamo.reset()
+    ids = tokens(3 * WINDOW)
+    for seed in (0, 1):
+        model = hfpatch.patch(tiny_model("llama", seed=seed), position="self-extend", group_size=4, window=16)
+        with torch.no_grad():
+            eager = model(ids).logits
+            explained = torch._dynamo.explain(model)(ids)
+            assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+            compiled = torch.compile(model, backend="eager", fullgraph=True)(ids).logits
+        assert torch.equal(compiled, eager)

@@ -44,6 +44,8 @@ def _kill_test(command, tmp_path, env, faults):
     got = soak.kill_and_resume([*command, "--out", str(out)], out, faults, env, soak.saves_of(whole))
     assert [r["killed"] for r in got["runs"]] == [True] * len(faults), got["runs"]  # every fault did kill a run
     assert not got["leftover_tmp"]  # the half-written temporary files were cleared by the runs that resumed
+    for run in (r for r in got["runs"] if r["mode"] == "full"):  # a full disk: one line, exit 2, its file removed
+        assert run["one_line"] and not run["tmp_left"], run
     assert len(got["final"]["runs"]) >= 2  # it was resumed (each run that got to work appends itself)
     assert strip_timing(got["final"]) == strip_timing(whole)
 
@@ -52,7 +54,7 @@ def test_ppl_killed_anywhere_resumes_to_the_same_results(setup, tmp_path):
     model, docs, env = setup
     command = ["eval", "ppl", "--model", str(model), "--text-files", str(docs), "--lengths", "16,32",
                "--patches", "none,ntk:2", "--no-plot"]
-    _kill_test(command, tmp_path, env, [("half", 0.3), ("before", 0.6)])
+    _kill_test(command, tmp_path, env, [("half", 0.3), ("full", 0.5), ("before", 0.6)])
 
 
 def test_passkey_killed_anywhere_resumes_to_the_same_results(setup, tmp_path):

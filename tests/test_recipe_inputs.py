@@ -98,6 +98,12 @@ def test_the_memory_check_keeps_a_tenth_of_free_memory_in_reserve(monkeypatch, t
 # ----------------------------------------------------------------------------------------------------- Ctrl-C
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT at its default in the child: a pytest-xdist worker ignores SIGINT, and an ignored signal stays ignored
+    across exec, so the recipe would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_a_recipe_is_one_line_with_the_resume_command(tmp_path, tiny_tokenizer_dir):
     text = tmp_path / "stdlib.txt"
     text.write_text(stdlib_text(300_000))
@@ -106,7 +112,7 @@ def test_ctrl_c_during_a_recipe_is_one_line_with_the_resume_command(tmp_path, ti
             "max_steps=100000", "save_every=2", "eval_every=1000", f"output_dir={out}"]
     proc = subprocess.Popen([sys.executable, str(REPO / "recipes" / "pretrain.py"), *args], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=_ctrl_c_as_in_a_terminal)
     deadline = time.monotonic() + TIMEOUT
     try:
         while proc.poll() is None and time.monotonic() < deadline:

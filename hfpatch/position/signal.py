@@ -237,7 +237,7 @@ def use_attention(model, sdpa_name: str, eager_name: str, edits: Edits) -> None:
     """Switch the model to a registered attention function: `eager_name` if it runs eager attention (which returns
     attention weights), else `sdpa_name`."""
     config = model.config
-    paths.remember_base(model)
+    paths.remember_base(model, edits)
     name = eager_name if config._attn_implementation == "eager" else sdpa_name
     for c in {id(c): c for c in (config, config.get_text_config())}.values():
         edits.set(c, "_attn_implementation_internal", name)

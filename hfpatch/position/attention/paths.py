@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ...edits import Edits
 from ...registry import Registry
 
 ALL_DEVICES = frozenset({"cpu", "cuda"})
@@ -205,17 +206,23 @@ def run(scheme: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 # ---------------------------------------------------------------------------------------------------- reporting
 
 _RAN: weakref.WeakKeyDictionary[nn.Module, Counter[str]] = weakref.WeakKeyDictionary()
-# id(config) -> (weak reference to it, attn_implementation at patch time)
-_BASE: dict[int, tuple[weakref.ref[Any], str]] = {}
+BASE_ATTRIBUTE = "_hfpatch_loaded_attention"  # on each module that holds the model's config: the implementation it
+# was loaded with. A plain module attribute, so that torch.compile reads it as a constant of the module it guards
+# already, where a global table keyed by id(config) would be traced into the graph's guards.
 
 
 def record(module: nn.Module, path: str) -> None:
-    """Count one call of `module` on `path` (the eager functions record theirs too)."""
+    """Count one call of `module` on `path` (the eager functions record theirs too). Not while torch.compile traces
+    the call: a compiled graph cannot count its calls, and tracing the update of a module-level weak table put it
+    into the graph's guards."""
+    if torch.compiler.is_compiling():
+        return
     _RAN.setdefault(module, Counter())[path] += 1
 
 
 def ran(model: nn.Module) -> dict[str, int]:
-    """Calls per path, summed over the model's attention modules, since the model was loaded or last reset."""
+    """Calls per path, summed over the model's attention modules, since the model was loaded or last reset (calls
+    made inside a torch.compile'd model are not counted)."""
     total: Counter[str] = Counter()
     for m in model.modules():
         total.update(_RAN.get(m, {}))
@@ -235,26 +242,21 @@ def describe(model: nn.Module, scheme: str) -> dict[str, Any]:
     return {"attention_path": {"order": [p.name for p in _TABLES[scheme]], "ran": ran(model)}}
 
 
-def remember_base(model: nn.Module) -> None:
+def remember_base(model: nn.Module, edits: Edits) -> None:
     """Keep the attn_implementation the model was loaded with, before a patch replaces it with its own function's
-    name, so that paths for that implementation (flash-attn) can be chosen. Kept beside the config (a config
-    attribute would be saved into config.json); a later patch of the same model overwrites it."""
+    name, so that paths for that implementation (flash-attn) can be chosen: on every module that holds the model's
+    config (its attention modules among them), through `edits` (undone with the patch). Not on the config itself,
+    whose attributes are saved into config.json."""
     config: Any = model.config
     base = config._attn_implementation
     if base is None or base.startswith("hfpatch_"):  # patched already: keep what was remembered
         return
-    for c in (config, config.get_text_config()):  # configs are unhashable: keyed by id, held weakly
-        _BASE[id(c)] = (weakref.ref(c, _forgetting(id(c))), base)
-
-
-def _forgetting(key: int) -> Callable[[weakref.ref[Any]], None]:
-    """The callback that drops a config's entry in _BASE when the config is collected."""
-    def forget(_: weakref.ref[Any]) -> None:
-        _BASE.pop(key, None)
-    return forget
+    configs = (config, config.get_text_config())
+    for module in model.modules():
+        if any(getattr(module, "config", None) is c for c in configs):
+            edits.set(module, BASE_ATTRIBUTE, base)
 
 
 def base_of(module: nn.Module) -> str:
-    config = getattr(module, "config", None)
-    ref, base = _BASE.get(id(config), (None, "sdpa"))
-    return base if ref is not None and ref() is config else "sdpa"
+    """The attn_implementation the model of this attention module was loaded with ("sdpa" if none was kept)."""
+    return getattr(module, BASE_ATTRIBUTE, "sdpa")

@@ -216,7 +216,7 @@ def apply_temperature(model: PreTrainedModel, adapter: Adapter, req: dict, edits
     tunings = [Tuning(kind, opts, window, _inner(attn, implementation, kind)) for attn in modules]
     check = not any(p.device.type == "meta" for p in model.parameters())  # a reload builds on meta: no check
     before = probe_logits(model, f"attention_temperature={kind!r}", "as it is") if check else None
-    paths.remember_base(model)  # the loaded implementation, for paths that need it (flash-attn)
+    paths.remember_base(model, edits)  # the loaded implementation, for paths that need it (flash-attn)
     for c in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         edits.set(c, "_attn_implementation_internal", name)
     if before is not None:

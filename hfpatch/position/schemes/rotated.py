@@ -162,7 +162,7 @@ def install(model: PreTrainedModel, adapter: Adapter, names: Names, states: list
     check = not any(p.device.type == "meta" for p in model.parameters())  # a reload builds on meta: no check
     before = probe_logits(model, f"position={names.scheme!r}", "as it is") if check else None
     edits.mix_in(rotary, OwnRotary)
-    paths.remember_base(model)
+    paths.remember_base(model, edits)
     name = names.eager if model.config._attn_implementation == "eager" else names.sdpa
     text = model.config.get_text_config()
     for c in {id(c): c for c in (model.config, text)}.values():
