@@ -213,7 +213,7 @@ def label(spec: str) -> str:
     return spec.split(":short_factor")[0] if spec.startswith("longrope") else spec
 
 
-def _percent(gap: float) -> str:
+def percent(gap: float) -> str:
     """A gap in percent: three decimals, or two significant digits below 0.001 % (float32 engines agree to ~1e-7)."""
     return f"{100 * gap:.3f} %" if gap == 0 or 100 * gap >= 1e-3 else f"{100 * gap:.1e} %"
 
@@ -228,7 +228,7 @@ def table(result: dict) -> str:
                 cells += ["-"] * 3
                 continue
             ratio = r["gap_over_unpatched"][e]
-            cells += [f"{r['nll'][e]:.5f}", _percent(r["gap"][e]),
+            cells += [f"{r['nll'][e]:.5f}", percent(r["gap"][e]),
                       "-" if r["patch"] == "none" or ratio is None else f"{ratio:.2f}"]
         for e in engines:
             found = r["passkey"].get(e)
