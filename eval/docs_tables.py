@@ -292,6 +292,11 @@ def cross_engine_vllm():
     return cross_engine_table("2k", "cross_engine_vllm", VLLM_WEIGHTS)
 
 
+@table("eval/results/cross_engine_vllm/8k/cross_engine.json")
+def cross_engine_vllm_long():
+    return cross_engine_table("8k", "cross_engine_vllm", VLLM_WEIGHTS)
+
+
 @table("eval/results/cross_engine_vllm/longrope_keys.json")
 def vllm_longrope_keys():
     return vllm_saved_keys.table(load("cross_engine_vllm/longrope_keys.json"))
