@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -37,7 +38,7 @@ class StandInLlama:
     """llama_cpp.Llama as the engine uses it: a context of n_ctx tokens, .eval appends tokens and fills their rows
     of .scores."""
 
-    made: list[StandInLlama] = []
+    made: ClassVar[list[StandInLlama]] = []
 
     def __init__(self, path: str, n_ctx: int, n_batch: int = 512, logits_all: bool = False, verbose: bool = True,
                  n_threads: int | None = None, n_threads_batch: int | None = None, kv_overrides: dict | None = None,

@@ -17,8 +17,8 @@ import torch
 from conftest import stdlib_text
 
 import hfpatch
-from hfpatch.interop import serving
 from hfpatch.evaluate import evaluation, vllm_engine
+from hfpatch.interop import serving
 from hfpatch.models import load
 from hfpatch.tiny import save_sized as save_tiny
 

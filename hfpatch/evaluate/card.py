@@ -2,10 +2,11 @@
 of a folder hfpatch saved.
 
 A run's folder holds results.json (which says the evaluation's kind), the table.md the command printed and, unless
-it ran with --no-plot, its plot (ppl.png, passkey.png, ...). The card (README.md, written by hfpatch.save_pretrained) gets a section between
-RESULTS_START and RESULTS_END with each run's table, and each plot is copied into DIR/PLOTS and linked from it. A
-second `card` run replaces that section and those plots; the rest of the card (the user's own text, hfpatch's patch
-section) is kept. Everything is checked before anything is written, and the card is replaced whole.
+it ran with --no-plot, its plot (ppl.png, passkey.png, ...). The card (README.md, written by
+hfpatch.save_pretrained) gets a section between RESULTS_START and RESULTS_END with each run's table, and each plot
+is copied into DIR/PLOTS and linked from it. A second `card` run replaces that section and those plots; the rest of
+the card (the user's own text, hfpatch's patch section) is kept. Everything is checked before anything is written,
+and the card is replaced whole.
 """
 
 from __future__ import annotations
