@@ -47,6 +47,7 @@ SPECS = ("none", "linear:2", "ntk:2", "yarn:2", "yarn:4", "llama3:4")
 LONGROPE = ("longrope:4:short_factor=[" + ",".join(["1"] * 32) + "]:long_factor=["
             + ",".join(f"{1 + 3 * i / 31:.4f}" for i in range(32)) + "]")
 VLLM_SPECS = (*SPECS, "dynamic", LONGROPE)
+PASSKEY_NEW_TOKENS = 12  # hfpatch eval passkey's --new-tokens (its default), generated after each prompt
 REFUSED = ("dynamic", "dynamic-yarn")  # by every GGUF
 
 
@@ -82,31 +83,40 @@ def parse_args(argv=None):
     return args
 
 
-def plan(model: str) -> dict:
+def plan(model: str, lengths: list[int]) -> dict:
     """{engine: (specs to measure, {spec: why it is not measured})}; transformers runs every spec another engine
     runs."""
-    plans = {"llama.cpp": plan_llama_cpp(model), "vllm": plan_vllm(model)}
+    plans = {"llama.cpp": plan_llama_cpp(model), "vllm": plan_vllm(model, lengths)}
     every = list(dict.fromkeys(s for run, _ in plans.values() for s in run))
     return {"transformers": (every, {}), **plans}
 
 
-def plan_vllm(model: str) -> tuple[list[str], dict]:
-    """(specs to measure, {spec: why not}) in vLLM: what vllm_engine.refusal says of each spec on the loaded
-    model."""
+def plan_vllm(model: str, lengths: list[int]) -> tuple[list[str], dict]:
+    """(specs to measure, {spec: why not}) in vLLM: what vllm_engine.refusal says of each spec on the loaded model,
+    for the perplexity at the longest length; a spec whose passkey vLLM refuses (the prompt and its answer run past
+    what vLLM serves) is listed as passkey_key(spec, longest)."""
     from hfpatch.evaluate.common import applied
     from hfpatch.evaluate.vllm_engine import refusal
     from hfpatch.models import load
 
     loaded, _ = load(model, tokenizer=False)
+    longest = max(lengths)
     run, skipped = [], {}
     for raw in VLLM_SPECS:
         with applied(loaded, specs.parse(raw), raw):
-            reason = refusal(loaded, 0)
+            reason, passkey = refusal(loaded, longest), refusal(loaded, longest + PASSKEY_NEW_TOKENS)
         if reason:
             skipped[raw] = reason
-        else:
-            run.append(raw)
+            continue
+        run.append(raw)
+        if passkey:
+            skipped[passkey_key(raw, longest)] = passkey
     return run, skipped
+
+
+def passkey_key(spec: str, length: int) -> str:
+    """How a spec whose passkey an engine refuses at `length` (its perplexity measured) is listed as not measured."""
+    return f"{spec} (passkey at {length_label(length)})"
 
 
 def plan_llama_cpp(model: str) -> tuple[list[str], dict]:
@@ -131,18 +141,21 @@ def plan_llama_cpp(model: str) -> tuple[list[str], dict]:
 def measure(args, plans: dict) -> None:
     longest = max(parse_lengths(args.lengths))
     for engine in args.engines:
-        run, _ = plans[engine]
+        run, skipped = plans[engine]
         common = ["--model", args.model, "--engine", engine, "--lengths", args.lengths, "--patches", ",".join(run),
                   "--no-plot"]
+        passkey_specs = [s for s in run if passkey_key(s, longest) not in skipped]
         if engine == "vllm" and args.engine_python:
             common += ["--engine-python", args.engine_python]
         per_doc = str(args.windows * longest)
         rc = evaluation("ppl").main([*common, "--text-files", args.book, "--tokens-per-doc", per_doc,
                                      "--out", f"{args.out}/ppl-{engine}"])
         # the passkey at the longest length only: what an extension is for (and the costliest read of the run)
-        rc = rc or evaluation("passkey").main([*common, "--lengths", str(longest), "--depths", "0.5",
-                                               "--trials", str(args.engine_trials[engine]),
-                                               "--out", f"{args.out}/passkey-{engine}"])
+        common[common.index("--patches") + 1] = ",".join(passkey_specs)
+        if not rc and passkey_specs:
+            rc = evaluation("passkey").main([*common, "--lengths", str(longest), "--depths", "0.5",
+                                             "--trials", str(args.engine_trials[engine]),
+                                             "--out", f"{args.out}/passkey-{engine}"])
         if rc:
             raise SystemExit(rc)
 
@@ -213,7 +226,7 @@ def label(spec: str) -> str:
     return spec.split(":short_factor")[0] if spec.startswith("longrope") else spec
 
 
-def _percent(gap: float) -> str:
+def percent(gap: float) -> str:
     """A gap in percent: three decimals, or two significant digits below 0.001 % (float32 engines agree to ~1e-7)."""
     return f"{100 * gap:.3f} %" if gap == 0 or 100 * gap >= 1e-3 else f"{100 * gap:.1e} %"
 
@@ -228,7 +241,7 @@ def table(result: dict) -> str:
                 cells += ["-"] * 3
                 continue
             ratio = r["gap_over_unpatched"][e]
-            cells += [f"{r['nll'][e]:.5f}", _percent(r["gap"][e]),
+            cells += [f"{r['nll'][e]:.5f}", percent(r["gap"][e]),
                       "-" if r["patch"] == "none" or ratio is None else f"{ratio:.2f}"]
         for e in engines:
             found = r["passkey"].get(e)
@@ -248,7 +261,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if not Path(args.book).is_file():
         raise SystemExit(f"no such book: {args.book}")
-    plans = plan(args.model)
+    plans = plan(args.model, parse_lengths(args.lengths))
     if not args.combine_only:
         measure(args, plans)
     result = combine(args, plans)

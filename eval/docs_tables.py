@@ -27,7 +27,7 @@ from eval import bench_attention, bench_long_train, bench_self_extend, vllm_save
 from eval import cross_engine as ce
 from eval import gpu_check as gpu
 from eval import memory_breakdown as mb
-from hfpatch.evaluate import evaluation
+from hfpatch.evaluate import card, evaluation
 from hfpatch.evaluate.common import length_label
 from hfpatch.evaluate.report import markdown_table
 from hfpatch.evaluate.stats import wilson
@@ -54,6 +54,7 @@ IMAGES = {
     "compare_positions.png": "compare/compare_positions.png",
     "compare_norms.png": "compare/compare_norms.png",
     "compare_placement.png": "compare/compare_placement.png",
+    "card_example_ppl.png": "card_example/ppl/ppl.png",
 }
 
 TABLES: dict[str, object] = {}  # docs/generated/<name>.md -> a function returning its Markdown
@@ -287,9 +288,24 @@ def cross_engine_table(lengths: str, folder: str = "cross_engine",
 VLLM_WEIGHTS = "SmolLM2-135M (its Q4_1 GGUF dequantized to float32, the weights both engines run)"
 
 
+@table("eval/results/card_example/README.md", "eval/results/card_example/ppl/results.json")
+def model_card_example():
+    """The example card: the card hfpatch.save_pretrained wrote, with the committed run added by `hfpatch card`'s
+    own code (as README.md's source: the folder's plot link points into the model folder)."""
+    folder = RESULTS / "card_example"
+    runs = [card.read_run(folder / "ppl")]
+    text = card.with_results((folder / "README.md").read_text(), runs, card.plot_names(runs))
+    return f"````markdown\n{text.rstrip()}\n````"
+
+
 @table("eval/results/cross_engine_vllm/2k/cross_engine.json")
 def cross_engine_vllm():
     return cross_engine_table("2k", "cross_engine_vllm", VLLM_WEIGHTS)
+
+
+@table("eval/results/cross_engine_vllm/8k/cross_engine.json")
+def cross_engine_vllm_long():
+    return cross_engine_table("8k", "cross_engine_vllm", VLLM_WEIGHTS)
 
 
 @table("eval/results/cross_engine_vllm/longrope_keys.json")

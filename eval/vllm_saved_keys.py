@@ -1,10 +1,12 @@
-"""What vLLM serves from a saved LongRoPE checkpoint with and without the engine keys hfpatch.save_pretrained writes
-(short_mscale / long_mscale): mean NLL per token on the same window of one book, in transformers and in vLLM.
+"""What vLLM serves from a saved LongRoPE checkpoint with an explicit attention factor, with and without the engine
+keys hfpatch.save_pretrained writes (short_mscale / long_mscale): mean NLL per token on the same window of one book,
+in transformers and in vLLM.
 
     python -m eval.vllm_saved_keys --json eval/results/cross_engine_vllm/longrope_keys.json
 
 SmolLM2-135M patched with eval/cross_engine.py's LongRoPE spec (plain RoPE within the trained window, a ramp beyond)
-is saved once; a copy of the folder has the two keys taken out of config.json, as a checkpoint saved without them
+and attention_factor=1 (no magnitude correction, where LongRoPE's default for a factor of 4 is 1.074) is saved
+once; a copy of the folder has the two keys taken out of config.json, as a checkpoint saved without them
 would be. Both folders are scored by vLLM (its own Python: --engine-python), the model itself by transformers.
 """
 
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 import hfpatch
-from eval.cross_engine import BOOKS, LONGROPE
+from eval.cross_engine import BOOKS, LONGROPE, percent
 from hfpatch import spec as specs
 from hfpatch.evaluate.report import markdown_table
 from hfpatch.evaluate.vllm_engine import DEFAULT_PYTHON, Worker
@@ -29,10 +31,13 @@ from hfpatch.interop.serving import ATTENTION_KEYS
 from hfpatch.lm.causal import causal_lm_parts, window_nll
 from hfpatch.models import load
 
+ATTENTION_FACTOR = 1.0
+SPEC = f"{LONGROPE}:attention_factor={ATTENTION_FACTOR}"
+
 
 def measure(args) -> dict:
     model, tok = load("smollm2")
-    kwargs = specs.parse(LONGROPE)
+    kwargs = specs.parse(SPEC)
     hfpatch.patch(model, **kwargs)
     ids = tok(Path(args.book).read_text())["input_ids"][: args.length]
     with torch.no_grad():
@@ -54,16 +59,17 @@ def measure(args) -> dict:
                 rows[name] = -math.fsum(logprobs) / len(logprobs)
         finally:
             worker.close()
-    return {"command": "python -m eval.vllm_saved_keys " + " ".join(args.argv), "spec": LONGROPE,
+    return {"command": "python -m eval.vllm_saved_keys " + " ".join(args.argv), "spec": SPEC,
             "book": Path(args.book).name, "tokens": args.length, "saved_keys": saved, "mean_nll": rows}
 
 
 def table(result: dict) -> str:
     tf = result["mean_nll"]["transformers"]
-    rows = [[name, f"{nll:.5f}", "-" if name == "transformers" else f"{100 * abs(nll - tf) / tf:.3f} %"]
+    rows = [[name, f"{nll:.5f}", "-" if name == "transformers" else percent(abs(nll - tf) / tf)]
             for name, nll in result["mean_nll"].items()]
     keys = ", ".join(f"`{k}` = {v:.5f}" for k, v in result["saved_keys"].items())
-    return (f"SmolLM2-135M with `longrope:4` (short factors 1, long factors 1 to 4), the first {result['tokens']:,} "
+    return (f"SmolLM2-135M with `longrope:4` (short factors 1, long factors 1 to 4, `attention_factor` = "
+            f"{result['saved_keys']['short_mscale']:g}), the first {result['tokens']:,} "
             f"tokens of {result['book']}, mean NLL per token; the saved keys: {keys}.\n\n"
             + markdown_table(["served by", "NLL", "gap to transformers"], rows))
 

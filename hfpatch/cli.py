@@ -14,6 +14,7 @@ NoPE, ...) or its norms (LayerNorm, RMSNorm, pre/post placement), save it, and m
     hfpatch eval niah ...
     hfpatch lm-eval ...         (lm-evaluation-harness's lm_eval command, with --model hfpatch registered)
     hfpatch search --model smollm2 --target-length 32k --budget 2h --out DIR   (hfpatch search --help)
+    hfpatch card DIR --results RUN_DIR [RUN_DIR ...]   (the runs' tables and plots in DIR's model card)
     hfpatch patch MODEL --spec-file DIR/best.json --out DIR2
 
 MODEL: a hub id, a local folder, a .gguf file, or "smollm2" (the embedded default). Bad input: one line on stderr
@@ -127,6 +128,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     e.add_argument("rest", nargs=argparse.REMAINDER,
                    help="the arguments of that evaluation (see hfpatch eval ppl --help)")
     e.set_defaults(func=_eval)
+
+    c = sub.add_parser("card", help="add the tables and plots of hfpatch eval runs to the model card of a folder "
+                                    "hfpatch saved (a second run replaces them)")
+    c.add_argument("folder", metavar="DIR", help="a folder written by hfpatch.save_pretrained or hfpatch patch --out")
+    c.add_argument("--results", nargs="+", required=True, metavar="RUN_DIR",
+                   help="the --out folders of hfpatch eval runs (each holds results.json and table.md)")
+    c.set_defaults(func=_card)
 
     sub.add_parser("search", help="find the training-free patch that works best at a target length (hfpatch "
                                   "search --help)", add_help=False)
@@ -254,6 +262,14 @@ def _eval(args) -> int:
     from hfpatch.evaluate import evaluation
 
     return evaluation(args.what).main(args.rest)
+
+
+def _card(args) -> int:
+    from hfpatch.evaluate.card import add_results
+
+    readme = add_results(args.folder, args.results)
+    print(f"{readme}: the evaluations of {len(args.results)} run(s)", file=sys.stderr)
+    return 0
 
 
 def _supported(args) -> int:

@@ -17,8 +17,8 @@ import torch
 from conftest import stdlib_text
 
 import hfpatch
-from hfpatch.interop import serving
 from hfpatch.evaluate import evaluation, vllm_engine
+from hfpatch.interop import serving
 from hfpatch.models import load
 from hfpatch.tiny import save_sized as save_tiny
 
@@ -97,8 +97,9 @@ def test_ppl_in_vllm_engine_scores_the_saved_folder_as_transformers_does(stand_i
 def test_passkey_in_vllm_engine_decodes_greedily_as_transformers_does(stand_in, tmp_path):
     python, _ = stand_in
     model_dir = save_tiny(tmp_path / "model")
+    # yarn:16: 600 tokens and the answer fit in what vLLM serves of the tiny model (64 x 16)
     argv = ["--model", str(model_dir), "--lengths", "600", "--depths", "0.5", "--trials", "2", "--patches",
-            "yarn:2", "--no-plot"]
+            "yarn:16", "--no-plot"]
     assert evaluation("passkey").main([*argv, "--out", str(tmp_path / "tf")]) == 0
     assert evaluation("passkey").main([*argv, "--engine", "vllm", "--engine-python", str(python),
                                        "--out", str(tmp_path / "vllm")]) == 0
@@ -120,12 +121,26 @@ def test_vllm_refuses_what_it_cannot_serve_as_transformers_before_any_work(stand
     args[args.index("--lengths") + 1] = "128"
     out = tmp_path / "vllm"
     capsys.readouterr()  # what saving the tiny model printed
-    assert evaluation("ppl").main([*args, "--patches", f"none,{patch}", "--engine", "vllm", "--engine-python",
+    assert evaluation("ppl").main([*args, "--patches", f"yarn:2,{patch}", "--engine", "vllm", "--engine-python",
                                    str(python), "--out", str(out)]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Loading weights" not in line]
     assert len(err) == 1 and reason in err[0] and f"patch spec {patch!r} with --engine vllm" in err[0]
     assert not mark.exists()
     assert not [p for p in os.listdir(out) if p.startswith(vllm_engine.FOLDERS)] if out.exists() else True
+
+
+def test_vllm_refuses_lengths_past_what_it_serves_before_any_work(stand_in, tmp_path, capsys):
+    """vLLM serves at most max_position_embeddings (x factor for linear and dynamic) tokens, where transformers runs
+    past them: the tiny model unpatched (64) is refused at 128, yarn:2 (128) runs."""
+    python, mark = stand_in
+    args = _ppl_args(tmp_path, save_tiny(tmp_path / "model"))
+    args[args.index("--lengths") + 1] = "128"
+    capsys.readouterr()
+    assert evaluation("ppl").main([*args, "--patches", "yarn:2,none", "--engine", "vllm", "--engine-python",
+                                   str(python), "--out", str(tmp_path / "vllm")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Loading weights" not in line]
+    assert len(err) == 1 and "patch spec 'none' with --engine vllm" in err[0] and "serves at most 64" in err[0]
+    assert not mark.exists()
 
 
 def test_vllm_engine_without_its_python_is_one_line_naming_the_set_up(tmp_path, capsys, monkeypatch):

@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import transformers
 from conftest import REPO, WINDOW, tiny_model
 
 import hfpatch
@@ -88,3 +89,17 @@ def test_the_docs_page_carries_the_table_of_the_code():
     assert '--8<-- "docs/generated/serving_engines.md"' in (REPO / "docs" / "serving.md").read_text()
     generated = (REPO / "docs" / "generated" / "serving_engines.md").read_text()
     assert serving.markdown() in generated, "docs/generated/ is stale: run python -m eval.docs_tables"
+
+
+@pytest.mark.parametrize("rope, served", [({"rope_type": "linear", "factor": 4.0}, 256),
+                                          ({"rope_type": "dynamic", "factor": 2.0}, 128),
+                                          ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+                                           64),
+                                          (None, 64)])
+def test_longest_served_by_vllm_multiplies_the_window_only_where_vllm_does(rope, served):
+    """linear and dynamic: vLLM's tables run to max_position_embeddings x factor; yarn and the others take
+    max_position_embeddings as the extended window already."""
+    config = transformers.LlamaConfig(max_position_embeddings=64)
+    if rope is not None:
+        config.rope_parameters = {"rope_theta": 10000.0, **rope}
+    assert serving.longest_served("vLLM", config) == served

@@ -40,7 +40,6 @@ from ..interop import serving
 from ..interop.io import save_pretrained
 from ..introspect import describe
 from ..lm import budget
-from ..position.registry import SCHEMES
 from .common import applied as transformers_applied
 from .common import load_model
 from .llamacpp import exports_folder, remove_exports, remove_stale_exports
@@ -69,7 +68,8 @@ def python_for(args) -> str:
 
 
 def refusal(model, plan_tokens: int) -> str | None:
-    """Why vLLM cannot serve the model as it is patched now as transformers runs it (None: it can)."""
+    """Why vLLM cannot serve the model as it is patched now, for sequences of `plan_tokens` tokens, as transformers
+    runs it (None: it can)."""
     target = unwrap(model)
     info = describe(target)
     other = [axis for axis in info["applied"] if axis != "position"]
@@ -77,7 +77,7 @@ def refusal(model, plan_tokens: int) -> str | None:
         return (f"{' and '.join(other)} {'is' if len(other) == 1 else 'are'} not in config.json's own terms: vLLM "
                 "builds the architecture's own model from the config")
     scheme = info["position"].get("scheme")
-    if "position" in info["applied"] and scheme in SCHEMES and not SCHEMES[scheme].native:
+    if "position" in info["applied"] and not info["position"].get("native", True):
         return (f"position={scheme!r} has no rope_type in config.json: vLLM loads the config's own RoPE only (the "
                 "checkpoint would serve the model's original position encoding)")
     params = getattr(target.config.get_text_config(), "rope_parameters", None)
@@ -89,6 +89,11 @@ def refusal(model, plan_tokens: int) -> str | None:
     if kind in engine.window_only and window and plan_tokens > window:
         return (f"vLLM serves rope_type {kind!r} as transformers only up to the trained window ({window} tokens), "
                 f"and this run reads {plan_tokens}: vLLM serves {engine.behaviour[kind]}")
+    longest = serving.longest_served("vLLM", target.config)
+    if longest is not None and plan_tokens > longest:
+        return (f"this run reads {plan_tokens} tokens (the generated ones included) and vLLM serves at most "
+                f"{longest} with this config (from max_position_embeddings; transformers runs past it): use "
+                "shorter lengths")
     return None
 
 

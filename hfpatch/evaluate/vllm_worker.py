@@ -4,7 +4,7 @@ hfpatch starts it as `VLLM_PYTHON vllm_worker.py` (this file, by path) and write
 it writes one answer per line to its stdout. It imports only the standard library and vLLM, so that it runs in a
 virtual environment that has vLLM and not hfpatch (vLLM pins its own transformers and torch). Requests:
 
-    {"op": "load", "model": FOLDER, "max_model_len": N, "dtype": "float32", "seed": 0}
+    {"op": "load", "model": FOLDER, "max_model_len": N, "dtype": "float32", "seed": 0, "memory_fraction": 0.5}
         -> {"ok": true, "vllm": VERSION}   (replaces the model loaded before, if any)
     {"op": "logprobs", "ids": [...], "first": K}
         -> {"logprobs": [...]}   log p(ids[i] | ids[:i]) for i = max(K, 1) .. len(ids)-1, from vLLM's
@@ -33,6 +33,11 @@ def _answers():
     return out
 
 
+# The share of the device's memory vLLM reserves (of the host's on its CPU backend, where it refuses to start when
+# less than that is free: its default, 0.92, fails on any machine running something else)
+MEMORY_FRACTION = 0.5
+
+
 class Worker:
     def __init__(self):
         self.llm = None
@@ -45,7 +50,8 @@ class Worker:
                             max_model_len=int(req["max_model_len"]), dtype=req.get("dtype", "float32"),
                             seed=int(req.get("seed", 0)), enforce_eager=True, enable_prefix_caching=False,
                             max_num_seqs=1, max_num_batched_tokens=int(req["max_model_len"]),
-                            max_logprobs=-1, disable_log_stats=True)
+                            max_logprobs=-1, disable_log_stats=True,
+                            gpu_memory_utilization=float(req.get("memory_fraction", MEMORY_FRACTION)))
         return {"ok": True, "vllm": vllm.__version__}
 
     def logprobs(self, req: dict) -> dict:

@@ -73,6 +73,9 @@ class Engine:
     behaviour: dict = field(default_factory=dict)  # rope_type -> how the engine's scheme differs beyond its keys
     # rope_types the engine serves as transformers does only up to the trained window (its behaviour says why)
     window_only: tuple = ()
+    # rope_types whose `factor` multiplies max_position_embeddings in the longest sequence the engine serves (for the
+    # others, max_position_embeddings is already the extended window, as transformers reads it)
+    window_factor: tuple = ()
 
 
 ENGINES = {
@@ -100,7 +103,7 @@ ENGINES = {
             "longrope": "the long factors for every sequence once the served length (max_model_len) exceeds "
                         "original_max_position_embeddings; transformers switches per sequence",
         },
-        window_only=("dynamic",)),
+        window_only=("dynamic",), window_factor=("linear", "dynamic")),
     "SGLang": Engine(
         source="python/sglang/srt/layers/rotary_embedding/factory.py (get_rope)",
         reads={
@@ -173,6 +176,19 @@ def differences(config) -> list[str]:
 # rope_type -> the engine keys that carry the attention factor (cos/sin magnitude) in place of transformers'
 # attention_factor: vLLM and SGLang read LongRoPE's from these, and compute another default without them
 ATTENTION_KEYS: dict[str, tuple[str, ...]] = {"longrope": ("short_mscale", "long_mscale")}
+
+
+def longest_served(engine: str, config) -> int | None:
+    """The longest sequence (prompt and generated tokens) `engine` serves for a config (vLLM refuses a longer
+    max_model_len, and its RoPE tables end there); None where the config does not say."""
+    config = config.get_text_config()
+    window = getattr(config, "max_position_embeddings", None)
+    params = getattr(config, "rope_parameters", None)
+    if window is None or not isinstance(params, dict):
+        return window
+    if params.get("rope_type") in ENGINES[engine].window_factor:
+        return int(window * float(params.get("factor") or 1.0))
+    return int(window)
 
 
 def serving_keys(config) -> dict:
