@@ -19,6 +19,15 @@ runs out of memory is recorded as such and the next one runs:
 
     python -m eval.bench_attention --device cuda --dtype bf16 --mode train --lengths 8192,32768,131072
 
+On a CPU shared with other work, --neighbour busy runs a second process beside the cells that keeps one core busy
+(one-thread matrix products), as another user's job would; with --threads 2 on a 2-core machine the cells then
+compete with it:
+
+    python -m eval.bench_attention --device cpu --threads 2 --lengths 8192 --repeats 3 \
+        --out eval/results/attention/contention/idle
+    python -m eval.bench_attention --device cpu --threads 2 --lengths 8192 --repeats 3 --neighbour busy \
+        --out eval/results/attention/contention/busy
+
 Writes OUT/bench.json (every cell's measurements) and OUT/bench.md (the tables), OUT = eval/results/attention.
 """
 
@@ -29,6 +38,7 @@ import contextlib
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -286,6 +296,7 @@ def device_tables(results: dict, args) -> str:
     return "\n".join([
         f"SmolLM2-shaped Llama (d=576, 9/3 heads, head_dim 64), {args.layers} layers, random weights; batch 1; "
         f"{args.device}, {args.dtype}, {args.mode} ({what}); "
+        f"{torch.get_num_threads()} threads" + (", a busy neighbour process beside it; " if args.neighbour else "; ") +
         f"median of {args.repeats} after a first call at the length (reported apart: compilation included); "
         "the path each scheme's table chooses; peak = "
         + ("torch's CUDA allocator peak during the timed calls." if args.device.startswith("cuda")
@@ -303,14 +314,36 @@ def check_device(p: argparse.ArgumentParser, args) -> None:
     args.mode = args.mode or "infer"
 
 
+# The busy neighbour: one thread of matrix products, forever (the parent kills it).
+BUSY = "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile True:\n    a @ a\n"
+
+
+@contextlib.contextmanager
+def neighbour(kind: str | None):
+    """With kind "busy", a second process keeps one core busy for the duration of the block."""
+    if kind is None:
+        yield
+        return
+    proc = subprocess.Popen([sys.executable, "-c", BUSY], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        time.sleep(2.0)  # past its start-up, so that the cells meet it busy
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def run_device_grid(args) -> None:
     os.makedirs(args.out, exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     def save(results):
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump({"args": vars(args), "cells": {f"{v}@{L}": r for (v, L), r in results.items()}}, f, indent=1)
 
-    results = device_grid(args, save)
+    with neighbour(args.neighbour):
+        results = device_grid(args, save)
     text = device_tables(results, args)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(text + "\n")
@@ -334,6 +367,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), help="with --device: the model's dtype (default fp32)")
     p.add_argument("--mode", choices=["infer", "train"], help="with --device: forwards (infer, the default), "
                    "or training steps (forward + loss + backward)")
+    p.add_argument("--neighbour", choices=["busy"], help="with --device cpu: a second process keeps one core busy "
+                   "while the cells run")
     p.add_argument("--budget-s", type=float, help="with --device: start no cell after this many seconds")
     p.add_argument("--out", default=str(REPO / "eval" / "results" / "attention"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -346,7 +381,8 @@ def main(argv=None):
         check_device(p, args)
         run_device_grid(args)
         return
-    given = [f"--{k.replace('_', '-')}" for k in ("dtype", "mode", "budget_s") if getattr(args, k) is not None]
+    given = [f"--{k.replace('_', '-')}" for k in ("dtype", "mode", "budget_s", "neighbour")
+             if getattr(args, k) is not None]
     if given:
         p.error(f"{', '.join(given)}: only with --device cuda|cpu")
 

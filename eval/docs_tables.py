@@ -21,6 +21,7 @@ import re
 import sys
 import types
 from pathlib import Path
+from statistics import median
 
 from eval import attention_paths_smollm2 as smollm2_paths
 from eval import bench_attention, bench_long_train, bench_self_extend, vllm_saved_keys
@@ -237,6 +238,31 @@ def dual_chunk_passkey():
 
 
 # ---------------------------------------------------------------------------------------------- attention paths
+
+@table("eval/results/attention/contention/idle/bench.json", "eval/results/attention/contention/busy/bench.json")
+def attention_contention():
+    runs = {"idle": load("attention/contention/idle/bench.json"), "one busy neighbour": load(
+        "attention/contention/busy/bench.json")}
+    first = next(iter(runs.values()))
+    cells = [k for k, r in first["cells"].items() if "seconds" in r]
+
+    def ratio(d: dict, cell: str) -> str:
+        r, base = d["cells"].get(cell, {}), d["cells"][f"unpatched@{cell.rpartition('@')[2]}"]
+        if "seconds" not in r:
+            return r.get("error") or f"skipped: {r.get('skipped')}"
+        return f"{median(r['seconds']):.2f} s ({median(r['seconds']) / median(base['seconds']):.2f}x)"
+
+    def paths_of(cell: str) -> str:
+        ran = first["cells"][cell].get("ran") or {}
+        return ", ".join(sorted(ran)) or "the model's own"
+
+    rows = [[cell.rpartition("@")[2], cell.rpartition("@")[0], paths_of(cell), *(ratio(d, cell) for d in runs.values())]
+            for cell in cells]
+    a = first["args"]
+    return (f"{a['threads']} threads, {a['device']}, {a['dtype']}, median of {a['repeats']} forwards after a first "
+            f"call; {a['layers']} layers of a SmolLM2-shaped model.\n\n"
+            + markdown_table(["L", "variant", "path", *(f"seconds ({name}; x unpatched)" for name in runs)], rows))
+
 
 @table("eval/results/attention/bench.json", "eval/results/attention/bench_8k_cells.json",
        "eval/results/attention/bench_16k_cells.json", "eval/results/attention/bench_16k_written.json")
@@ -526,14 +552,14 @@ def eval_kills():
     d = load("reliability/eval_kills.json")
     modes = list(next(iter(d["evaluations"].values()))["by_mode"])
     rows = [[f"`eval {name}`", e["runs"], *(e["by_mode"][m] for m in modes),
-             f"{e['disk_full_one_line']} / {e['by_mode']['full']}", e["resumed_runs_in_file"],
+             f"{e['disk_full_one_line']} / {e['by_mode']['full']}", e["rounds"], e["resumed_runs_in_files"],
              "yes" if e["equal_to_uninterrupted"] else "**no**", len(e["leftover_tmp"]) + len(e["disk_full_tmp_left"]),
              e["seconds"]] for name, e in d["evaluations"].items()]
-    return (f"Seed {d['seed']}, {d['kills_asked']} faults asked per evaluation, {d['machine']}. A fault that came "
-            "after the run had already finished ends nothing, so fewer runs are ended than faults asked.\n\n"
+    return (f"Seed {d['seed']}, {d['kills_asked']} faults asked per evaluation, {d['machine']}. A run that finished "
+            "before its fault came ends a round; the next fault starts a new round from an empty output folder.\n\n"
             + markdown_table(["evaluation", "runs", *(f"ended: {m}" for m in modes),
-                              "full disk: one line, exit 2", "resumed runs in results.json",
-                              "final results = uninterrupted", "temporary files left", "seconds"], rows))
+                              "full disk: one line, exit 2", "rounds", "resumed runs (all rounds)",
+                              "every round's results = uninterrupted", "temporary files left", "seconds"], rows))
 
 
 @table("eval/results/reliability/patch_interrupts.json")

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,10 +99,12 @@ def child(argv: list[str], fault: str, env: dict, kill_after: float | None = Non
 
 
 def one_line_disk_full(err: str) -> bool:
-    """The run's own output on a full disk: one line naming results.json and the full disk (the library's loading
-    messages aside)."""
-    lines = [line for line in err.splitlines() if line.strip() and "Loading weights" not in line]
-    return len(lines) == 1 and "results.json" in lines[0] and "no space left" in lines[0]
+    """The run stopped on a full disk as a command should: no traceback, and its last line (after the progress
+    output) is the one error line, naming results.json and the full disk."""
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    errors = [line for line in lines if "no space left" in line]
+    return ("Traceback" not in err and len(errors) == 1 and lines[-1] == errors[0]
+            and "results.json" in errors[0])
 
 
 def saves_of(data: dict) -> int:
@@ -116,10 +119,12 @@ def _records(cell: dict) -> list:
 
 def kill_and_resume(argv: list[str], out: Path, faults: list[tuple[str, float]], env: dict, saves: int) -> dict:
     """Run argv (an hfpatch command writing OUT/results.json; an uninterrupted run saves it `saves` times) once
-    per fault, each killed as the fault says (at a save chosen by the fault's fraction of the saves left), then
-    once more to the end. Returns what happened."""
+    per fault, each ended as the fault says (at a save chosen by the fault's fraction of the saves left), each run
+    resuming the one before. A run that finishes before its fault comes completes a round: its results are kept and
+    the next fault starts a new round from an empty OUT, so that every fault meets work to end. The last round is
+    run to the end without a fault. Returns what happened."""
     results = out / "results.json"
-    log = []
+    log, rounds = [], []
     for mode, where in faults:
         if mode == "random":
             code, err = child(argv, "none:0", env, kill_after=where, results=results)
@@ -132,9 +137,20 @@ def kill_and_resume(argv: list[str], out: Path, faults: list[tuple[str, float]],
         log.append({"mode": mode, "killed": code == -signal.SIGKILL or full,
                     "one_line": one_line_disk_full(err) if full else None,
                     "tmp_left": sorted(p.name for p in out.glob("results.json.*.tmp")) if full else []})
+        if code == 0:  # finished before its fault came
+            rounds.append(finished_round(out))
     assert child(argv, "none:0", env)[0] == 0
-    leftovers = sorted(p.name for p in out.glob("results.json.*.tmp"))
-    return {"runs": log, "leftover_tmp": leftovers, "final": json.loads(results.read_text())}
+    rounds.append(finished_round(out))
+    return {"runs": log, "rounds": rounds, "leftover_tmp": sorted({n for r in rounds for n in r["leftover_tmp"]}),
+            "final": rounds[-1]["results"]}
+
+
+def finished_round(out: Path) -> dict:
+    """The results of a round that ran to its end and the temporary files it left; OUT is emptied for the next."""
+    got = {"results": json.loads((out / "results.json").read_text()),
+           "leftover_tmp": sorted(p.name for p in out.glob("results.json.*.tmp"))}
+    shutil.rmtree(out)
+    return got
 
 
 def random_faults(rng: random.Random, count: int) -> list[tuple[str, float]]:
@@ -194,8 +210,9 @@ def summarize(got: dict, whole: dict, seconds: float) -> dict:
             "by_mode": {m: sum(r["killed"] for r in runs if r["mode"] == m) for m in MODES},
             "disk_full_one_line": sum(bool(r["one_line"]) for r in full),
             "disk_full_tmp_left": sorted({n for r in full for n in r["tmp_left"]}),
-            "resumed_runs_in_file": len(got["final"].get("runs", [])),
-            "equal_to_uninterrupted": comparable(got["final"]) == comparable(whole),
+            "rounds": len(got["rounds"]),
+            "resumed_runs_in_files": sum(len(r["results"].get("runs", [])) for r in got["rounds"]),
+            "equal_to_uninterrupted": all(comparable(r["results"]) == comparable(whole) for r in got["rounds"]),
             "leftover_tmp": got["leftover_tmp"], "seconds": seconds}
 
 
