@@ -310,33 +310,56 @@ def _stopped(step: int, what: str, root: Path, saved: int) -> RunFailed:
 
 
 def train(cfg: RecipeConfig, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
-    if cfg.memory_check:
-        try:
-            memory.check_fits(cfg, model, teacher)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    _check_memory(cfg, model, teacher)
     run = prepare(cfg, model, teacher)
-    accelerator, loss_module = run.accelerator, run.loss_module
     out = Path(cfg.output_dir)
     progress = Progress()
     states = {"progress": progress, "scheduler": run.scheduler}  # saved as JSON in the checkpoint marker
-
-    log = out / "log.jsonl"
-    saved = 0  # the step of the last checkpoint written or resumed from
     identity = run_identity(cfg, train_seqs, eval_seqs)
-    if cfg.resume:
-        try:
-            saved = checkpoint.resume(accelerator, cfg.resume, out, states, log, identity, _states_agree,
-                                      _optimizer_agrees(run))
-        except ConfigError:
-            finish(run)
-            run.memory_edits.undo()
-            raise
-    if accelerator.is_main_process:
+    saved = _resume(cfg, run, states, identity) if cfg.resume else 0  # the step of the last checkpoint
+    if run.accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        accelerator.init_trackers("hfpatch", config={k: v for k, v in cfg.as_dict().items()
-                                                        if not isinstance(v, dict)})
+        run.accelerator.init_trackers("hfpatch", config={k: v for k, v in cfg.as_dict().items()
+                                                            if not isinstance(v, dict)})
+    last = _train_steps(cfg, run, train_seqs, eval_seqs, progress, states, identity, saved)
+    run.accelerator.wait_for_everyone()
+    final = None
+    if progress.step >= cfg.max_steps:
+        final = save_final(cfg, run.accelerator, run.loss_module, tok, out / "final")
+    run.accelerator.wait_for_everyone()  # the processes leave together: none tears down the group while one saves
+    finish(run)
+    run.memory_edits.undo()
+    return {"step": progress.step, "last": last, "final": str(final) if final else None}
 
+
+def _check_memory(cfg: RecipeConfig, model: nn.Module, teacher: nn.Module | None) -> None:
+    """Refuse a run that would not fit in memory (memory_check=false skips it), as a config error."""
+    if not cfg.memory_check:
+        return
+    try:
+        memory.check_fits(cfg, model, teacher)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _resume(cfg: RecipeConfig, run: Run, states: dict, identity: dict) -> int:
+    """Load the checkpoint `cfg.resume` names into the run; its step. A checkpoint that does not fit this run ends
+    the run's distributed state and memory options before the error goes up."""
+    out = Path(cfg.output_dir)
+    try:
+        return checkpoint.resume(run.accelerator, cfg.resume, out, states, out / "log.jsonl", identity, _states_agree,
+                                 _optimizer_agrees(run))
+    except ConfigError:
+        finish(run)
+        run.memory_edits.undo()
+        raise
+
+
+def _train_steps(cfg: RecipeConfig, run: Run, train_seqs, eval_seqs, progress: Progress, states: dict,
+                 identity: dict, saved: int) -> dict:
+    """The steps from progress.step to max_steps (or stop_after), each logged and, when due, evaluated and
+    checkpointed; the last step's log line."""
+    accelerator, out = run.accelerator, Path(cfg.output_dir)
     tokens_per_step = cfg.batch_size * run.layout.data_size * cfg.grad_accum * cfg.seq_len
     bar = tqdm(total=cfg.max_steps, initial=progress.step, disable=not accelerator.is_main_process, desc="train")
     t_start, last = time.perf_counter(), {}
@@ -347,18 +370,9 @@ def train(cfg: RecipeConfig, model, tok, train_seqs, eval_seqs, teacher=None) ->
             except NotFinite as e:
                 raise _stopped(progress.step + 1, str(e), out / "checkpoints", saved) from None
             progress.step, progress.tokens = progress.step + 1, progress.tokens + tokens_per_step
-            totals = accelerator.reduce(totals, reduction="mean")
-            elapsed = time.perf_counter() - t_start
-            last = {"step": progress.step, "loss": totals[0].item(), "ce": totals[1].item(), "kl": totals[2].item(),
-                    "lr": run.scheduler.get_last_lr()[0], "tokens": progress.tokens, "seconds": round(elapsed, 3)}
-            if progress.step % cfg.eval_every == 0 or progress.step == cfg.max_steps:
-                last["eval_loss"] = evaluate(cfg, loss_module, eval_seqs, accelerator)
+            last = _step_line(cfg, run, eval_seqs, progress, totals, time.perf_counter() - t_start)
             if accelerator.is_main_process:
-                with log.open("a") as f:
-                    f.write(json.dumps(last) + "\n")
-                accelerator.log(last, step=progress.step)
-                bar.set_postfix(loss=f"{last['loss']:.4f}")
-                bar.update(1)
+                _log_step(accelerator, out / "log.jsonl", last, bar)
             if progress.step % cfg.save_every == 0 or progress.step == cfg.max_steps:
                 if not weights_finite(run):
                     raise _stopped(progress.step, "a weight is no longer finite", out / "checkpoints", saved)
@@ -375,15 +389,27 @@ def train(cfg: RecipeConfig, model, tok, train_seqs, eval_seqs, teacher=None) ->
         bar.close()
         raise
     bar.close()
-    accelerator.wait_for_everyone()
-    final = None
-    if progress.step >= cfg.max_steps:
-        final = save_final(cfg, accelerator, loss_module, tok, out / "final")
-    accelerator.wait_for_everyone()  # the processes leave together: none tears down the group while one still saves
-    del loss_module
-    finish(run)
-    run.memory_edits.undo()
-    return {"step": progress.step, "last": last, "final": str(final) if final else None}
+    return last
+
+
+def _step_line(cfg: RecipeConfig, run: Run, eval_seqs, progress: Progress, totals: torch.Tensor,
+               elapsed: float) -> dict:
+    """The log line of the step just made: its losses averaged over the processes, and the eval loss when due."""
+    totals = run.accelerator.reduce(totals, reduction="mean")
+    line = {"step": progress.step, "loss": totals[0].item(), "ce": totals[1].item(), "kl": totals[2].item(),
+            "lr": run.scheduler.get_last_lr()[0], "tokens": progress.tokens, "seconds": round(elapsed, 3)}
+    if progress.step % cfg.eval_every == 0 or progress.step == cfg.max_steps:
+        line["eval_loss"] = evaluate(cfg, run.loss_module, eval_seqs, run.accelerator)
+    return line
+
+
+def _log_step(accelerator: Accelerator, log: Path, line: dict, bar: Any) -> None:
+    """The step's line appended to log.jsonl, sent to the trackers and shown on the progress bar (main process)."""
+    with log.open("a") as f:
+        f.write(json.dumps(line) + "\n")
+    accelerator.log(line, step=line["step"])
+    bar.set_postfix(loss=f"{line['loss']:.4f}")
+    bar.update(1)
 
 
 def finish(run: Run) -> None:
