@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup
+from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
 import hfpatch
 
@@ -44,7 +44,7 @@ from .losses import auto_chunk, chunked_lm_loss, fused_lm_loss, shift
 from .pose import batch_position_ids
 
 
-def output_head(lm):
+def output_head(lm: PreTrainedModel):
     """hidden states -> logits, as the model's own forward does after its base model (gemma2/3 softcap them)."""
     head, cap = lm.get_output_embeddings(), softcap_of(lm.config)
     return head if not cap else lambda h: softcap(head(h), cap)
@@ -58,7 +58,8 @@ class CausalLMLoss(nn.Module):
     the loss. The teacher is a plain attribute, not a submodule: it is neither trained, synchronised, sharded nor
     saved."""
 
-    def __init__(self, model, chunk=None, teacher=None, alpha=0.0, temperature=1.0, fused=False):
+    def __init__(self, model: nn.Module, chunk: int | None = None, teacher: nn.Module | None = None,
+                 alpha: float = 0.0, temperature: float = 1.0, fused: bool = False):
         super().__init__()
         self.model = model
         object.__setattr__(self, "teacher", teacher)
@@ -115,7 +116,7 @@ class Progress:
     def state_dict(self):
         return {"step": self.step, "tokens": self.tokens}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict):
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
 
 
@@ -150,7 +151,7 @@ class Run:
             yield ids, positions, labels, scale
 
 
-def prepare(cfg: RecipeConfig, model, teacher=None) -> Run:
+def prepare(cfg: RecipeConfig, model: nn.Module, teacher: nn.Module | None = None) -> Run:
     """The accelerator, the memory options on the model, LoRA, the loss module, AdamW and the schedule, prepared."""
     # cpu=True where there is no GPU: processes started by torchrun (accelerate's multi-process launcher) then
     # form a gloo group on the CPU instead of failing to find devices
@@ -185,7 +186,7 @@ def prepare(cfg: RecipeConfig, model, teacher=None) -> Run:
     return Run(accelerator, loss_module, optimizer, scheduler, params, memory_edits)
 
 
-def train_step(cfg: RecipeConfig, run: Run, train_seqs, step: int) -> torch.Tensor:
+def train_step(cfg: RecipeConfig, run: Run, train_seqs: torch.Tensor, step: int) -> torch.Tensor:
     """Optimizer step `step` (0-based): cfg.grad_accum micro-batches of this process's rows of the global batch
     (with their PoSE positions), gradients synchronised on the last one, clipping, AdamW, the schedule. Returns
     this process's (loss, ce, kl), averaged over the micro-batches."""
@@ -248,7 +249,7 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 ADDED_KEYS = {"adam_beta2": 0.999, "init": "hf"}
 
 
-def run_identity(cfg: RecipeConfig, train_seqs, eval_seqs) -> dict:
+def run_identity(cfg: RecipeConfig, train_seqs: torch.Tensor, eval_seqs: torch.Tensor) -> dict:
     """What makes a run the run it is, kept in every checkpoint marker and compared on resume: its settings (the
     keys outside MAY_CHANGE), a SHA-256 of its packed data (the tokens of both splits: the files' content, the
     tokenizer, seq_len and the split all decide them) and the starting model's files by content."""
@@ -309,7 +310,8 @@ def _stopped(step: int, what: str, root: Path, saved: int) -> RunFailed:
                      "another output_dir")
 
 
-def train(cfg: RecipeConfig, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
+def train(cfg: RecipeConfig, model: nn.Module, tok: Any, train_seqs: torch.Tensor, eval_seqs: torch.Tensor,
+          teacher: nn.Module | None = None) -> dict:
     _check_memory(cfg, model, teacher)
     run = prepare(cfg, model, teacher)
     out = Path(cfg.output_dir)
@@ -355,8 +357,8 @@ def _resume(cfg: RecipeConfig, run: Run, states: dict, identity: dict) -> int:
         raise
 
 
-def _train_steps(cfg: RecipeConfig, run: Run, train_seqs, eval_seqs, progress: Progress, states: dict,
-                 identity: dict, saved: int) -> dict:
+def _train_steps(cfg: RecipeConfig, run: Run, train_seqs: torch.Tensor, eval_seqs: torch.Tensor,
+                 progress: Progress, states: dict, identity: dict, saved: int) -> dict:
     """The steps from progress.step to max_steps (or stop_after), each logged and, when due, evaluated and
     checkpointed; the last step's log line."""
     accelerator, out = run.accelerator, Path(cfg.output_dir)
@@ -392,7 +394,7 @@ def _train_steps(cfg: RecipeConfig, run: Run, train_seqs, eval_seqs, progress: P
     return last
 
 
-def _step_line(cfg: RecipeConfig, run: Run, eval_seqs, progress: Progress, totals: torch.Tensor,
+def _step_line(cfg: RecipeConfig, run: Run, eval_seqs: torch.Tensor, progress: Progress, totals: torch.Tensor,
                elapsed: float) -> dict:
     """The log line of the step just made: its losses averaged over the processes, and the eval loss when due."""
     totals = run.accelerator.reduce(totals, reduction="mean")
@@ -425,7 +427,8 @@ def finish(run: Run) -> None:
 
 
 @torch.no_grad()
-def evaluate(cfg: RecipeConfig, loss_module, eval_seqs, accelerator) -> float | None:
+def evaluate(cfg: RecipeConfig, loss_module: nn.Module, eval_seqs: torch.Tensor,
+             accelerator: Accelerator) -> float | None:
     """Mean CE per token over the first eval_batches x world x batch_size held-out sequences."""
     if len(eval_seqs) == 0:
         return None
@@ -443,7 +446,7 @@ def evaluate(cfg: RecipeConfig, loss_module, eval_seqs, accelerator) -> float | 
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def save_final(cfg: RecipeConfig, accelerator, loss_module, tok, path: Path):
+def save_final(cfg: RecipeConfig, accelerator: Accelerator, loss_module: nn.Module, tok: Any, path: Path):
     state = accelerator.get_state_dict(loss_module)  # gathered in full under FSDP / ZeRO-3
     if not accelerator.is_main_process:
         return None
