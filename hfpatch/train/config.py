@@ -27,12 +27,13 @@ from transformers import CONFIG_MAPPING
 
 from .. import spec
 from .init import INITS
-from .values import REQUIRED, ConfigError, build, keys, read
+from .values import MAX_VALUES, REQUIRED, ConfigError, DuplicateKey, Word, build, keys, read
 
 __all__ = [  # the names other modules import from here, the reading of values included
     "ConfigError", "RunFailed", "setting", "required", "Data", "Lora", "Pose", "Distill", "RecipeConfig",
     "PretrainConfig", "ContextExtensionConfig", "HealConfig", "RECIPES", "MAX_POSITIONS", "SEED_MAX", "REQUIRED",
-    "build", "keys", "read", "load", "check_model_config", "check_fresh", "previous_run",
+    "build", "keys", "read", "load", "check_model_config", "check_fresh", "previous_run", "Word", "DuplicateKey",
+    "MAX_VALUES",
 ]
 
 
