@@ -598,7 +598,17 @@ def code_metrics():
     tables = "\n".join(f"- {label}: " + ", ".join(f"`{t}`" for t in d["scheme_tables"])
                        for label, d in (("before", before), ("after", after)))
     return (markdown_table(["measure", before["label"], after["label"]], rows)
-            + "\n\nThe tables keyed by scheme names:\n\n" + tables)
+            + "\n\nThe tables keyed by scheme names:\n\n" + tables + "\n\n" + _over_the_bounds(after))
+
+
+def _over_the_bounds(d: dict) -> str:
+    """The files and functions of the package longer than the project's bounds, in the measurement `d`."""
+    files, funcs = d["files_over"], d["functions_over"]
+    listed = lambda items, key: ", ".join(f"`{i[key]}` ({i['lines']})" for i in items) or "none"
+    reasons = "".join(f"\n- `{f['name']}` ({f['lines']} lines): {f['reason'] or 'no reason written beside it'}"
+                      for f in funcs["functions"])
+    return (f"Files over {files['limit']} lines ({d['label']}): {listed(files['files'], 'path')}.\n\n"
+            f"Functions over {funcs['limit']} lines ({d['label']}): {'' if reasons else 'none.'}{reasons}")
 
 
 # ---------------------------------------------------------------------------------------------------- patch options

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import types
-from dataclasses import dataclass, field
-from typing import cast
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
@@ -27,13 +24,42 @@ from .norm import fit
 from .norm import kinds as norm_kinds
 from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS, apply_placement
+from .patch_state import (
+    PatchState,
+    applied_spec,
+    loaded_with,
+    mark_loaded,
+    position_facts,
+    set_state,
+    state_of,
+    sub_configs,
+    touched_config,
+    unpatch_restores,
+    unwrap,
+)
 from .position import layers
 from .position import registry as schemes
 from .position.attention import paths
 from .position.attention import temperature as temperatures
 from .position.registry import LAYER_SCHEMES, SCHEMES
+from .save_marks import (
+    NEEDS_HFPATCH,
+    bind_save,
+    config_path,
+    marked_for_plain_reload,
+    save_marked,
+    serializable,
+    unexpressed,
+)
 from .spec import AXES
 from .utils.warn import warn_caller
+
+__all__ = [  # patch / unpatch and what the package reads of a patched model (patch_state, save_marks) from one place
+    "AXES", "RECORD_VERSION", "PatchRefused", "PatchState", "unwrap", "state_of", "changes_weights", "apply_axes",
+    "sub_configs", "touched_config", "block_names", "patch", "own_config", "unpatch", "mark_loaded", "loaded_with",
+    "unpatch_restores", "calibrate", "bake", "serializable", "unexpressed", "NEEDS_HFPATCH", "marked_for_plain_reload",
+    "config_path", "save_marked", "position_facts", "applied_spec", "get_path",
+]
 
 RECORD_VERSION = 2  # 2: the record carries the adapter (1: without it)
 
@@ -41,54 +67,6 @@ RECORD_VERSION = 2  # 2: the record carries the adapter (1: without it)
 class PatchRefused(ValueError):
     """A patch that could not be applied to this model: an error inside applying it (not in the request) becomes
     this refusal, which names the family and the step, after the model was put back exactly as it was."""
-_STATE = "_hfpatch_state"  # attribute on the transformers model that holds the live PatchState
-# attribute on the transformers model that holds the spec it was loaded with (from_pretrained, a GGUF's scaling):
-# kept through unpatch and later patches, since it says where the model came from, not what it carries now
-_LOADED = "_hfpatch_loaded_with"
-
-
-@dataclass
-class PatchState:
-    spec: dict  # the live patch: undone by unpatch, replaced axis by axis by later patches
-    layers: dict = field(default_factory=dict)  # {axis: Edits}, in application order (AXES)
-    record: Edits = field(default_factory=Edits)  # writes config.hfpatch
-    facts: dict = field(default_factory=dict)  # what applying found, per axis (e.g. {"norm": {"exact": False}})
-    # Patches a checkpoint was saved with and that reloaded as part of the model (norm swaps change which weights
-    # exist, so from_pretrained loads them already applied); unpatch keeps them. Their specs in the order they were
-    # applied (a reloaded model can be patched on the same axis again), facts, and the original config values from
-    # the saved record.
-    baked_stages: list = field(default_factory=list)
-    baked_facts: dict = field(default_factory=dict)
-    baked_config: dict = field(default_factory=dict)
-    config: Edits | None = None  # gave the model a config of its own (see own_config): undone last
-
-    @property
-    def baked(self) -> dict:
-        """The baked stages as one spec (a later stage replaces an earlier one's axis)."""
-        return {axis: req for stage in self.baked_stages for axis, req in stage.items()}
-
-    @property
-    def applied(self) -> dict:
-        """What the model carries now: the baked spec with the live one over it."""
-        return {**self.baked, **self.spec}
-
-
-def unwrap(model) -> PreTrainedModel:
-    """The transformers model to patch: itself, or the base model inside a peft.PeftModel."""
-    target = model
-    if not isinstance(target, PreTrainedModel) and hasattr(target, "get_base_model"):
-        target = target.get_base_model()
-    if not isinstance(target, PreTrainedModel):
-        raise TypeError(
-            "hfpatch patches a transformers PreTrainedModel (or a peft PeftModel around one), "
-            f"got {type(model).__name__}"
-        )
-    return target
-
-
-def state_of(model) -> PatchState | None:
-    return getattr(unwrap(model), _STATE, None)
-
 
 def changes_weights(axis: str, req: dict) -> bool:
     """Whether a patch changes which weights exist (or their shapes): such patches reload by loading the saved
@@ -134,28 +112,6 @@ def apply_axes(model: PreTrainedModel, adapter: Adapter, spec: dict, layers: dic
     return facts
 
 
-def sub_configs(config) -> list[tuple[str, object]]:
-    """[(prefix, config)]: the config and its sub-configs (a multimodal model's text_config, ...), keys prefixed
-    "text_config." so that a record names where each value lives."""
-    out = [("", config)]
-    for name in getattr(config, "sub_configs", {}) or {}:
-        sub = getattr(config, name, None)
-        if sub is not None and hasattr(sub, "to_dict") and all(sub is not c for _, c in out):
-            out.append((name + ".", sub))
-    return out
-
-
-def touched_config(config, logs) -> dict:
-    """{config attribute ("text_config.x" for a sub-config's): value before the first of `logs` (in order)
-    changed it}."""
-    out: dict = {}
-    for prefix, c in sub_configs(config):
-        for edits in logs:
-            for k, v in edits.touched(c).items():
-                out.setdefault(prefix + k, v)
-    out.pop("hfpatch", None)
-    return out
-
 
 def _write_record(model, state: PatchState, record: Edits) -> None:
     """The record that save_pretrained writes (model.save_pretrained too, as part of the config): the spec, the
@@ -169,7 +125,7 @@ def _write_record(model, state: PatchState, record: Edits) -> None:
                                                 adapter_for(model).to_dict(model.config)))
     for owner, names in block_names(model).items():
         record.set(owner, "_no_split_modules", names)
-    _bind_save(model, record)
+    bind_save(model, record)
 
 
 def block_names(model) -> dict:
@@ -239,7 +195,7 @@ def patch(model, position=None, factor=None, norm=None, placement=None, exact=No
     target = unwrap(model)
     request = specs.request(position=position, factor=factor, norm=norm, placement=placement, exact=exact,
                             attention_temperature=attention_temperature, **options)
-    old: PatchState = getattr(target, _STATE, None) or PatchState(spec={})
+    old: PatchState = state_of(target) or PatchState(spec={})
     new_spec = specs.merge(old.spec, request)
     if new_spec == old.spec:
         return model
@@ -270,7 +226,7 @@ def _outside_inference_mode(model) -> contextlib.AbstractContextManager:
 def _replace(target: PreTrainedModel, adapter: Adapter, old: PatchState, new_spec: dict, redo: tuple) -> None:
     """Undo the axes in `redo` (newest first), apply them as `new_spec` says, record it and make it the live state;
     on any exception, put everything back as it was (the previous patch's own objects, trained weights included)."""
-    previous = getattr(target, _STATE, None)
+    previous = state_of(target)
     undone = [old.record] + [old.layers[a] for a in reversed(redo) if a in old.layers]
     new = PatchState(spec=new_spec, layers={a: e for a, e in old.layers.items() if a not in redo},
                      facts={a: f for a, f in old.facts.items() if a not in redo}, config=old.config,
@@ -285,11 +241,11 @@ def _replace(target: PreTrainedModel, adapter: Adapter, old: PatchState, new_spe
             edits.undo()
         new.facts.update(apply_axes(target, adapter, new_spec, new.layers, redo))
         _write_record(target, new, new.record)
-        object.__setattr__(target, _STATE, new)
+        set_state(target, new)
         if "position" in redo:  # describe()'s calls per attention path count from this patch on, its checks not
             paths.reset(target)
     except BaseException as e:
-        _set_state(target, previous)
+        set_state(target, previous)
         new.record.undo()
         for a in reversed(redo):
             if a in new.layers:
@@ -306,12 +262,6 @@ def _replace(target: PreTrainedModel, adapter: Adapter, old: PatchState, new_spe
                            f"{adapter.model_type} model ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
                            "the model is unchanged") from e
 
-
-def _set_state(target, state: PatchState | None) -> None:
-    if state is not None:
-        object.__setattr__(target, _STATE, state)
-    elif _STATE in vars(target):
-        object.__delattr__(target, _STATE)
 
 
 def own_config(model: PreTrainedModel, edits: Edits) -> None:
@@ -342,7 +292,7 @@ def unpatch(model):
         The same `model` object: as it was before its first patch, or the checkpoint's base model.
     """
     target = unwrap(model)
-    state = getattr(target, _STATE, None)
+    state = state_of(target)
     if state is None:
         return model
     logs = [state.record] + [state.layers[a] for a in reversed(AXES) if a in state.layers]
@@ -353,38 +303,16 @@ def unpatch(model):
             for edits in logs:
                 started.append(edits)
                 edits.undo()
-            object.__delattr__(target, _STATE)
+            set_state(target, None)
             if state.baked_stages:
                 bake(target, state.baked_stages, state.baked_facts, state.baked_config)
         except BaseException:
             for edits in reversed(started):
                 edits.redo()
-            object.__setattr__(target, _STATE, state)
+            set_state(target, state)
             raise
     return model
 
-
-def mark_loaded(model) -> None:
-    """Remember what `model` carries now as the patch it was loaded with (called by the loaders once the checkpoint's
-    patch is applied again): describe() reports it, and the evaluations run `none` as the model so loaded."""
-    target = unwrap(model)
-    state = getattr(target, _STATE, None)
-    object.__setattr__(target, _LOADED, copy.deepcopy(state.applied) if state and state.applied else None)
-
-
-def loaded_with(model) -> dict | None:
-    """The spec `model` was loaded with (baked stages and the patch applied again at load), None if it was loaded
-    unpatched or not by hfpatch."""
-    return copy.deepcopy(getattr(unwrap(model), _LOADED, None))
-
-
-def unpatch_restores(model, state: PatchState | None) -> str:
-    """What unpatch(model) gives, in words, for describe()."""
-    baked = state.baked if state else {}
-    keeps = f", keeping the weight-changing {specs.describe_string(baked)} it was saved with" if baked else ""
-    if getattr(model, _LOADED, None):
-        return "the checkpoint's base model" + keeps
-    return "the model as it was before patch()" + keeps
 
 
 def calibrate(model, batches=None) -> int:
@@ -413,160 +341,5 @@ def bake(model, stages: list, facts: dict, original_config: dict) -> None:
     state = PatchState(spec={}, baked_stages=copy.deepcopy(stages), baked_facts=facts, baked_config=original_config)
     model.config.hfpatch = _record(applied_spec(state.baked, facts), original_config, facts, stages,
                                    adapter_for(model).to_dict(model.config))
-    object.__setattr__(model, _STATE, state)
-    _bind_save(model, None)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# saving: what a patched model's folder says to the loaders that read it
-
-
-@contextlib.contextmanager
-def serializable(model):
-    """Let transformers save a model loaded from GGUF.
-
-    A GGUF checkpoint loaded by transformers' dequantizing loader holds plain float weights but keeps its quantizer,
-    whose `is_serializable()` is False, and a `quantization_config` that would make the saved folder look like a
-    GGUF file to the next loader. Both are detached for the duration of the save.
-    """
-    quantizer = getattr(model, "hf_quantizer", None)
-    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
-    if quantizer is None or str(getattr(method, "value", method)) != "gguf":
-        yield
-        return
-    packed = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.lower().startswith("gguf")})
-    if packed:
-        raise ValueError(
-            f"this GGUF model keeps its weights packed ({', '.join(packed)}); load it dequantized to save it "
-            "(from_pretrained(..., gguf_file=..., quantization_config=GgufConfig(dequantize=True)))"
-        )
-    config = model.config
-    had_qc = "quantization_config" in config.__dict__
-    qc = config.__dict__.pop("quantization_config", None)
-    model.hf_quantizer = None
-    try:
-        yield
-    finally:
-        model.hf_quantizer = quantizer
-        if had_qc:
-            config.quantization_config = qc
-
-
-def unexpressed(model) -> list[tuple[str, str, str]]:
-    """(axis, what was applied, what plain transformers builds instead) for each patch of `model` that its config
-    class cannot express: a norm swap or a placement change (the family's class builds its own norms, where they
-    were), a position scheme without a native form."""
-    state = state_of(model)
-    if state is None:
-        return []
-    target, adapter = unwrap(model), adapter_for(model)
-    applied, out = state.applied, []
-    if "norm" in applied and norms.current_kind(target, adapter) != adapter.norm:
-        out.append(("norm", applied["norm"]["kind"], "norms"))
-    if "placement" in applied and applied["placement"]["kind"] != adapter.placement_of(model.config):
-        out.append(("placement", applied["placement"]["kind"], "norm placement"))
-    if "position" in applied and not position_facts(target, adapter, state).get("native", True):
-        out.append(("position", applied["position"]["scheme"], "position encoding"))
-    if "temperature" in applied:  # no config class names one (Llama 4's is its own, for its NoPE layers)
-        out.append(("attention_temperature", applied["temperature"]["kind"], "attention (without the temperature)"))
-    return out
-
-
-# What config.json carries when plain transformers cannot express the patch it was saved with: a quantization
-# config whose method is this sentence. transformers knows no such method, so its from_pretrained logs "Unknown
-# quantization type, got <this sentence>" and loads the original architecture (it has no hook that would let a
-# config refuse to load without running the folder's code); engines that read quantization_config refuse the
-# folder. hfpatch.from_pretrained removes it before loading.
-NEEDS_HFPATCH = ("hfpatch (saved patched by hfpatch, in a form this config class cannot express: load it with "
-                 "hfpatch.from_pretrained; plain transformers builds the original, unpatched architecture)")
-
-
-@contextlib.contextmanager
-def marked_for_plain_reload(model, unexpressed: list):
-    """While saving a model with patches plain transformers cannot express: config.json names NEEDS_HFPATCH as its
-    quantization method (where the model has no quantization config of its own), and holds the original values of
-    the config fields a non-native position scheme changed (the record keeps the patched ones), so that a plain
-    reload builds the original model consistently: its own window, not the patched one's."""
-    edits = Edits()
-    config = model.config
-    if unexpressed and getattr(config, "quantization_config", None) is None:
-        edits.set(config, "quantization_config", {"quant_method": NEEDS_HFPATCH})
-    state = state_of(model)
-    if state is not None and any(axis == "position" for axis, _, _ in unexpressed) and "position" in state.layers:
-        for key, value in touched_config(config, [state.layers["position"]]).items():
-            owner, name = config_path(config, key)
-            if not name.startswith("_") and value is not MISSING:
-                edits.set(owner, name, value)
-    try:
-        yield
-    finally:
-        edits.undo()
-
-
-def config_path(config, key: str):
-    """(the config or sub-config holding `key`, the attribute name): "text_config.max_position_embeddings"."""
-    *subs, name = key.split(".")
-    for sub in subs:
-        config = getattr(config, sub)
-    return config, name
-
-
-def save_marked(model: PreTrainedModel, path, **kwargs) -> None:
-    """transformers' own save of `model`, with what its folder must say to a plain loader (`marked_for_plain_reload`)
-    and without what would stop a GGUF-loaded model from saving (`serializable`)."""
-    with serializable(model), marked_for_plain_reload(model, unexpressed(model)):
-        type(model).save_pretrained(model, path, **kwargs)
-
-
-def _own_save_pretrained(self, save_directory, *args, **kwargs):
-    """A patched model's own `save_pretrained` (bound to it while it carries a patch): whatever calls it —
-    transformers.Trainer's checkpoints and save_model, TRL's trainers, push_to_hub — writes the folder that
-    hfpatch.save_pretrained writes, whose config.json a plain loader reads as the original model or warns about."""
-    if args:  # transformers' save_pretrained takes everything after the folder by keyword
-        raise TypeError(f"save_pretrained takes one positional argument (the folder), got {1 + len(args)}")
-    return save_marked(self, save_directory, **kwargs)
-
-
-def _bind_save(model: PreTrainedModel, edits: Edits | None) -> None:
-    """Make `model.save_pretrained` go through save_marked: through `edits` (undone by unpatch), or for good."""
-    bound = types.MethodType(_own_save_pretrained, model)  # deepcopy rebinds a bound method to the copy
-    if edits is None:
-        object.__setattr__(model, "save_pretrained", bound)
-    else:
-        edits.set(model, "save_pretrained", bound)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# what the model carries, for describe() and the save marks
-
-def position_facts(model, adapter: Adapter, state: PatchState | None) -> dict:
-    config = model.config.get_text_config()
-    applied = state.applied if state else {}
-    if "position" in applied:
-        req = applied["position"]
-        if SCHEMES[req["scheme"]].rope is None:  # a bigger table is still a plain checkpoint; the others are not
-            chosen = {**state.baked_facts, **state.facts}.get("position", {}) if state else {}
-            return {**req, **chosen, "native": SCHEMES[req["scheme"]].native, **paths.describe(model, req["scheme"])}
-        rotary = get_path(model.base_model, adapter.rotary)
-        # no config class names per-layer positions: a model with them reloads patched through hfpatch only
-        return {**req, "rope_parameters": copy.deepcopy(rotary.config.rope_parameters),
-                "native": rotary.config is config and "layers" not in req}
-    if adapter.has_rope:
-        params = get_path(model.base_model, adapter.rotary).config.rope_parameters
-        flat = "rope_type" in params
-        rope_type = params["rope_type"] if flat else {lt: p and p["rope_type"] for lt, p in params.items()}
-        scheme = schemes.from_rope_type(cast(str, rope_type)) if flat else "rope"
-        return {"scheme": scheme, "rope_parameters": copy.deepcopy(params), "native": True}
-    if adapter.position_table:
-        return {"scheme": "learned", "table": adapter.position_table}
-    return {"scheme": adapter.position_signal}
-
-
-def applied_spec(applied: dict, facts: dict) -> dict:
-    """The applied spec as describe() reports it: a norm swap's `exact` is whether the conversion was exact (the
-    fact, also in describe()["norm"]), not whether it was asked for: exact=True on a model where the math allows no
-    exact conversion gives a plain swap."""
-    out = copy.deepcopy(applied)
-    if "norm" in out and "exact" in facts.get("norm", {}):
-        out["norm"]["exact"] = facts["norm"]["exact"]
-    return out
+    set_state(model, state)
+    bind_save(model, None)

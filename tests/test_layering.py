@@ -24,7 +24,9 @@ LAYERS: dict[str, set[str]] = {
     "position": {"adapters", "edits", "registry", "utils"},  # rope/, attention/, schemes/, the SCHEMES registry
     "norm": {"adapters", "edits", "registry", "utils"},  # the NORMS and PLACEMENTS registries, norm modules, swaps, fits
     "spec": {"position", "norm"},  # the patch spec, validated against the registries
-    "apply": {"spec", "adapters", "norm", "position", "edits", "utils"},  # patch / unpatch, the save marks
+    "patch_state": {"spec", "adapters", "position", "edits"},  # what a patched model carries: state, facts
+    "save_marks": {"patch_state", "adapters", "norm", "edits"},  # what a patched model's folder says to loaders
+    "apply": {"spec", "adapters", "norm", "position", "edits", "patch_state", "save_marks", "utils"},  # patch / unpatch
     "introspect": {"apply", "spec", "adapters", "norm", "position"},  # describe, length limits, what applies
     # in and out: other formats and engines, loading by name
     "interop": {"apply", "introspect", "spec", "adapters", "edits", "position", "utils"},  # io, gguf, serving

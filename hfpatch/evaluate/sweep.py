@@ -135,17 +135,17 @@ class Evaluation:
     def prog(self) -> str:
         return f"hfpatch eval {self.name}"
 
-    def main(self, argv=None) -> int:
+    def main(self, argv: list[str] | None = None) -> int:
         """The command: hfpatch eval NAME ARGS."""
         return main(self, argv)
 
-    def add_arguments(self, parser) -> None:
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         pass
 
-    def plan(self, args, tok) -> Plan:
+    def plan(self, args: argparse.Namespace, tok: Any) -> Plan:
         raise NotImplementedError
 
-    def run_unit(self, run: Run, cell: dict, unit: Unit, progress) -> dict:
+    def run_unit(self, run: Run, cell: dict, unit: Unit, progress: Callable[[int], None]) -> dict:
         """Run one unit with the cell's spec applied; return its record. progress(n) may report tokens read."""
         raise NotImplementedError
 
@@ -202,12 +202,12 @@ def build_parser(ev: Evaluation) -> command.Parser:
     return p
 
 
-def main(ev: Evaluation, argv=None) -> int:
+def main(ev: Evaluation, argv: list[str] | None = None) -> int:
     return command.run_main(lambda a: _main(ev, a), argv, ev.prog,
                         interrupted="run the same command again to resume from the results file")
 
 
-def _main(ev: Evaluation, argv) -> int:
+def _main(ev: Evaluation, argv: list[str] | None) -> int:
     args = build_parser(ev).parse_args(argv)
     data = execute(ev, args, record_argv=list(sys.argv[1:] if argv is None else argv))
     if data is not None:
@@ -225,7 +225,8 @@ class Given:
     name: str  # what the results call it
 
 
-def execute(ev: Evaluation, args, *, record_argv: list | None = None, given: Given | None = None) -> dict | None:
+def execute(ev: Evaluation, args: argparse.Namespace, *, record_argv: list | None = None,
+            given: Given | None = None) -> dict | None:
     """Run evaluation `ev` with the parsed settings `args` (the command line's, or the Python API's): validate, plan,
     resume or start the results file, check memory, load (or take `given`), estimate, run every unit left, report.
     Returns the results file's content with the Markdown report under "report" (None after a dry run)."""
@@ -286,7 +287,7 @@ def execute(ev: Evaluation, args, *, record_argv: list | None = None, given: Giv
         results.close()
 
 
-def loaded_fingerprint(model, tokenizer) -> dict:
+def loaded_fingerprint(model: Any, tokenizer: Any) -> dict:
     """What identifies a model the caller loaded, by content: the SHA-256 of its config (with any patch it carries)
     and of every parameter and buffer, and of its tokenizer's vocabulary and chat template."""
     target = unwrap(model)
@@ -344,7 +345,7 @@ def covering(ev: Evaluation, data: dict) -> dict:
     return {**data, "settings": settings}
 
 
-def _todo(ev: Evaluation, results: Results, plan: Plan, patches) -> list:
+def _todo(ev: Evaluation, results: Results, plan: Plan, patches: list[tuple[str, dict]]) -> list:
     """[(spec, kwargs, Cell, units left)] for every cell not finished, in run order (grouped by spec)."""
     todo = []
     for spec, kwargs in patches:
@@ -361,7 +362,7 @@ def _todo(ev: Evaluation, results: Results, plan: Plan, patches) -> list:
     return todo
 
 
-def check_longest_read(args, shape: budget.Shape | None = None) -> None:
+def check_longest_read(args: argparse.Namespace, shape: budget.Shape | None = None) -> None:
     """The memory check of the longest --lengths alone, before the tokenizer builds any prompt: a prompt of
     millions of tokens takes the tokenizer minutes and more memory than the machine has (it aborted the process at
     100000k). The full check, with the plan's generation and scoring, follows the plan."""
@@ -370,7 +371,7 @@ def check_longest_read(args, shape: budget.Shape | None = None) -> None:
                                 new_tokens=getattr(args, "new_tokens", 0) or 0), shape)
 
 
-def check_memory(args, plan: Plan, shape: budget.Shape | None = None) -> None:
+def check_memory(args: argparse.Namespace, plan: Plan, shape: budget.Shape | None = None) -> None:
     """Refuse, before loading the model, a run whose longest read cannot fit in the memory that is free (`shape`:
     the model's, when it is loaded already; else read from its config by name)."""
     shape = shape or budget.shape_of(args.model)
@@ -405,7 +406,7 @@ def check_memory(args, plan: Plan, shape: budget.Shape | None = None) -> None:
 MODEL_OPTIONS = {"dtype": "fp32", "device": None, "device_map": None}
 
 
-def check_engine_options(args, engine) -> None:
+def check_engine_options(args: argparse.Namespace, engine: Any) -> None:
     """Refuse the model options `engine` (a class of ENGINES) would ignore; then fill in the defaults."""
     ignored = [f"--{k.replace('_', '-')}" for k in MODEL_OPTIONS
                if getattr(args, k) is not None and k not in engine.reads]
@@ -437,7 +438,7 @@ def _prepare(model, patches, plan: Plan, results: Results, name: str):
     return parts
 
 
-def _estimate(ev: Evaluation, run: Run, plan: Plan, todo) -> float:
+def _estimate(ev: Evaluation, run: Run, plan: Plan, todo: list) -> float:
     """Seconds the work left will take, from the cost model and one timed forward; printed before it starts."""
     shape = budget.shape_of_config(unwrap(run.model).config)
     limit = table_limit(run.model)  # unpatched now: stay within its table, the decoding step included
@@ -452,7 +453,7 @@ def _estimate(ev: Evaluation, run: Run, plan: Plan, todo) -> float:
     return seconds
 
 
-def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
+def _run(ev: Evaluation, run: Run, todo: list, results: Results) -> None:
     bar = tqdm(total=sum(u.tokens for *_, left in todo for u in left), unit="tok", unit_scale=True, desc=ev.name,
                file=sys.stderr, dynamic_ncols=True)
     try:
@@ -488,7 +489,7 @@ def _run(ev: Evaluation, run: Run, todo, results: Results) -> None:
         bar.close()
 
 
-def _paths_ran(model) -> dict:
+def _paths_ran(model: Any) -> dict:
     """Calls per attention path so far, for schemes with their own attention function (describe())."""
     return describe(model)["position"].get("attention_path", {}).get("ran", {})
 
@@ -500,7 +501,7 @@ class TransformersEngine:
     reads = frozenset(MODEL_OPTIONS)
     unread_reason = ""
 
-    def __init__(self, args):
+    def __init__(self, args: argparse.Namespace) -> None:
         pass
 
     check_longest_read = staticmethod(check_longest_read)
@@ -529,5 +530,5 @@ def _add_paths_since(cell: dict, before: dict, now: dict) -> None:
         cell["attention_path"] = total
 
 
-def _label(key: str, value) -> str:
+def _label(key: str, value: Any) -> str:
     return length_label(value) if key == "length" else f"{key} {value}" if isinstance(value, float) else str(value)

@@ -15,7 +15,7 @@ import contextlib
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import transformers
 import yaml
@@ -199,27 +199,14 @@ def from_pretrained(path, **kwargs):
     if not kwargs.get("gguf_file"):
         kwargs.setdefault("use_safetensors", True)
         refuse_pickled_weights(path, kwargs["use_safetensors"], "from_pretrained(..., use_safetensors=None)")
-    config_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "revision", "token", "gguf_file") if k in kwargs}
-    try:
-        config = AutoConfig.from_pretrained(path, **config_kwargs)
-    except ValueError as e:
-        if "trust_remote_code" not in str(e) or kwargs["trust_remote_code"]:
-            raise
-        raise ValueError(remote_code_refused(path, "from_pretrained(..., trust_remote_code=True)")) from None
+    config = _read_config(path, kwargs)
     _drop_mark(config)
     record = getattr(config, "hfpatch", None)
     if record is None:
         return _model_class(config).from_pretrained(path, config=config, **kwargs)
     if not isinstance(record, dict) or record.get("version") not in (1, 2):
         raise ValueError(f"{path}: unreadable hfpatch section in config.json (expected version 1 or 2): {record!r}")
-    for key, value in record.get("original_config", {}).items():
-        owner, name = config_path(config, key)
-        setattr(owner, name, value)
-    for key in record.get("added_config", []):
-        owner, name = config_path(config, key)
-        if name in owner.__dict__:
-            delattr(owner, name)
-    del config.hfpatch
+    _restore_original_config(config, record)
     spec = record["spec"]
     # Weight-changing patches of every stage (a reloaded model patched again on the same axis saves two stages),
     # in the order they were applied; the other axes of the final spec are applied again after loading.
@@ -231,6 +218,36 @@ def from_pretrained(path, **kwargs):
         if "adapter" in record:
             set_adapter(model, Adapter.from_dict(record["adapter"]))
         return _loaded(patch(model, **specs.to_kwargs(live)))
+    model = _load_into_patched_structure(path, config, record, stages, kwargs)
+    return _loaded(patch(model, **specs.to_kwargs(live)) if live else model)
+
+
+def _read_config(path: str | Path, kwargs: dict) -> PreTrainedConfig:
+    """The folder's config, read with the loading settings among `kwargs`; remote code refused in one line."""
+    config_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "revision", "token", "gguf_file") if k in kwargs}
+    try:
+        return AutoConfig.from_pretrained(path, **config_kwargs)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e) or kwargs["trust_remote_code"]:
+            raise
+        raise ValueError(remote_code_refused(path, "from_pretrained(..., trust_remote_code=True)")) from None
+
+
+def _restore_original_config(config: PreTrainedConfig, record: dict) -> None:
+    """Put back in `config` the values the saved patch replaced, take out the ones it added, and drop the record."""
+    for key, value in record.get("original_config", {}).items():
+        owner, name = config_path(config, key)
+        setattr(owner, name, value)
+    for key in record.get("added_config", []):
+        owner, name = config_path(config, key)
+        if name in owner.__dict__:
+            delattr(owner, name)
+    del config.hfpatch
+
+
+def _load_into_patched_structure(path: str | Path, config: PreTrainedConfig, record: dict, stages: list,
+                                 kwargs: dict) -> PreTrainedModel:
+    """The checkpoint loaded into a model that already carries its weight-changing `stages` (baked into it)."""
     # transformers builds the model through a subclass whose __init__ applies those patches (by the same code that
     # patched the saved model), then loads the checkpoint into it with its own loader (key renames, tied weights,
     # dtype, device_map), so every saved tensor finds its place.
@@ -238,7 +255,7 @@ def from_pretrained(path, **kwargs):
     # The structure is read before any weight exists (transformers builds the model on the meta device): from the
     # adapter the record carries, or, for records written before it did, from a replica built on the CPU.
     adapter = Adapter.from_dict(record["adapter"]) if "adapter" in record else adapter_for(cls(config))
-    built = {}
+    built: dict = {}
 
     def __init__(self, config, *args, **kw):
         cls.__init__(self, config, *args, **kw)
@@ -252,13 +269,14 @@ def from_pretrained(path, **kwargs):
                 logs += [layers[a] for a in AXES if a in layers]
         built["facts"], built["config"] = facts, touched_config(self.config, logs)
 
-    structured = type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
+    structured = cast("type[PreTrainedModel]",
+                      type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__}))
     model = structured.from_pretrained(path, config=config, **kwargs)
     model.__class__ = cls
     set_adapter(model, adapter)
     # The reloaded structure is the model now: unpatch cannot bring back weights that are not in the folder.
     bake(model, stages, built["facts"], built["config"])
-    return _loaded(patch(model, **specs.to_kwargs(live)) if live else model)
+    return model
 
 
 def _loaded(model: PreTrainedModel):

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..adapters import Adapter
 from ..registry import Registry
 from . import layers
 from .attention import paths
@@ -52,7 +53,8 @@ from .signal import apply_interpolate, apply_nope, apply_rope, apply_sinusoidal,
 MAX_FACTOR = 65536.0
 
 
-def number(name: str, value, *, positive=True, above_one=False, at_most: float | None = None, why: str = "") -> float:
+def number(name: str, value: Any, *, positive: bool = True, above_one: bool = False, at_most: float | None = None,
+           why: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     try:
@@ -70,9 +72,9 @@ def number(name: str, value, *, positive=True, above_one=False, at_most: float |
     return value
 
 
-def at_most(limit: float, why: str, *, integer=False):
+def at_most(limit: float, why: str, *, integer: bool = False) -> Callable[[str, Any], Any]:
     """A validator of positive numbers (integers) up to `limit`, `why` saying what the option is."""
-    def check(name, value):
+    def check(name: str, value: Any) -> Any:
         if integer:
             value = positive_int(name, value)
             if value > limit:
@@ -82,44 +84,44 @@ def at_most(limit: float, why: str, *, integer=False):
     return check
 
 
-def positive(name, value):
+def positive(name: str, value: Any) -> Any:
     return number(name, value)
 
 
-def real(name, value):
+def real(name: str, value: Any) -> Any:
     return number(name, value, positive=False)
 
 
-def factor(name, value):
+def factor(name: str, value: Any) -> Any:
     return number(name, value, above_one=True, at_most=MAX_FACTOR, why="the context extension ratio")
 
 
-def positive_int(name, value):
+def positive_int(name: str, value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
 
-def _fraction(name, value):
+def _fraction(name: str, value: Any) -> Any:
     value = number(name, value)
     if value > 1.0:
         raise ValueError(f"{name} must be in (0, 1] (the fraction of rotary pairs kept), got {value:g}")
     return value
 
 
-def flag(name, value):
+def flag(name: str, value: Any) -> Any:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
 
 
-def numbers_list(name, value):
+def numbers_list(name: str, value: Any) -> Any:
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise ValueError(f"{name} must be a list of numbers (one per rotary frequency), got {value!r}")
     return [number(f"{name}[{i}]", v) for i, v in enumerate(value)]
 
 
-def names(name, value):
+def names(name: str, value: Any) -> Any:
     if isinstance(value, str):
         value = [value]
     if not value or not all(isinstance(v, str) for v in value):
@@ -127,7 +129,7 @@ def names(name, value):
     return sorted(set(value))
 
 
-def layer_groups(name, value):
+def layer_groups(name: str, value: Any) -> Any:
     return layers.request(value, LAYER_SCHEMES)
 
 
@@ -178,18 +180,18 @@ YARN_OPTIONS = {
 assert set(YARN_OPTIONS) == set(rope.YARN_OPTIONS), "every option YaRN's builder passes on has its check here"
 
 
-def _betas(req):
+def _betas(req: dict) -> None:
     if "beta_fast" in req and "beta_slow" in req and req["beta_fast"] <= req["beta_slow"]:
         raise ValueError(f"beta_fast must be greater than beta_slow, got {req['beta_fast']} <= {req['beta_slow']}")
 
 
-def _llama3(req):
+def _llama3(req: dict) -> None:
     lo, hi = req.get("low_freq_factor", 1.0), req.get("high_freq_factor", 4.0)
     if hi <= lo:
         raise ValueError(f"high_freq_factor must be greater than low_freq_factor, got {hi} <= {lo}")
 
 
-def _longrope(req):
+def _longrope(req: dict) -> None:
     missing = [k for k in ("short_factor", "long_factor") if k not in req]
     if missing:
         raise ValueError(f"position='longrope' needs {' and '.join(missing)}: lists of per-frequency scale factors "
@@ -247,7 +249,7 @@ REQUIREMENTS: dict[str, Requirement] = {
 }
 
 
-def _signal(a) -> str:
+def _signal(a: Adapter) -> str:
     return {"rope": "RoPE positions", "learned": "learned absolute position embeddings", "none": "no position "
             "embeddings", "unknown": "a position encoding hfpatch cannot find"}[a.position_signal]
 
@@ -291,9 +293,11 @@ def _own_attention(what: str) -> str:
             "sequence")
 
 
-def _rope(builder, summary, factor="required", options=None, check=None, max_positions="extended", limit="window",
-          native=True, requires=("rope", "window"), per_forward=None, split=None, frequencies=None, native_for=None,
-          gguf=None, gguf_refusal=None):
+def _rope(builder: Callable, summary: str, factor: str = "required", options: dict[str, Option] | None = None,
+          check: Callable | None = None, max_positions: str = "extended", limit: str | None = "window",
+          native: bool = True, requires: tuple[str, ...] = ("rope", "window"), per_forward: Callable | None = None,
+          split: str | None = None, frequencies: Callable | None = None, native_for: Callable | None = None,
+          gguf: Callable | None = None, gguf_refusal: str | Callable[[dict, int], str] | None = None) -> Scheme:
     return Scheme(apply_rope, requires, summary, factor, {**ROPE_COMMON, **(options or {})}, check, builder,
                   per_forward, max_positions, limit, native, split=split, frequencies=frequencies,
                   native_for=native_for, gguf=gguf, gguf_refusal=gguf_refusal)
@@ -429,7 +433,7 @@ def all_options() -> set[str]:
     return set().union(*(options_of(s) for s in SCHEMES))
 
 
-def request(scheme, options: dict) -> dict:
+def request(scheme: Any, options: dict) -> dict:
     """Validate a position request: {"scheme": ..., **options} or ValueError/TypeError saying what is accepted."""
     if not isinstance(scheme, str):
         raise TypeError(f"position must be a string, one of {', '.join(SCHEMES)}; got {scheme!r}")
@@ -467,7 +471,7 @@ def request(scheme, options: dict) -> dict:
     return out
 
 
-def unavailable(name: str, adapter, req: dict | None = None) -> str | None:
+def unavailable(name: str, adapter: Adapter, req: dict | None = None) -> str | None:
     """Why scheme `name` (with the options of `req`, if given) does not apply to a model with this adapter (None:
     it applies)."""
     for r in SCHEMES[name].requires:

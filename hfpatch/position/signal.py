@@ -7,9 +7,11 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from typing import cast
+from typing import Any, cast
 
 import torch
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
 
 from ..adapters import Adapter, get_path
 from ..adapters.infer import mixer_paths
@@ -22,7 +24,7 @@ from .rope import rotary as rot
 from .schemes import absolute
 
 
-def rotaries_of(model, adapter: Adapter) -> list:
+def rotaries_of(model: PreTrainedModel, adapter: Adapter) -> list:
     """[(rotary module, the config it reads)], the model's own (text) config first."""
     out = []
     for path in adapter.rotaries:
@@ -35,13 +37,13 @@ def rotaries_of(model, adapter: Adapter) -> list:
     return out
 
 
-def attention_layers(model, adapter: Adapter) -> list[int]:
+def attention_layers(model: PreTrainedModel, adapter: Adapter) -> list[int]:
     """Indices of the blocks that hold `adapter.attention` (all of them, except in hybrid stacks)."""
     n = len(get_path(model.base_model, adapter.layers))
     return list(adapter.attention_layers) if adapter.attention_layers is not None else list(range(n))
 
 
-def max_positions(scheme, window: int, opts: dict) -> int:
+def max_positions(scheme: Any, window: int, opts: dict) -> int:
     """config.max_position_embeddings after a RoPE rescaling: window x factor for schemes with an extended window,
     the window itself for the others (transformers' dynamic NTK reads it as the original window)."""
     factor = opts.get("factor")
@@ -50,7 +52,7 @@ def max_positions(scheme, window: int, opts: dict) -> int:
     return math.ceil(window * factor)
 
 
-def default_layer_types(config) -> list:
+def default_layer_types(config: PreTrainedConfig) -> list:
     """Where a config nests RoPE per layer type, the types a scaling applies to by default: the global-attention
     layers, as transformers' own legacy `rope_scaling` does (gemma3), else every type that has RoPE (some families
     give their global layers none)."""
@@ -58,7 +60,7 @@ def default_layer_types(config) -> list:
     return ["full_attention"] if "full_attention" in roped else roped
 
 
-def apply_rope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+def apply_rope(model: PreTrainedModel, adapter: Adapter, req: dict, scheme: Any, edits: Edits) -> None:
     text_config = model.config.get_text_config()
     # not the scheme's own options: which layer types and layers it applies to, the trained window
     opts = {k: v for k, v in req.items() if k not in ("scheme", "layer_types", "layers",
@@ -79,7 +81,7 @@ def apply_rope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None
             scheme.frequencies(rotary, rotated, opts, edits)
 
 
-def keep_high_frequencies(rotary, rotated: dict, opts: dict, edits: Edits) -> None:
+def keep_high_frequencies(rotary: nn.Module, rotated: dict, opts: dict, edits: Edits) -> None:
     """p-RoPE on a live rotary module: of the `rotated[layer_type]` pairs the model rotated before the patch, the
     highest-frequency floor(keep * n) keep their frequency and the others get 0 (no rotation). Where the native
     "proportional" parameters already did so, nothing changes."""
@@ -156,7 +158,7 @@ def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edi
     return rope_config, base, window, n_positions
 
 
-def _fits_natively(rotary, config, rope_parameters, targets) -> bool:
+def _fits_natively(rotary: nn.Module, config: PreTrainedConfig, rope_parameters: dict, targets: list) -> bool:
     """Whether transformers, built from these parameters, computes buffers of the shapes the model rotates with
     (not so where hfpatch pads a partial rotation's frequencies with zeros: rot.fitted)."""
     trial = copy.copy(config)
@@ -168,7 +170,7 @@ def _fits_natively(rotary, config, rope_parameters, targets) -> bool:
     return True
 
 
-def native_form_kept(config, rope_parameters: dict) -> bool:
+def native_form_kept(config: PreTrainedConfig, rope_parameters: dict) -> bool:
     """Whether `config`'s class keeps these rope_parameters as given when it builds a config from them (Phi3Config
     rewrites yarn to longrope and rejects other types), i.e. whether config.json can carry them natively."""
     def types(params):
@@ -188,12 +190,12 @@ def native_form_kept(config, rope_parameters: dict) -> bool:
     return isinstance(got, dict) and types(got) == types(rope_parameters)
 
 
-def apply_nope(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+def apply_nope(model: PreTrainedModel, adapter: Adapter, req: dict, scheme: Any, edits: Edits) -> None:
     """No position signal at all: the model's own is taken out and nothing is put in."""
     remove_positions(model, adapter, req["scheme"], edits)
 
 
-def apply_sinusoidal(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+def apply_sinusoidal(model: PreTrainedModel, adapter: Adapter, req: dict, scheme: Any, edits: Edits) -> None:
     """The fixed sinusoidal table, carried by the learned table's lookup (which returns its rows instead) or, in a
     model without a table, added to the first block's input."""
     base = model.base_model
@@ -208,7 +210,7 @@ def apply_sinusoidal(model, adapter: Adapter, req: dict, scheme, edits: Edits) -
         edits.set(carrier, absolute.SCALE_ATTR, float(req["pe_scale"]))
 
 
-def remove_positions(model, adapter: Adapter, scheme: str, edits: Edits, reloadable: bool = False,
+def remove_positions(model: PreTrainedModel, adapter: Adapter, scheme: str, edits: Edits, reloadable: bool = False,
                      lookup: type = ZeroPositions) -> None:
     """Take the model's own position signal out: RoPE becomes the identity, a learned table's lookup is replaced by
     `lookup` (zeros, or absolute.SinusoidalPositions: rows that encode position); then check, numerically, that no
@@ -227,13 +229,13 @@ def remove_positions(model, adapter: Adapter, scheme: str, edits: Edits, reloada
     _check_removed(model, adapter, scheme, embedded_allowed=lookup is not ZeroPositions)
 
 
-def attention_modules(model, adapter: Adapter) -> list:
+def attention_modules(model: PreTrainedModel, adapter: Adapter) -> list:
     """The attention module of every block that has one."""
     layers = get_path(model.base_model, adapter.layers)
     return [get_path(layers[i], adapter.attention) for i in attention_layers(model, adapter)]
 
 
-def use_attention(model, sdpa_name: str, eager_name: str, edits: Edits) -> None:
+def use_attention(model: PreTrainedModel, sdpa_name: str, eager_name: str, edits: Edits) -> None:
     """Switch the model to a registered attention function: `eager_name` if it runs eager attention (which returns
     attention weights), else `sdpa_name`."""
     config = model.config
@@ -243,7 +245,7 @@ def use_attention(model, sdpa_name: str, eager_name: str, edits: Edits) -> None:
         edits.set(c, "_attn_implementation_internal", name)
 
 
-def _check_removed(model, adapter: Adapter, scheme: str, embedded_allowed: bool) -> None:
+def _check_removed(model: PreTrainedModel, adapter: Adapter, scheme: str, embedded_allowed: bool) -> None:
     """After the model's own position signal was taken out, no attention block may still tell positions apart, nor
     the embeddings unless `embedded_allowed` (a table lookup that now returns sinusoidal rows): checked on a
     repeated token (adapters.probe.position_sources). Skipped on a model without weights yet (a reload builds it on
@@ -260,13 +262,13 @@ def _check_removed(model, adapter: Adapter, scheme: str, embedded_allowed: bool)
                          "token): hfpatch cannot find all of it")
 
 
-def _signal_of(adapter) -> str:
+def _signal_of(adapter: Adapter) -> str:
     found = [*(f"the rotary module {r}" for r in adapter.rotaries),
              *([f"the position table {adapter.position_table}"] if adapter.position_table else [])]
     return ", ".join(found) or "nothing (none was found)"
 
 
-def apply_interpolate(model, adapter: Adapter, req: dict, scheme, edits: Edits) -> None:
+def apply_interpolate(model: PreTrainedModel, adapter: Adapter, req: dict, scheme: Any, edits: Edits) -> None:
     """A learned position table stretched to factor x its length by linear interpolation of its rows."""
     base = model.base_model
     path = cast(str, adapter.position_table)  # the scheme requires a table (its Requirement)

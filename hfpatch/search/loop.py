@@ -373,22 +373,9 @@ def search(model: PreTrainedModel, tokenizer: Any, target_length: int, *, out: P
                    families=list(families) if families is not None else list(space.FAMILIES))
     check_options(opts)
     budget = parse_budget(budget) if isinstance(budget, str) else budget
-    config = unwrap(model).config
-    window = opts.window or trained_window(config)
-    if window is None:
-        raise ValueError("the model's config names no trained window (max_position_embeddings): pass window=")
-    opts.window = window
-    if target_length <= window:
-        raise ValueError(f"the target length ({target_length}) must be longer than the trained window ({window}): "
-                         "within it the model needs no extension")
+    window = _fill_window(model, opts)
     opts.span = opts.span or max(2, min(32, window // 4))
-    opts.families = space.parse_families(",".join(opts.families))
-    setting, left_out = space.setting_for(model, window, target_length, opts.families)
-    families = [f for f in opts.families if f not in left_out]
-    for name, why in left_out.items():
-        print(f"hfpatch search: leaving out {name}: {' '.join(why.split())}", file=sys.stderr)
-    if not families:
-        raise ValueError("no family of the search space applies to this model: " + "; ".join(left_out.values()))
+    setting, families, left_out = _applicable_families(model, opts, window)
     docs = documents if documents is not None else (texts.text_files(text_files) if text_files
                                                     else texts.default_corpus())
     calibration = objective.build(tokenizer, docs, target_length, window, opts.samples, opts.span, opts.seed)
@@ -419,6 +406,33 @@ def search(model: PreTrainedModel, tokenizer: Any, target_length: int, *, out: P
         return _outputs(results.data, out, best, opts, make_plot)
     finally:
         results.close()
+
+
+def _fill_window(model: PreTrainedModel, opts: Options) -> int:
+    """Fill in opts.window (the model's trained window unless given), refusing a target that the window already
+    covers; the window."""
+    window = opts.window or trained_window(unwrap(model).config)
+    if window is None:
+        raise ValueError("the model's config names no trained window (max_position_embeddings): pass window=")
+    opts.window = window
+    if opts.target <= window:
+        raise ValueError(f"the target length ({opts.target}) must be longer than the trained window ({window}): "
+                         "within it the model needs no extension")
+    return window
+
+
+def _applicable_families(model: PreTrainedModel, opts: Options,
+                         window: int) -> tuple[space.Setting, list[str], dict[str, str]]:
+    """(the search space's setting for this model, the families of opts that apply to it, {family left out: why}),
+    each one left out said on stderr; no family that applies is an error."""
+    opts.families = space.parse_families(",".join(opts.families))
+    setting, left_out = space.setting_for(model, window, opts.target, opts.families)
+    families = [f for f in opts.families if f not in left_out]
+    for name, why in left_out.items():
+        print(f"hfpatch search: leaving out {name}: {' '.join(why.split())}", file=sys.stderr)
+    if not families:
+        raise ValueError("no family of the search space applies to this model: " + "; ".join(left_out.values()))
+    return setting, families, left_out
 
 
 def _estimate(model: PreTrainedModel, opts: Options, memory_check: bool) -> float:

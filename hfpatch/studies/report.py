@@ -19,74 +19,100 @@ def _f(x: Any, digits: int = 2):
 
 def table(summary: dict) -> str:
     """Markdown tables of a study summary: per arm (means over seeds)."""
-
     runs = summary["runs"]
     grid = grid_of(summary)  # a grid's arms have tables of their own (below); these are the other arms
     arms = [a for a in summary["arms"] if a not in grid and any(r["arm"] == a for r in runs)]  # the arms done so far
     by_arm = {a: [r for r in runs if r["arm"] == a] for a in arms}
-    parts = []
-    lengths = summary.get("lengths") or []
-    header = ["arm", "params", "final train loss", "held-out loss", "s/step"] + [f"ppl {n}" for n in lengths]
-    if summary.get("seeds", [0])[1:]:
-        header.insert(1, "seeds")
-    rows = []
-    for a in arms:
-        rs = by_arm[a]
-        ev = [list(r["training"].get("eval_loss", {}).values())[-1] for r in rs if r["training"].get("eval_loss")]
-        row = [a, f"{rs[0].get('parameters', 0) / 1e6:.2f} M", _f(mean(r["training"].get("final_loss") for r in rs), 3),
-               _f(mean(ev), 3), _f(mean(r["training"].get("seconds_per_step") for r in rs), 3)]
-        row += [_f(mean(r.get("ppl", {}).get(str(n)) for r in rs)) for n in lengths]
-        if summary.get("seeds", [0])[1:]:
-            row.insert(1, str(len(rs)))
-        rows.append(row)
-    if rows:
-        parts.append(f"**per arm{' (outside the grid)' if grid else ''}** (held-out loss: the run's own eval split; "
-                     "ppl: the evaluation text, chunks of each length; means over seeds)\n\n"
-                     + markdown_table(header, rows))
-    if summary.get("step_time"):
-        st = summary["step_time"]
-        first = next(iter(st["seconds"].values()))
-        rows = [[a, f"{t:.3f}", f"{t / first:.3f}"] for a, t in st["seconds"].items()]
-        parts.append(f"**training step, side by side** (forward + backward of a [{st['batch']}] batch, median of "
-                     f"{st['rounds']} rounds, arms in turn)\n\n" + markdown_table(["arm", "seconds", "ratio"], rows))
-    if any("statistics" in r for r in runs):
-        keys = list(next(r for r in runs if "statistics" in r)["statistics"]["nll"])
-        rows = [[a] + [_f(mean(r["statistics"]["nll"][k] for r in by_arm[a] if "statistics" in r), 4) for k in keys]
-                for a in arms]
-        parts.append("**held-out NLL by normalisation statistics** (eval(): running; batchstats: the batch's own)\n\n"
-                     + markdown_table(["arm", *keys], rows))
-    if any("recall" in r for r in runs):
-        ds = list(next(r for r in runs if "recall" in r)["recall"])
-        rows = [[a] + [_f(mean(r["recall"][d].get("gain") for r in by_arm[a] if "recall" in r), 3) for d in ds]
-                for a in arms if any("recall" in r for r in by_arm[a])]
-        parts.append("**recall gain** (nats/token: NLL of a repeated span without minus with its first copy, by "
-                     "distance)\n\n" + markdown_table(["arm"] + [f"d={d}" for d in ds], rows))
-    if any("passkey" in r for r in runs):
-        rows = []
-        for r in runs:
-            for n, acc in r.get("passkey", {}).items():
-                rows.append([r["name"], n, _f(acc, 2)])
-        parts.append("**passkey accuracy** (all depths)\n\n" + markdown_table(["run", "length", "accuracy"], rows))
-    if any("grad_norms" in r for a in arms for r in by_arm[a]):
-        rows = []
-        for a in arms:
-            rs = by_arm[a]
-            init = [r["grad_norms"]["init"] for r in rs if r.get("grad_norms")]
-            first = mean(i.get("layer.0") for i in init)
-            last_key = max((k for i in init for k in i if k.startswith("layer.")), key=lambda k: int(k.split(".")[1]),
-                           default=None)
-            last = mean(i.get(last_key) for i in init) if last_key else None
-            rows.append([a, f"{sum(r['training'].get('diverged', False) for r in rs)}/{len(rs)}",
-                         _f(mean(r["training"].get("final_loss") for r in rs), 3), _f(first, 3), _f(last, 3),
-                         _f(None if not first or not last else last / first, 2)])
-        parts.append("**placement** (gradient norms at the first step, before clipping; diverged: loss not finite "
-                     "or ending 0.5 nats above its best)\n\n" + markdown_table(
-                         ["arm", "diverged", "final loss", "grad first block", "grad last block", "last / first"],
-                         rows))
+    parts = [part for part in (_per_arm_table(summary, by_arm, bool(grid)), _step_time_table(summary),
+                               _statistics_table(runs, by_arm), _recall_table(runs, by_arm), _passkey_table(runs),
+                               _placement_table(by_arm)) if part]
     if grid:
         parts = [sweep_table(summary), *([init_grad_table(summary)] if any("grad_norms" in r for r in runs) else []),
                  *parts]
     return "\n\n".join(parts)
+
+
+def _per_arm_table(summary: dict, by_arm: dict[str, list], grid: bool) -> str | None:
+    """Loss, size, speed and perplexities of each arm, means over its seeds (None: no arm done)."""
+    lengths = summary.get("lengths") or []
+    seeds = bool(summary.get("seeds", [0])[1:])
+    header = ["arm", "params", "final train loss", "held-out loss", "s/step"] + [f"ppl {n}" for n in lengths]
+    if seeds:
+        header.insert(1, "seeds")
+    rows = []
+    for a, rs in by_arm.items():
+        ev = [list(r["training"].get("eval_loss", {}).values())[-1] for r in rs if r["training"].get("eval_loss")]
+        row = [a, f"{rs[0].get('parameters', 0) / 1e6:.2f} M", _f(mean(r["training"].get("final_loss") for r in rs), 3),
+               _f(mean(ev), 3), _f(mean(r["training"].get("seconds_per_step") for r in rs), 3)]
+        row += [_f(mean(r.get("ppl", {}).get(str(n)) for r in rs)) for n in lengths]
+        if seeds:
+            row.insert(1, str(len(rs)))
+        rows.append(row)
+    if not rows:
+        return None
+    return (f"**per arm{' (outside the grid)' if grid else ''}** (held-out loss: the run's own eval split; "
+            "ppl: the evaluation text, chunks of each length; means over seeds)\n\n" + markdown_table(header, rows))
+
+
+def _step_time_table(summary: dict) -> str | None:
+    """The training step of each arm timed side by side (None: not measured)."""
+    if not summary.get("step_time"):
+        return None
+    st = summary["step_time"]
+    first = next(iter(st["seconds"].values()))
+    rows = [[a, f"{t:.3f}", f"{t / first:.3f}"] for a, t in st["seconds"].items()]
+    return (f"**training step, side by side** (forward + backward of a [{st['batch']}] batch, median of "
+            f"{st['rounds']} rounds, arms in turn)\n\n" + markdown_table(["arm", "seconds", "ratio"], rows))
+
+
+def _statistics_table(runs: list, by_arm: dict[str, list]) -> str | None:
+    """Held-out NLL with each kind of normalisation statistics (None: not measured)."""
+    if not any("statistics" in r for r in runs):
+        return None
+    keys = list(next(r for r in runs if "statistics" in r)["statistics"]["nll"])
+    rows = [[a] + [_f(mean(r["statistics"]["nll"][k] for r in rs if "statistics" in r), 4) for k in keys]
+            for a, rs in by_arm.items()]
+    return ("**held-out NLL by normalisation statistics** (eval(): running; batchstats: the batch's own)\n\n"
+            + markdown_table(["arm", *keys], rows))
+
+
+def _recall_table(runs: list, by_arm: dict[str, list]) -> str | None:
+    """The recall gain of each arm by distance (None: not measured)."""
+    if not any("recall" in r for r in runs):
+        return None
+    ds = list(next(r for r in runs if "recall" in r)["recall"])
+    rows = [[a] + [_f(mean(r["recall"][d].get("gain") for r in rs if "recall" in r), 3) for d in ds]
+            for a, rs in by_arm.items() if any("recall" in r for r in rs)]
+    return ("**recall gain** (nats/token: NLL of a repeated span without minus with its first copy, by "
+            "distance)\n\n" + markdown_table(["arm"] + [f"d={d}" for d in ds], rows))
+
+
+def _passkey_table(runs: list) -> str | None:
+    """Passkey accuracy of each run by length (None: not measured)."""
+    if not any("passkey" in r for r in runs):
+        return None
+    rows = [[r["name"], n, _f(acc, 2)] for r in runs for n, acc in r.get("passkey", {}).items()]
+    return "**passkey accuracy** (all depths)\n\n" + markdown_table(["run", "length", "accuracy"], rows)
+
+
+def _placement_table(by_arm: dict[str, list]) -> str | None:
+    """Divergence, final loss and the gradient norms of the first and last block at the first step, per arm (None:
+    no gradient norms recorded)."""
+    if not any("grad_norms" in r for rs in by_arm.values() for r in rs):
+        return None
+    rows = []
+    for a, rs in by_arm.items():
+        init = [r["grad_norms"]["init"] for r in rs if r.get("grad_norms")]
+        first = mean(i.get("layer.0") for i in init)
+        last_key = max((k for i in init for k in i if k.startswith("layer.")), key=lambda k: int(k.split(".")[1]),
+                       default=None)
+        last = mean(i.get(last_key) for i in init) if last_key else None
+        rows.append([a, f"{sum(r['training'].get('diverged', False) for r in rs)}/{len(rs)}",
+                     _f(mean(r["training"].get("final_loss") for r in rs), 3), _f(first, 3), _f(last, 3),
+                     _f(None if not first or not last else last / first, 2)])
+    return ("**placement** (gradient norms at the first step, before clipping; diverged: loss not finite "
+            "or ending 0.5 nats above its best)\n\n" + markdown_table(
+                ["arm", "diverged", "final loss", "grad first block", "grad last block", "last / first"], rows))
 
 
 # ------------------------------------------------------------------------------------------------ grid studies
@@ -294,22 +320,32 @@ def plot_grid(summary: dict, path: Path) -> None:
     per label of A, a line per combination of the other axes that change it; row 2, the final loss against X, a
     panel per (A, B), a line per combination of the rest, × where a run diverged; row 3, the loss curves at X's
     largest value, panels as row 2."""
-    grid, by_arm = grid_of(summary), _runs_by_arm(summary)
+    grid = grid_of(summary)
     axes = list(summary["config"]["grid"])
-    panel_axes, x_axis = axes[:min(2, len(axes) - 1)], axes[-1]
-    line_axes = [a for a in axes if a not in panel_axes and a != x_axis]
-    xs = list(dict.fromkeys(labels[x_axis] for labels in grid.values()))
+    panel_axes = axes[:min(2, len(axes) - 1)]
     panels = list(dict.fromkeys(tuple(labels[a] for a in panel_axes) for labels in grid.values()))
-    lines = list(dict.fromkeys(tuple(labels[a] for a in line_axes) for labels in grid.values()))
     palette = colors() * 4
     fig = figure(figsize=(4.6 * len(panels), 12.5))
     axs = fig.subplots(3, len(panels), squeeze=False)
-    # row 1: gradients at initialisation
+    used = _plot_init_gradients(axs[0], summary, palette)
+    used += _plot_arms_outside_grid(axs[0], used, len(panels), summary, palette)
+    for ax in axs[0][used:]:
+        ax.set_visible(False)
+    _plot_grid_losses(axs, summary, panels, palette)
+    fig.suptitle(f"compare: {summary['study']} (dotted: unigram loss of the training text; ×: diverged)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _plot_init_gradients(row: list, summary: dict, palette: list) -> int:
+    """Row 1 of plot_grid: the gradient norm per block at initialisation, a panel per label of the first axis where
+    the first step changes with it (else one panel). Returns the number of panels drawn."""
+    axes = list(summary["config"]["grid"])
     groups, ffn_groups = init_grad_groups(summary), init_ffn_groups(summary)
     s1 = step1_axes(summary)
     firsts = list(dict.fromkeys(k[0] for k in groups)) if s1 and s1[0] == axes[0] else [None]
     kinds = list(dict.fromkeys(k[1:] if firsts != [None] else k for k in groups))
-    for ax, first in zip(axs[0], firsts):
+    for ax, first in zip(row, firsts):
         for key, inits in groups.items():
             if first is not None and key[0] != first:
                 continue
@@ -329,22 +365,38 @@ def plot_grid(summary: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         if any(not lab.startswith("_") for lab in ax.get_legend_handles_labels()[1]):
             ax.legend(fontsize=7)
+    return len(firsts)
+
+
+def _plot_arms_outside_grid(row: list, used: int, panels: int, summary: dict, palette: list) -> int:
+    """The loss curves of the arms outside the grid, in row 1's next free panel if there is one. Returns the number
+    of panels drawn (0 or 1)."""
+    grid = grid_of(summary)
     others = [r for r in summary["runs"] if r["arm"] not in grid]
-    if others and len(firsts) < len(panels):  # the arms outside the grid: their loss curves
-        ax = axs[0][len(firsts)]
-        for k, r in enumerate(others):
-            ax.plot(range(1, len(r["training"]["loss"]) + 1), r["training"]["loss"], color=palette[k], lw=0.8,
-                    label=r["name"])
-        if summary.get("unigram_loss"):
-            ax.axhline(summary["unigram_loss"], color="gray", ls=":", lw=1)
-        ax.set_title("training loss, arms outside the grid", fontsize=9)
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in axs[0][len(firsts) + bool(others):]:
-        ax.set_visible(False)
-    # rows 2 and 3: final loss against the last axis, loss curves at its largest value
+    if not others or used >= panels:  # nothing to draw, or no free panel left for it
+        return 0
+    ax = row[used]
+    for k, r in enumerate(others):
+        ax.plot(range(1, len(r["training"]["loss"]) + 1), r["training"]["loss"], color=palette[k], lw=0.8,
+                label=r["name"])
+    if summary.get("unigram_loss"):
+        ax.axhline(summary["unigram_loss"], color="gray", ls=":", lw=1)
+    ax.set_title("training loss, arms outside the grid", fontsize=9)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return 1
+
+
+def _plot_grid_losses(axs: Any, summary: dict, panels: list, palette: list) -> None:
+    """Rows 2 and 3 of plot_grid: the final loss against the last axis, and the loss curves at its largest value."""
+    grid, by_arm = grid_of(summary), _runs_by_arm(summary)
+    axes = list(summary["config"]["grid"])
+    panel_axes, x_axis = axes[:min(2, len(axes) - 1)], axes[-1]
+    line_axes = [a for a in axes if a not in panel_axes and a != x_axis]
+    xs = list(dict.fromkeys(labels[x_axis] for labels in grid.values()))
+    lines = list(dict.fromkeys(tuple(labels[a] for a in line_axes) for labels in grid.values()))
     top = max(xs, key=float) if all(_is_number(x) for x in xs) else xs[-1]
     for col, panel in enumerate(panels):
         for k, line in enumerate(lines):
@@ -367,22 +419,24 @@ def plot_grid(summary: dict, path: Path) -> None:
             if bad:
                 axs[1][col].scatter(*zip(*bad), marker="x", s=80, color="black", zorder=3)
         name = ", ".join(f"{a} {v}" for a, v in zip(panel_axes, panel))
-        for row, (title, xl) in ((1, (f"final loss, {name}", x_axis)), (2, (f"loss at {x_axis} {top}, {name}",
-                                                                             "step"))):
-            ax = axs[row][col]
-            ax.set_title(title, fontsize=9)
-            ax.set_xlabel(xl)
-            ax.set_ylabel("training loss")
-            ax.grid(alpha=0.3)
-            if summary.get("unigram_loss"):
-                ax.axhline(summary["unigram_loss"], color="gray", ls=":", lw=1)
-            if any(not lab.startswith("_") for lab in ax.get_legend_handles_labels()[1]):
-                ax.legend(fontsize=7)
+        _label_loss_panels(axs, col, summary, name, top)
         if all(_is_number(x) for x in xs):
             axs[1][col].set_xscale("log")
-    fig.suptitle(f"compare: {summary['study']} (dotted: unigram loss of the training text; ×: diverged)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+
+
+def _label_loss_panels(axs: Any, col: int, summary: dict, name: str, top: str) -> None:
+    """Titles, labels, the unigram line and the legend of column `col`'s loss panels (rows 2 and 3)."""
+    x_axis = list(summary["config"]["grid"])[-1]
+    for row, (title, xl) in ((1, (f"final loss, {name}", x_axis)), (2, (f"loss at {x_axis} {top}, {name}", "step"))):
+        ax = axs[row][col]
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel(xl)
+        ax.set_ylabel("training loss")
+        ax.grid(alpha=0.3)
+        if summary.get("unigram_loss"):
+            ax.axhline(summary["unigram_loss"], color="gray", ls=":", lw=1)
+        if any(not lab.startswith("_") for lab in ax.get_legend_handles_labels()[1]):
+            ax.legend(fontsize=7)
 
 
 def _is_number(text: str) -> bool:

@@ -36,6 +36,7 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,26 @@ def resume(accelerator, resume, out: Path, states: dict, log: Path, identity: di
     def check(info):
         return states_problem(info, states) or (consistent(info) if consistent else None)
 
+    path = _choose_checkpoint(accelerator, resume, out, check)
+    step = 0
+    if path is None:
+        accelerator.print(f"resume: no complete checkpoint in {out / 'checkpoints'}; starting from step 0")
+    else:
+        step = _load_checkpoint(accelerator, path, states, identity, loaded)
+        accelerator.print(f"resumed from {path} at step {step}")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        cut_log(log, step)
+        for stale in (out / "checkpoints").glob("*" + _PARTIAL):  # folders a killed run was writing
+            shutil.rmtree(stale, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return step
+
+
+def _choose_checkpoint(accelerator: Any, resume: str | bool, out: Path,
+                       check: Callable[[dict], str | None]) -> Path | None:
+    """The checkpoint to resume from: the folder `resume` names (refused with ConfigError if it is not complete), or
+    the newest complete one under out/checkpoints (None: there is none), the skipped ones said on stdout."""
     # the main process checks the files (hashing them once) and tells the others what it chose
     choice: list[Any] = [None, [], None]  # (why refused, skipped folders, the chosen one)
     if accelerator.is_main_process:
@@ -194,44 +215,39 @@ def resume(accelerator, resume, out: Path, states: dict, log: Path, identity: di
     refused, skipped, chosen = choice
     if refused:
         raise ConfigError(refused)
-    path = Path(chosen) if chosen else None
     for line in skipped:
         accelerator.print(f"resume: skipped {line}")
-    step = 0
-    if path is None:
-        accelerator.print(f"resume: no complete checkpoint in {out / 'checkpoints'}; starting from step 0")
-    else:
-        info = json.loads((path / MARKER).read_text())
-        if identity is not None:
-            _check_identity(path, info.get("run"), identity)
-        try:
-            for rng in sorted(path.glob("random_states_*.pkl")):  # accelerate would skip an unreadable one silently
-                load_pickle(rng)
-            accelerator.load_state(str(path))
-        except pickle.UnpicklingError as e:  # torch.load(weights_only=True) refused an object: nothing was run
-            raise ConfigError(f"resume: {path} holds a pickle that is not plain tensors and containers, refused "
-                              f"unread: {' '.join(str(e).split())[:300]}") from None
-        except Exception as e:  # files whose hashes match what was saved and still do not load
-            raise ConfigError(f"resume: {path} passed its checks but could not be loaded ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:300]}); move it out of {path.parent} to resume from an "
-                              "older checkpoint") from None
-        for name, obj in states.items():
-            obj.load_state_dict(info["states"][name])
-        step = int(info["step"])
-        why = loaded(step) if loaded else None
-        if why:
-            raise ConfigError(f"resume: {path}: {why}; its marker was edited: move it out of {path.parent} to "
-                              "resume from an older checkpoint")
-        if info["processes"] != accelerator.num_processes:
-            accelerator.print(f"resume: note: {path} was written by {info['processes']} processes, this run has "
-                              f"{accelerator.num_processes}: the batches (and the loss curve) differ from there on")
-        accelerator.print(f"resumed from {path} at step {step}")
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        cut_log(log, step)
-        for stale in (out / "checkpoints").glob("*" + _PARTIAL):  # folders a killed run was writing
-            shutil.rmtree(stale, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    return Path(chosen) if chosen else None
+
+
+def _load_checkpoint(accelerator: Any, path: Path, states: dict, identity: dict | None,
+                     loaded: Callable[[int], str | None] | None) -> int:
+    """Load the complete checkpoint `path` into the run and `states`; its step. A checkpoint of another run, one
+    that does not load, or one whose files disagree with its step is refused with ConfigError."""
+    info = json.loads((path / MARKER).read_text())
+    if identity is not None:
+        _check_identity(path, info.get("run"), identity)
+    try:
+        for rng in sorted(path.glob("random_states_*.pkl")):  # accelerate would skip an unreadable one silently
+            load_pickle(rng)
+        accelerator.load_state(str(path))
+    except pickle.UnpicklingError as e:  # torch.load(weights_only=True) refused an object: nothing was run
+        raise ConfigError(f"resume: {path} holds a pickle that is not plain tensors and containers, refused "
+                          f"unread: {' '.join(str(e).split())[:300]}") from None
+    except Exception as e:  # files whose hashes match what was saved and still do not load
+        raise ConfigError(f"resume: {path} passed its checks but could not be loaded ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:300]}); move it out of {path.parent} to resume from an "
+                          "older checkpoint") from None
+    for name, obj in states.items():
+        obj.load_state_dict(info["states"][name])
+    step = int(info["step"])
+    why = loaded(step) if loaded else None
+    if why:
+        raise ConfigError(f"resume: {path}: {why}; its marker was edited: move it out of {path.parent} to "
+                          "resume from an older checkpoint")
+    if info["processes"] != accelerator.num_processes:
+        accelerator.print(f"resume: note: {path} was written by {info['processes']} processes, this run has "
+                          f"{accelerator.num_processes}: the batches (and the loss curve) differ from there on")
     return step
 
 

@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup
+from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
 import hfpatch
 
@@ -44,7 +44,7 @@ from .losses import auto_chunk, chunked_lm_loss, fused_lm_loss, shift
 from .pose import batch_position_ids
 
 
-def output_head(lm):
+def output_head(lm: PreTrainedModel):
     """hidden states -> logits, as the model's own forward does after its base model (gemma2/3 softcap them)."""
     head, cap = lm.get_output_embeddings(), softcap_of(lm.config)
     return head if not cap else lambda h: softcap(head(h), cap)
@@ -58,7 +58,8 @@ class CausalLMLoss(nn.Module):
     the loss. The teacher is a plain attribute, not a submodule: it is neither trained, synchronised, sharded nor
     saved."""
 
-    def __init__(self, model, chunk=None, teacher=None, alpha=0.0, temperature=1.0, fused=False):
+    def __init__(self, model: nn.Module, chunk: int | None = None, teacher: nn.Module | None = None,
+                 alpha: float = 0.0, temperature: float = 1.0, fused: bool = False):
         super().__init__()
         self.model = model
         object.__setattr__(self, "teacher", teacher)
@@ -115,7 +116,7 @@ class Progress:
     def state_dict(self):
         return {"step": self.step, "tokens": self.tokens}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict):
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
 
 
@@ -150,7 +151,7 @@ class Run:
             yield ids, positions, labels, scale
 
 
-def prepare(cfg: RecipeConfig, model, teacher=None) -> Run:
+def prepare(cfg: RecipeConfig, model: nn.Module, teacher: nn.Module | None = None) -> Run:
     """The accelerator, the memory options on the model, LoRA, the loss module, AdamW and the schedule, prepared."""
     # cpu=True where there is no GPU: processes started by torchrun (accelerate's multi-process launcher) then
     # form a gloo group on the CPU instead of failing to find devices
@@ -185,7 +186,7 @@ def prepare(cfg: RecipeConfig, model, teacher=None) -> Run:
     return Run(accelerator, loss_module, optimizer, scheduler, params, memory_edits)
 
 
-def train_step(cfg: RecipeConfig, run: Run, train_seqs, step: int) -> torch.Tensor:
+def train_step(cfg: RecipeConfig, run: Run, train_seqs: torch.Tensor, step: int) -> torch.Tensor:
     """Optimizer step `step` (0-based): cfg.grad_accum micro-batches of this process's rows of the global batch
     (with their PoSE positions), gradients synchronised on the last one, clipping, AdamW, the schedule. Returns
     this process's (loss, ce, kl), averaged over the micro-batches."""
@@ -248,7 +249,7 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 ADDED_KEYS = {"adam_beta2": 0.999, "init": "hf"}
 
 
-def run_identity(cfg: RecipeConfig, train_seqs, eval_seqs) -> dict:
+def run_identity(cfg: RecipeConfig, train_seqs: torch.Tensor, eval_seqs: torch.Tensor) -> dict:
     """What makes a run the run it is, kept in every checkpoint marker and compared on resume: its settings (the
     keys outside MAY_CHANGE), a SHA-256 of its packed data (the tokens of both splits: the files' content, the
     tokenizer, seq_len and the split all decide them) and the starting model's files by content."""
@@ -309,34 +310,58 @@ def _stopped(step: int, what: str, root: Path, saved: int) -> RunFailed:
                      "another output_dir")
 
 
-def train(cfg: RecipeConfig, model, tok, train_seqs, eval_seqs, teacher=None) -> dict:
-    if cfg.memory_check:
-        try:
-            memory.check_fits(cfg, model, teacher)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+def train(cfg: RecipeConfig, model: nn.Module, tok: Any, train_seqs: torch.Tensor, eval_seqs: torch.Tensor,
+          teacher: nn.Module | None = None) -> dict:
+    _check_memory(cfg, model, teacher)
     run = prepare(cfg, model, teacher)
-    accelerator, loss_module = run.accelerator, run.loss_module
     out = Path(cfg.output_dir)
     progress = Progress()
     states = {"progress": progress, "scheduler": run.scheduler}  # saved as JSON in the checkpoint marker
-
-    log = out / "log.jsonl"
-    saved = 0  # the step of the last checkpoint written or resumed from
     identity = run_identity(cfg, train_seqs, eval_seqs)
-    if cfg.resume:
-        try:
-            saved = checkpoint.resume(accelerator, cfg.resume, out, states, log, identity, _states_agree,
-                                      _optimizer_agrees(run))
-        except ConfigError:
-            finish(run)
-            run.memory_edits.undo()
-            raise
-    if accelerator.is_main_process:
+    saved = _resume(cfg, run, states, identity) if cfg.resume else 0  # the step of the last checkpoint
+    if run.accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        accelerator.init_trackers("hfpatch", config={k: v for k, v in cfg.as_dict().items()
-                                                        if not isinstance(v, dict)})
+        run.accelerator.init_trackers("hfpatch", config={k: v for k, v in cfg.as_dict().items()
+                                                            if not isinstance(v, dict)})
+    last = _train_steps(cfg, run, train_seqs, eval_seqs, progress, states, identity, saved)
+    run.accelerator.wait_for_everyone()
+    final = None
+    if progress.step >= cfg.max_steps:
+        final = save_final(cfg, run.accelerator, run.loss_module, tok, out / "final")
+    run.accelerator.wait_for_everyone()  # the processes leave together: none tears down the group while one saves
+    finish(run)
+    run.memory_edits.undo()
+    return {"step": progress.step, "last": last, "final": str(final) if final else None}
 
+
+def _check_memory(cfg: RecipeConfig, model: nn.Module, teacher: nn.Module | None) -> None:
+    """Refuse a run that would not fit in memory (memory_check=false skips it), as a config error."""
+    if not cfg.memory_check:
+        return
+    try:
+        memory.check_fits(cfg, model, teacher)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _resume(cfg: RecipeConfig, run: Run, states: dict, identity: dict) -> int:
+    """Load the checkpoint `cfg.resume` names into the run; its step. A checkpoint that does not fit this run ends
+    the run's distributed state and memory options before the error goes up."""
+    out = Path(cfg.output_dir)
+    try:
+        return checkpoint.resume(run.accelerator, cfg.resume, out, states, out / "log.jsonl", identity, _states_agree,
+                                 _optimizer_agrees(run))
+    except ConfigError:
+        finish(run)
+        run.memory_edits.undo()
+        raise
+
+
+def _train_steps(cfg: RecipeConfig, run: Run, train_seqs: torch.Tensor, eval_seqs: torch.Tensor,
+                 progress: Progress, states: dict, identity: dict, saved: int) -> dict:
+    """The steps from progress.step to max_steps (or stop_after), each logged and, when due, evaluated and
+    checkpointed; the last step's log line."""
+    accelerator, out = run.accelerator, Path(cfg.output_dir)
     tokens_per_step = cfg.batch_size * run.layout.data_size * cfg.grad_accum * cfg.seq_len
     bar = tqdm(total=cfg.max_steps, initial=progress.step, disable=not accelerator.is_main_process, desc="train")
     t_start, last = time.perf_counter(), {}
@@ -347,18 +372,9 @@ def train(cfg: RecipeConfig, model, tok, train_seqs, eval_seqs, teacher=None) ->
             except NotFinite as e:
                 raise _stopped(progress.step + 1, str(e), out / "checkpoints", saved) from None
             progress.step, progress.tokens = progress.step + 1, progress.tokens + tokens_per_step
-            totals = accelerator.reduce(totals, reduction="mean")
-            elapsed = time.perf_counter() - t_start
-            last = {"step": progress.step, "loss": totals[0].item(), "ce": totals[1].item(), "kl": totals[2].item(),
-                    "lr": run.scheduler.get_last_lr()[0], "tokens": progress.tokens, "seconds": round(elapsed, 3)}
-            if progress.step % cfg.eval_every == 0 or progress.step == cfg.max_steps:
-                last["eval_loss"] = evaluate(cfg, loss_module, eval_seqs, accelerator)
+            last = _step_line(cfg, run, eval_seqs, progress, totals, time.perf_counter() - t_start)
             if accelerator.is_main_process:
-                with log.open("a") as f:
-                    f.write(json.dumps(last) + "\n")
-                accelerator.log(last, step=progress.step)
-                bar.set_postfix(loss=f"{last['loss']:.4f}")
-                bar.update(1)
+                _log_step(accelerator, out / "log.jsonl", last, bar)
             if progress.step % cfg.save_every == 0 or progress.step == cfg.max_steps:
                 if not weights_finite(run):
                     raise _stopped(progress.step, "a weight is no longer finite", out / "checkpoints", saved)
@@ -375,15 +391,27 @@ def train(cfg: RecipeConfig, model, tok, train_seqs, eval_seqs, teacher=None) ->
         bar.close()
         raise
     bar.close()
-    accelerator.wait_for_everyone()
-    final = None
-    if progress.step >= cfg.max_steps:
-        final = save_final(cfg, accelerator, loss_module, tok, out / "final")
-    accelerator.wait_for_everyone()  # the processes leave together: none tears down the group while one still saves
-    del loss_module
-    finish(run)
-    run.memory_edits.undo()
-    return {"step": progress.step, "last": last, "final": str(final) if final else None}
+    return last
+
+
+def _step_line(cfg: RecipeConfig, run: Run, eval_seqs: torch.Tensor, progress: Progress, totals: torch.Tensor,
+               elapsed: float) -> dict:
+    """The log line of the step just made: its losses averaged over the processes, and the eval loss when due."""
+    totals = run.accelerator.reduce(totals, reduction="mean")
+    line = {"step": progress.step, "loss": totals[0].item(), "ce": totals[1].item(), "kl": totals[2].item(),
+            "lr": run.scheduler.get_last_lr()[0], "tokens": progress.tokens, "seconds": round(elapsed, 3)}
+    if progress.step % cfg.eval_every == 0 or progress.step == cfg.max_steps:
+        line["eval_loss"] = evaluate(cfg, run.loss_module, eval_seqs, run.accelerator)
+    return line
+
+
+def _log_step(accelerator: Accelerator, log: Path, line: dict, bar: Any) -> None:
+    """The step's line appended to log.jsonl, sent to the trackers and shown on the progress bar (main process)."""
+    with log.open("a") as f:
+        f.write(json.dumps(line) + "\n")
+    accelerator.log(line, step=line["step"])
+    bar.set_postfix(loss=f"{line['loss']:.4f}")
+    bar.update(1)
 
 
 def finish(run: Run) -> None:
@@ -399,7 +427,8 @@ def finish(run: Run) -> None:
 
 
 @torch.no_grad()
-def evaluate(cfg: RecipeConfig, loss_module, eval_seqs, accelerator) -> float | None:
+def evaluate(cfg: RecipeConfig, loss_module: nn.Module, eval_seqs: torch.Tensor,
+             accelerator: Accelerator) -> float | None:
     """Mean CE per token over the first eval_batches x world x batch_size held-out sequences."""
     if len(eval_seqs) == 0:
         return None
@@ -417,7 +446,7 @@ def evaluate(cfg: RecipeConfig, loss_module, eval_seqs, accelerator) -> float | 
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def save_final(cfg: RecipeConfig, accelerator, loss_module, tok, path: Path):
+def save_final(cfg: RecipeConfig, accelerator: Accelerator, loss_module: nn.Module, tok: Any, path: Path):
     state = accelerator.get_state_dict(loss_module)  # gathered in full under FSDP / ZeRO-3
     if not accelerator.is_main_process:
         return None

@@ -10,16 +10,20 @@ second time (Liger's fused linear cross-entropy, ALST's tiled logits loss).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_loss(h, labels, head, h_teacher, head_teacher, temperature, alpha):
+def _chunk_loss(h: torch.Tensor, labels: torch.Tensor, head: Callable, h_teacher: torch.Tensor | None,
+                head_teacher: Callable | None, temperature: float, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     logits = head(h).float()
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
     if h_teacher is None:
         return ce, torch.zeros((), device=h.device)
+    assert head_teacher is not None  # a teacher's hidden states always come with its head
     with torch.no_grad():
         t = F.log_softmax(head_teacher(h_teacher).float() / temperature, dim=-1)
     s = F.log_softmax(logits / temperature, dim=-1)
@@ -39,8 +43,9 @@ def auto_chunk(batch: int, seq_len: int, vocab: int, chunk: int | None) -> int |
     return None if batch * seq_len * vocab * 4 <= LOGITS_BUDGET else 512
 
 
-def chunked_lm_loss(hidden, labels, head, chunk=None, hidden_teacher=None, head_teacher=None, temperature=1.0,
-                    alpha=0.0):
+def chunked_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: Callable, chunk: int | None = None,
+                    hidden_teacher: torch.Tensor | None = None, head_teacher: Callable | None = None,
+                    temperature: float = 1.0, alpha: float = 0.0):
     """hidden [B, L, d] (already aligned: position t predicts labels[:, t]), labels [B, L] (-100 = ignore).
     Returns (loss, ce, kl): ce and kl are means per scored token; loss = (1 - alpha) ce + alpha kl."""
     count = (labels != -100).sum().clamp(min=1)
@@ -115,7 +120,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_h.mul_(scale.to(grad_h.dtype)), grad_w.mul_(scale).to(ctx.dtypes[0]), gb, None, None, None, None
 
 
-def fused_lm_loss(hidden, labels, head: torch.nn.Linear, chunk: int, softcap: float | None = None):
+def fused_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linear, chunk: int,
+                  softcap: float | None = None):
     """(loss, ce, kl=0) like chunked_lm_loss without a teacher, for a linear LM head (optionally soft-capped)."""
     count = (labels != -100).sum().clamp(min=1)
     ce = _FusedLinearCrossEntropy.apply(hidden.flatten(0, 1), head.weight, head.bias, labels.flatten(), chunk, count,

@@ -71,25 +71,8 @@ class Perplexity(sweep.Evaluation):
     def plan(self, args: argparse.Namespace, tok: Any) -> sweep.Plan:
         lengths = parse_lengths(args.lengths)
         longest = max(lengths)
-        names = ["chunks", "sliding"] if args.windowing == "both" else [w.strip() for w in args.windowing.split(",")]
-        if not names or any(w not in WINDOWINGS for w in names) or len(set(names)) != len(names):
-            raise ValueError(f"--windowing {args.windowing!r}: expected chunks, sliding, rolling, or several of "
-                             "them comma-separated (both = chunks,sliding)")
-        windowings = [w for w in WINDOWINGS if w in names]
-        stride = None
-        if "sliding" in windowings:
-            stride = parse_length(args.stride) if args.stride else min(512, min(lengths) // 2)
-            if stride >= min(lengths):
-                raise ValueError(f"--stride {stride} must be smaller than the shortest length {min(lengths)} "
-                                 "(a stride of the whole length is --windowing chunks)")
-        elif args.stride:
-            raise ValueError("--stride applies to --windowing sliding or both")
-        if args.score_chunk < 1:
-            raise ValueError(f"--score-chunk must be >= 1, got {args.score_chunk}")
-        if not args.dataset and (args.config or args.split or args.text_field):
-            raise ValueError("--config, --split and --text-field apply to --dataset")
-        if args.dataset and args.text_files:
-            raise ValueError("give --text-files or --dataset, not both")
+        windowings, stride = _windowings_and_stride(args, lengths)
+        _check_text_options(args)
         given = bool(args.text_files or args.dataset)  # the user named text: score all of it by default
         max_docs = _count(args.max_docs, "--max-docs", default=None if given else 1)
         per_doc = _count(args.tokens_per_doc, "--tokens-per-doc", default=None if given else longest, parse=True)
@@ -108,21 +91,7 @@ class Perplexity(sweep.Evaluation):
                   f"(--max-docs {max_docs})", file=sys.stderr)
         prefix = _prefix_token(tok) if "rolling" in windowings else None
 
-        cells = []
-        for w in windowings:
-            for n in lengths:
-                units = []
-                for doc, toks in chosen:
-                    span = per_doc or (len(toks) // longest * longest if w == "chunks" else len(toks))
-                    ids = toks.ids[:span]
-                    if w == "rolling":
-                        ids = np.concatenate([[prefix], ids]).astype(np.int64)
-                    wins = windows(len(ids), n, w, stride)
-                    units.append(sweep.Unit(doc.name, [(e - s - 1, e - s - 1, e - s - f) for s, e, f in wins],
-                                            (toks, ids, wins, 1 if w == "rolling" else 0)))
-                cells.append(sweep.Cell({"windowing": w, "length": n}, units,
-                                        {"stride": stride if w == "sliding" else None,
-                                         "prefix_token": prefix if w == "rolling" else None}))
+        cells = _cells(windowings, lengths, chosen, per_doc, stride, prefix)
         corpus_docs = [{"name": d.name, "sha256": d.sha256, "tokens": len(t), "bytes": len(d.text.encode("utf-8"))}
                        for d, t in chosen]
         identity = {"model": args.model, "dtype": args.dtype, "corpus": source, "documents": corpus_docs,
@@ -215,6 +184,56 @@ class Perplexity(sweep.Evaluation):
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
+
+
+def _windowings_and_stride(args: argparse.Namespace, lengths: list[int]) -> tuple[list[str], int | None]:
+    """The windowings asked for (in WINDOWINGS' order) and the sliding stride (None without sliding), checked."""
+    names = ["chunks", "sliding"] if args.windowing == "both" else [w.strip() for w in args.windowing.split(",")]
+    if not names or any(w not in WINDOWINGS for w in names) or len(set(names)) != len(names):
+        raise ValueError(f"--windowing {args.windowing!r}: expected chunks, sliding, rolling, or several of "
+                         "them comma-separated (both = chunks,sliding)")
+    windowings = [w for w in WINDOWINGS if w in names]
+    stride = None
+    if "sliding" in windowings:
+        stride = parse_length(args.stride) if args.stride else min(512, min(lengths) // 2)
+        if stride >= min(lengths):
+            raise ValueError(f"--stride {stride} must be smaller than the shortest length {min(lengths)} "
+                             "(a stride of the whole length is --windowing chunks)")
+    elif args.stride:
+        raise ValueError("--stride applies to --windowing sliding or both")
+    return windowings, stride
+
+
+def _check_text_options(args: argparse.Namespace) -> None:
+    """The scoring chunk and the options that say where the text comes from, as they go together."""
+    if args.score_chunk < 1:
+        raise ValueError(f"--score-chunk must be >= 1, got {args.score_chunk}")
+    if not args.dataset and (args.config or args.split or args.text_field):
+        raise ValueError("--config, --split and --text-field apply to --dataset")
+    if args.dataset and args.text_files:
+        raise ValueError("give --text-files or --dataset, not both")
+
+
+def _cells(windowings: list[str], lengths: list[int], chosen: list, per_doc: int | None, stride: int | None,
+           prefix: int | None) -> list[sweep.Cell]:
+    """A cell per (windowing, length), a unit per document: the windows it scores and what scoring them needs."""
+    longest = max(lengths)
+    cells = []
+    for w in windowings:
+        for n in lengths:
+            units = []
+            for doc, toks in chosen:
+                span = per_doc or (len(toks) // longest * longest if w == "chunks" else len(toks))
+                ids = toks.ids[:span]
+                if w == "rolling":
+                    ids = np.concatenate([[prefix], ids]).astype(np.int64)
+                wins = windows(len(ids), n, w, stride)
+                units.append(sweep.Unit(doc.name, [(e - s - 1, e - s - 1, e - s - f) for s, e, f in wins],
+                                        (toks, ids, wins, 1 if w == "rolling" else 0)))
+            cells.append(sweep.Cell({"windowing": w, "length": n}, units,
+                                    {"stride": stride if w == "sliding" else None,
+                                     "prefix_token": prefix if w == "rolling" else None}))
+    return cells
 
 
 def _shown(cell: dict, measure: str, digits: int) -> str:
