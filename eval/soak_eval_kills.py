@@ -38,7 +38,8 @@ from hfpatch.tiny import char_text, save_sized
 REPO = Path(__file__).resolve().parents[1]
 
 # The child: the hfpatch command, with the results file's writes instrumented to SIGKILL the process itself at
-# the N-th save (FAULT=mode:N). Only results.json's temporary file ends in ".tmp".
+# the N-th save (FAULT=mode:N). Only results.json's temporary files count ("results.json.<pid>.tmp"): other files
+# written through a temporary one (the file-hash cache's entries) are not saves of the results.
 CHILD = r"""
 import errno, os, pathlib, signal, sys
 mode, n = os.environ.get("FAULT", "none:0").split(":")
@@ -49,7 +50,7 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 def faulty_write(self, data, *a, **k):
-    if self.name.endswith(".tmp"):
+    if self.name.startswith("results.json.") and self.name.endswith(".tmp"):
         count[0] += 1
         if count[0] == n and mode in ("half", "full"):
             write_text(self, data[: len(data) // 2], *a, **k)
@@ -59,7 +60,8 @@ def faulty_write(self, data, *a, **k):
     return write_text(self, data, *a, **k)
 
 def faulty_replace(src, dst, *a, **k):
-    if str(src).endswith(".tmp") and count[0] == n and mode in ("before", "after"):
+    name = pathlib.Path(src).name
+    if name.startswith("results.json.") and name.endswith(".tmp") and count[0] == n and mode in ("before", "after"):
         if mode == "before":
             die()
         replace(src, dst, *a, **k)
@@ -154,8 +156,11 @@ def finished_round(out: Path) -> dict:
 
 
 def random_faults(rng: random.Random, count: int) -> list[tuple[str, float]]:
-    return [(m, rng.uniform(0.0, 0.3) if m == "random" else rng.random())
-            for m in (MODES[i % len(MODES)] for i in range(count))]
+    """`count` faults, the kinds in equal shares and in random order (in a fixed cycle, the last kind of the cycle
+    would always meet a run with little work left), each with its moment."""
+    modes = [MODES[i % len(MODES)] for i in range(count)]
+    rng.shuffle(modes)
+    return [(m, rng.uniform(0.0, 0.3) if m == "random" else rng.random()) for m in modes]
 
 
 def main(argv=None) -> int:
