@@ -100,12 +100,12 @@ def _write_file(gguf: Any, reader: Any, path: str, keys: dict, drop: set, new_te
                 continue  # a scaling key: written (if at all) at the end, as from a file that never carried it
             if f.name in pending:
                 value, kind = pending.pop(f.name)
-                writer.add_keyfield_value(f.name, value, types[kind])
+                writer.add_key_value(f.name, value, types[kind])
             else:
                 sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-                writer.add_keyfield_value(f.name, f.contents(), f.types[0], sub_type=sub)
+                writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
         for name, (value, kind) in pending.items():
-            writer.add_keyfield_value(name, value, types[kind])
+            writer.add_key_value(name, value, types[kind])
         kept = [t for t in reader.tensors if t.name not in drop_tensors]
         for name, array in new_tensors.items():
             writer.add_tensor_info(name, array.shape, array.dtype, array.nbytes, gguf.GGMLQuantizationType.F32)
