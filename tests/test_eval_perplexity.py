@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from conftest import FAMILIES, tiny_model, tokens
 
 import hfpatch
-from hfpatch.lm import text
 from hfpatch.cli import main as cli_main
-from hfpatch.evaluate import sweep
 from hfpatch.evaluate.common import applied
 from hfpatch.evaluate.evaluations import ppl as perplexity
 from hfpatch.evaluate.results import comparable as strip_timing
+from hfpatch.evaluate.transformers_engine import TransformersEngine
+from hfpatch.lm import text
 from hfpatch.lm.causal import causal_lm_parts, window_nll, windows
 from hfpatch.tiny import char_text as text_of
 from hfpatch.tiny import char_tokenizer as tiny_tokenizer
@@ -209,7 +209,8 @@ def test_interrupted_run_resumes_without_recomputing(tiny_run, tmp_path, monkeyp
     assert strip_timing(final) == strip_timing(whole)
 
     counted.clear()  # a finished run is only reported again, without loading the model
-    monkeypatch.setattr(sweep, "load_model", lambda args: pytest.fail("loaded the model for nothing"))
+    monkeypatch.setattr(TransformersEngine, "load",
+                        staticmethod(lambda args: pytest.fail("loaded the model for nothing")))
     assert perplexity.main([*common, "--out", str(out)]) == 0 and not counted
 
     # other settings are refused, not mixed into the file
@@ -435,7 +436,8 @@ def test_memory_that_cannot_fit_is_refused_before_loading(tiny_run, tmp_path, mo
     assert budget.memory_needed(shape, 4, 200_000)["total"] > budget.memory_needed(shape, 4, 100_000)["total"]
 
     monkeypatch.setattr(budget, "available_memory", lambda device, device_map: (50 * 2**20, "CPU"))
-    monkeypatch.setattr(sweep, "load_model", lambda args: pytest.fail("loaded the model before refusing"))
+    monkeypatch.setattr(TransformersEngine, "load",
+                        staticmethod(lambda args: pytest.fail("loaded the model before refusing")))
     argv = ["--model", str(model_dir), "--text-files", str(docs), "--lengths", "16", "--tokens-per-doc", "96",
             "--patches", "none", "--no-plot", "--out", str(tmp_path / "o")]
     long = ["--model", str(model_dir), "--text-files", str(tmp_path / "long.txt"), "--lengths", "64k",

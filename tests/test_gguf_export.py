@@ -14,8 +14,9 @@ from conftest import WINDOW, stdlib_text, tiny_model
 from tiny_gguf import write_llama_gguf
 
 import hfpatch
-from hfpatch.interop import gguf as hg
 from hfpatch.cli import main
+from hfpatch.interop import gguf as hg
+from hfpatch.interop.gguf_file import write_copy
 from hfpatch.models import load
 
 gguf = pytest.importorskip("gguf", reason="GGUF export needs the gguf package (pip install 'hfpatch[gguf]')")
@@ -275,7 +276,7 @@ def test_a_gguf_made_elsewhere_is_read_from_llama_cpp_metadata(name, tiny, loade
     spec = SPECS[name]
     hg.export(tiny[1], tmp_path / "rec.gguf", **spec)
     reader = gguf.GGUFReader(str(tmp_path / "rec.gguf"))
-    hg._write(gguf, reader, str(tmp_path / "bare.gguf"), {}, {hg.RECORD_KEY}, {}, set())
+    write_copy(gguf, reader, str(tmp_path / "bare.gguf"), {}, {hg.RECORD_KEY}, {}, set())
     found = hg.read_patch(tmp_path / "bare.gguf")
     assert found.source == "metadata" and found.patch["position"] == spec["position"]
     model, _ = load(str(tmp_path / "bare.gguf"), tokenizer=False)
@@ -290,7 +291,7 @@ def test_metadata_edited_after_export_wins_over_the_record(tiny, tmp_path):
     hg.export(tiny[1], tmp_path / "rec.gguf", position="yarn", factor=4.0)
     reader = gguf.GGUFReader(str(tmp_path / "rec.gguf"))
     factor = {"llama.rope.scaling.factor": (2.0, "f32"), "llama.context_length": (128, "u32")}
-    hg._write(gguf, reader, str(tmp_path / "edited.gguf"), factor, set(), {}, set())
+    write_copy(gguf, reader, str(tmp_path / "edited.gguf"), factor, set(), {}, set())
     with pytest.warns(UserWarning, match="no longer matches the hfpatch record"):
         found = hg.read_patch(tmp_path / "edited.gguf")
     assert found.patch["factor"] == 2.0 and found.source == "metadata"
@@ -365,7 +366,7 @@ def test_smollm2_exported_again_from_its_ntk_export_runs_at_its_own_base(tmp_pat
 
 def without_record(path, out) -> str:
     """`path` as another tool would have written it: the same metadata, no hfpatch record."""
-    hg._write(gguf, gguf.GGUFReader(str(path)), str(out), {}, {hg.RECORD_KEY}, {}, set())
+    write_copy(gguf, gguf.GGUFReader(str(path)), str(out), {}, {hg.RECORD_KEY}, {}, set())
     return str(out)
 
 

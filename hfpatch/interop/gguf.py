@@ -16,7 +16,8 @@ An export from a file that carries the record starts from the base and window it
 gives the file the original would have given; a scaling made elsewhere is replaced, its base kept with a warning.
 
 The output is written whole or not at all (a temporary file next to it, synced and renamed); an existing output is
-replaced only when asked (overwrite=True) and only if it is a GGUF file.
+replaced only when asked (overwrite=True) and only if it is a GGUF file (gguf_file.py: the file-level reading and
+writing, which knows nothing of RoPE).
 
 What llama.cpp cannot express is refused with the reason: schemes that are not RoPE frequencies (ALiBi, T5, XL,
 learned tables, NoPE, ...), frequencies that follow the sequence length (dynamic NTK, dynamic YaRN), norm and
@@ -53,7 +54,9 @@ from ..position.rope.llamacpp import (
     rope_numbers,
 )
 from ..position.signal import max_positions, rotaries_of
-from ..utils.files import describe_os_error, fsync
+from .gguf_file import MAGIC as MAGIC  # importable from here too
+from .gguf_file import check_output, field_value, open_gguf, write_copy
+from .gguf_file import is_gguf as is_gguf  # importable from here too
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -66,15 +69,12 @@ DEFAULT_FREQ_BASE = 10000.0  # llama.cpp's value when a file names none
 
 RECORD_KEY = "hfpatch.record"
 RECORD_VERSION = 1
-MAGIC = b"GGUF"  # the first four bytes of every GGUF file
 
 # The keys under {arch}. that describe a RoPE scaling: an export replaces all of them (a new scheme replaces the
 # old one, as `hfpatch.patch` does), so none of the source's scaling is left to combine with the new one.
 SCALING_KEYS = ("rope.scaling.type", "rope.scaling.factor", "rope.scale_linear", "rope.scaling.attn_factor",
                 "rope.scaling.original_context_length", "rope.scaling.yarn_ext_factor",
                 "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow")
-
-
 
 
 # Why a scheme that changes more than RoPE's frequencies cannot go into a GGUF, where its record names no reason
@@ -98,47 +98,39 @@ class RopeInfo:
     record: dict | None = None
 
 
-def _value(reader: Any, key: Any, default: Any = None):
-    f = reader.get_field(key)
-    return default if f is None else f.contents()
-
-
 def read_rope(reader: Any) -> RopeInfo:
     """The RoPE facts of an open GGUFReader; ValueError when the file names no RoPE."""
-    arch = _value(reader, "general.architecture")
+    arch = field_value(reader, "general.architecture")
     if not arch:
         raise ValueError("the GGUF file names no general.architecture")
     pre = f"{arch}."
-    base = _value(reader, pre + "rope.freq_base")
-    dims = _value(reader, pre + "rope.dimension_count")
+    base = field_value(reader, pre + "rope.freq_base")
+    dims = field_value(reader, pre + "rope.dimension_count")
     if base is None and dims is None:
         raise ValueError(f"this GGUF ({arch}) has no RoPE ({pre}rope.freq_base / {pre}rope.dimension_count): RoPE "
                          "schemes apply to RoPE models")
-    ctx = _value(reader, pre + "context_length")
+    ctx = field_value(reader, pre + "context_length")
     if not ctx:
         raise ValueError(f"this GGUF ({arch}) names no {pre}context_length (the trained window)")
     if dims is None:
-        heads = _value(reader, pre + "attention.head_count")
-        key_length = _value(reader, pre + "attention.key_length")
-        embd = _value(reader, pre + "embedding_length")
+        heads = field_value(reader, pre + "attention.head_count")
+        key_length = field_value(reader, pre + "attention.key_length")
+        embd = field_value(reader, pre + "embedding_length")
         if isinstance(heads, list):  # per-layer head counts
             heads = max(heads)
         dims = key_length or (embd // heads if embd and heads else None)
         if not dims:
             raise ValueError(f"this GGUF ({arch}) does not say how many channels RoPE rotates")
-    keys = {k: _value(reader, pre + k) for k in SCALING_KEYS if reader.get_field(pre + k) is not None}
+    keys = {k: field_value(reader, pre + k) for k in SCALING_KEYS if reader.get_field(pre + k) is not None}
     tensors = {t.name: np.asarray(t.data, dtype=np.float64).reshape(-1) for t in reader.tensors
                if t.name in TENSORS.values()}
-    record = _value(reader, RECORD_KEY)
+    record = field_value(reader, RECORD_KEY)
     return RopeInfo(arch, float(DEFAULT_FREQ_BASE if base is None else base), int(ctx),
                     int(keys.get("rope.scaling.original_context_length") or ctx), int(dims), keys, tensors,
                     json.loads(record) if record else None)
 
 
 # ---------------------------------------------------------------------------------------- the scheme, as numbers
-
-
-
 
 
 @dataclass
@@ -153,22 +145,6 @@ class Plan:
 
 def _f32(x: Any) -> float:
     return float(np.float32(x))
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def exportable() -> list[str]:
@@ -268,55 +244,9 @@ def export(src: Path | str, out: Path | str, position: str | None = None, factor
     # the scaling keys and the record go and are written after the model's own keys, so the file is the same
     # whatever scaling the source carried: the export of the original file
     drop = {f"{info.arch}.{k}" for k in SCALING_KEYS} | {RECORD_KEY}
-    _write(gguf, reader, out, keys, drop, p.tensors, set(TENSORS.values()))
+    write_copy(gguf, reader, out, keys, drop, p.tensors, set(TENSORS.values()))
     return {"spec": p.spec, "metadata": {k: v for k, (v, _) in keys.items()}, "tensors": sorted(p.tensors),
             "context_length": p.n_positions}
-
-
-def check_output(out: str, src: str, overwrite: bool) -> None:
-    """ValueError, before any work, when the export cannot or must not write `out`."""
-    if not out.endswith(".gguf"):
-        raise ValueError(f"the output must be a .gguf file, got {out}")
-    if os.path.isdir(out):
-        raise ValueError(f"the output {out} is a folder; give the path of a .gguf file to write")
-    folder = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(folder):
-        raise ValueError(f"the output's folder {folder} does not exist; create it first")
-    if not os.path.lexists(out):
-        return
-    if os.path.exists(out) and os.path.samefile(src, out):
-        raise ValueError(f"the output {out} is the source file; write to another path")
-    if not overwrite:
-        raise ValueError(f"the output {out} exists; give overwrite=True (hfpatch patch --overwrite) to replace it, "
-                         "or another path")
-    if not is_gguf(out):
-        raise ValueError(f"the output {out} exists and is not a GGUF file; it is never overwritten, even with "
-                         "overwrite=True: move it away or write to another path")
-
-
-def is_gguf(path: str) -> bool:
-    """Whether `path` is a file that starts with GGUF's magic bytes."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(MAGIC)) == MAGIC
-    except OSError:
-        return False
-
-
-def open_gguf(path: str):
-    """A GGUFReader of `path`, or ValueError when the file cannot be parsed as GGUF (gguf-py then fails deep in its
-    parser: "cannot reshape array...", "GGUF magic invalid", an index out of range...)."""
-    import gguf  # an optional extra (hfpatch[gguf])
-
-    try:
-        return gguf.GGUFReader(path)
-    except OSError as e:
-        raise ValueError(f"could not read {path}: {describe_os_error(e)}") from None
-    except Exception as e:  # any parse failure of a damaged file: the reader checks nothing up front
-        size = os.path.getsize(path)
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"{path} is not a readable GGUF file (truncated or damaged?): {size:,} bytes; the GGUF "
-                         f"reader stopped at: {first}") from None
 
 
 def original_rope(info: RopeInfo, path: str) -> RopeInfo:
@@ -345,65 +275,6 @@ def scaling_carried(info: RopeInfo) -> list[str]:
     if info.context_length != info.window:  # an extended window over the trained one
         found.append(f"context_length={info.context_length} over rope.scaling.original_context_length={info.window}")
     return found + sorted(info.tensors)
-
-
-def _write(gguf: Any, reader: Any, out: str, keys: dict, drop: set, new_tensors: dict, drop_tensors: set) -> None:
-    """Write `out`: the reader's metadata less `drop`, with `keys` (each where the key it replaces was, unless that
-    one is dropped; the others at the end), the new tensors first, then every other tensor but `drop_tensors` byte
-    for byte. Written to a file next to `out`, synced and renamed at the end, so a failure (a full disk, a read-only
-    place, an interrupt) leaves what was at `out` as it was and no partial file; an OSError is a ValueError saying
-    what went wrong."""
-    tmp = f"{out}.{os.getpid()}.tmp"
-    try:
-        _write_file(gguf, reader, tmp, keys, drop, new_tensors, drop_tensors)
-        os.replace(tmp, out)
-        fsync(os.path.dirname(os.path.abspath(out)))
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if isinstance(e, OSError):
-            raise ValueError(f"could not write {out}: {describe_os_error(e)}") from None
-        raise
-
-
-def _write_file(gguf: Any, reader: Any, path: str, keys: dict, drop: set, new_tensors: dict, drop_tensors: set) -> None:
-    """_write's content, into `path` (synced to the disk before it returns)."""
-    types = {"f32": gguf.GGUFValueType.FLOAT32, "u32": gguf.GGUFValueType.UINT32, "str": gguf.GGUFValueType.STRING}
-    arch = _value(reader, "general.architecture")
-    writer = gguf.GGUFWriter(path, arch, endianess=reader.endianess)
-    writer.data_alignment = reader.alignment
-    try:
-        pending = dict(keys)
-        for f in reader.fields.values():
-            if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
-                continue  # written by GGUFWriter itself
-            if f.name in drop:
-                continue  # a scaling key: written (if at all) at the end, as from a file that never carried it
-            if f.name in pending:
-                value, kind = pending.pop(f.name)
-                writer.add_key_value(f.name, value, types[kind])
-            else:
-                sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-                writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
-        for name, (value, kind) in pending.items():
-            writer.add_key_value(name, value, types[kind])
-        kept = [t for t in reader.tensors if t.name not in drop_tensors]
-        for name, array in new_tensors.items():
-            writer.add_tensor_info(name, array.shape, array.dtype, array.nbytes, gguf.GGMLQuantizationType.F32)
-        for t in kept:
-            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for array in new_tensors.values():
-            writer.write_tensor_data(array)
-        for t in kept:
-            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
-        writer.flush()
-        for f in writer.fout or []:
-            os.fsync(f.fileno())  # on the disk before the rename makes it the output
-    finally:
-        writer.close()
 
 
 # ------------------------------------------------------------------------------------------------------ reading
