@@ -11,6 +11,7 @@ stale generated file.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
@@ -27,7 +28,12 @@ OUT = HERE / "results" / "card_example"
 BOOK = BOOKS / "moby_dick.txt"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--book", type=Path, default=BOOK, help=f"the text the run reads (default {BOOK})")
+    args = p.parse_args(argv)
+    if not args.book.is_file():
+        p.error(f"no such file: {args.book} (the books are in ../shared/data/books/; --book names another text)")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "tiny-llama-yarn2"
         model = hfpatch.patch(tiny.sized_model("llama"), position="yarn", factor=2.0)
@@ -37,7 +43,7 @@ def main() -> int:
         os.chdir(tmp)  # the run names the model as given: the folder's name, not this machine's temporary path
         try:
             rc = evaluation("ppl").main(["--model", folder.name, "--lengths", "64,128,256", "--patches",
-                                         "none,ntk:4", "--text-files", str(BOOK), "--tokens-per-doc", "512",
+                                         "none,ntk:4", "--text-files", str(args.book), "--tokens-per-doc", "512",
                                          "--out", str(run)])
         finally:
             os.chdir(here)
