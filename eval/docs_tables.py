@@ -55,6 +55,7 @@ IMAGES = {
     "compare_positions.png": "compare/compare_positions.png",
     "compare_norms.png": "compare/compare_norms.png",
     "compare_placement.png": "compare/compare_placement.png",
+    "compare_placement_2025.png": "compare/compare_placement_2025.png",
     "card_example_ppl.png": "card_example/ppl/ppl.png",
 }
 
@@ -451,6 +452,35 @@ def compare_norms():
 @table("eval/results/compare/compare_placement.json")
 def compare_placement():
     return study("placement")
+
+
+@table("eval/results/compare/compare_placement_2025.json")
+def compare_placement_2025():
+    return study("placement_2025")
+
+
+@table("eval/results/compare/compare_placement.json", "eval/results/compare/compare_placement_2025.json")
+def placement_all_four():
+    """Final training loss of every grid cell under the four placements side by side (the two studies share their
+    grid and seed; the placement is the only difference)."""
+    runs = {r["arm"]: r for name in ("placement", "placement_2025")
+            for r in load(f"compare/compare_{name}.json")["runs"]}
+    placements = ["pre", "post", "peri", "mix"]
+    grid = [arm.split("-", 4) for arm in runs]  # init-depth-placement-warmup-lr; the lr has a dash of its own
+    cells = sorted({(init, depth, warm, lr) for init, depth, _, warm, lr in grid if lr.count("-") == 1},
+                   key=lambda c: (c[0], int(c[1]), c[2], float(c[3])))
+
+    def final(cell: tuple, placement: str) -> str:
+        init, depth, warm, lr = cell
+        r = runs.get(f"{init}-{depth}-{placement}-{warm}-{lr}")
+        if r is None:
+            return ""
+        t = r["training"]
+        return f"{t['final_loss']:.3f}" + (" †" if t.get("diverged") else "")
+
+    rows = [[*cell, *(final(cell, p) for p in placements)] for cell in cells]
+    return ("Final training loss (mean of the last 10 of 150 steps; † diverged), every cell of the grid under each "
+            "placement.\n\n" + markdown_table(["init", "depth", "warm-up", "lr", *placements], rows))
 
 
 # ------------------------------------------------------------------------------------------------- benchmarks
