@@ -379,6 +379,19 @@ def heal():
             + ppl_tables(cells, [label for *_, label in rows], [2048], ["chunks"]))
 
 
+@table("eval/results/heal_before.json", "eval/results/heal_kl_only.json", "eval/results/heal_dyt_before.json",
+       "eval/results/heal_dyt.json")
+def heal_dyt():
+    rows = [("heal_before.json", "none", "original SmolLM2"),
+            ("heal_before.json", "norm=layernorm", "swapped to LayerNorm, not trained"),
+            ("heal_kl_only.json", "none", "LayerNorm, healed: distillation only (α = 1), lr 5e-5, 60 steps"),
+            ("heal_dyt_before.json", "norm=dyt", "swapped to DyT (α0 = 0.5), not trained"),
+            ("heal_dyt.json", "none", "DyT, healed: the same config (α = 1, lr 5e-5, 60 steps)")]
+    cells = [c for path, patch, label in rows for c in relabelled(path, patch, label)]
+    return ("Perplexity at 2k on the first 8,192 tokens of *Moby-Dick* (4 windows of 2,048).\n\n"
+            + ppl_tables(cells, [label for *_, label in rows], [2048], ["chunks"]))
+
+
 @table("eval/results/context_extension_before.json", "eval/results/context_extension_after.json")
 def context_extension():
     rows = [("context_extension_before.json", "none", "pretrained at 256, no patch"),
