@@ -366,6 +366,13 @@ def engine_reports():
 
 # --------------------------------------------------------------------------------------------------- recipes
 
+def moby_dick_2k(rows: list[tuple[str, str, str]]) -> str:
+    """The heal studies' table: perplexity at 2k of each (results file, patch, label) row."""
+    cells = [c for path, patch, label in rows for c in relabelled(path, patch, label)]
+    return ("Perplexity at 2k on the first 8,192 tokens of *Moby-Dick* (4 windows of 2,048).\n\n"
+            + ppl_tables(cells, [label for *_, label in rows], [2048], ["chunks"]))
+
+
 @table("eval/results/heal_before.json", "eval/results/heal_kl_only.json", "eval/results/heal_after.json",
        "eval/results/heal_control.json")
 def heal():
@@ -374,9 +381,7 @@ def heal():
             ("heal_kl_only.json", "none", "swapped, healed: distillation only (α = 1), lr 5e-5, 60 steps"),
             ("heal_after.json", "none", "swapped, healed: α = 0.5 (half CE), lr 3e-4, 100 steps"),
             ("heal_control.json", "none", "control: not swapped, same training as the row above")]
-    cells = [c for path, patch, label in rows for c in relabelled(path, patch, label)]
-    return ("Perplexity at 2k on the first 8,192 tokens of *Moby-Dick* (4 windows of 2,048).\n\n"
-            + ppl_tables(cells, [label for *_, label in rows], [2048], ["chunks"]))
+    return moby_dick_2k(rows)
 
 
 @table("eval/results/heal_before.json", "eval/results/heal_kl_only.json", "eval/results/heal_dyt_before.json",
@@ -387,9 +392,7 @@ def heal_dyt():
             ("heal_kl_only.json", "none", "LayerNorm, healed: distillation only (α = 1), lr 5e-5, 60 steps"),
             ("heal_dyt_before.json", "norm=dyt", "swapped to DyT (α0 = 0.5), not trained"),
             ("heal_dyt.json", "none", "DyT, healed: the same config (α = 1, lr 5e-5, 60 steps)")]
-    cells = [c for path, patch, label in rows for c in relabelled(path, patch, label)]
-    return ("Perplexity at 2k on the first 8,192 tokens of *Moby-Dick* (4 windows of 2,048).\n\n"
-            + ppl_tables(cells, [label for *_, label in rows], [2048], ["chunks"]))
+    return moby_dick_2k(rows)
 
 
 @table("eval/results/context_extension_before.json", "eval/results/context_extension_after.json")
