@@ -17,7 +17,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..interop.io import CARD_END, CARD_START
+from ..interop.io import CARD_END, CARD_START, with_section
 from . import EVALUATIONS, evaluation
 
 RESULTS_START, RESULTS_END = "<!-- hfpatch:results:start -->", "<!-- hfpatch:results:end -->"
@@ -101,11 +101,7 @@ def section(runs: list[Run], plots: list[str | None]) -> str:
 
 def with_results(card: str, runs: list[Run], plots: list[str | None]) -> str:
     """The card with its evaluations section replaced (or added at the end)."""
-    block = f"{RESULTS_START}\n{section(runs, plots)}{RESULTS_END}\n"
-    if RESULTS_START in card and RESULTS_END in card:
-        before, rest = card.split(RESULTS_START, 1)
-        return before + block + rest.split(RESULTS_END, 1)[1].lstrip("\n")
-    return card.rstrip("\n") + "\n\n" + block
+    return with_section(card, section(runs, plots), RESULTS_START, RESULTS_END)
 
 
 def add_results(folder: Path | str, run_folders: list[str]) -> Path:

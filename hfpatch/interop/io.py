@@ -111,7 +111,7 @@ def write_card(model: PreTrainedModel, path: Path | str) -> None:
     tags = list(front.get("tags") or [])
     front["tags"] = tags + [t for t in ["hfpatch", *_scheme_names(info["applied"])] if t not in tags]
     meta = yaml.safe_dump(front, sort_keys=False, allow_unicode=True)
-    card = f"---\n{meta}---\n{_with_section(body, _section(model, info))}"
+    card = f"---\n{meta}---\n{with_section(body, _section(model, info))}"
     with open(readme + ".partial", "w", encoding="utf-8") as f:
         f.write(card)
     os.replace(readme + ".partial", readme)
@@ -126,11 +126,13 @@ def _split_front_matter(text: str) -> tuple[dict, str]:
     return {}, text
 
 
-def _with_section(body: str, section: str) -> str:
-    block = f"{CARD_START}\n{section}{CARD_END}\n"
-    if CARD_START in body and CARD_END in body:
-        before, rest = body.split(CARD_START, 1)
-        return before + block + rest.split(CARD_END, 1)[1].lstrip("\n")
+def with_section(body: str, section: str, start: str = CARD_START, end: str = CARD_END) -> str:
+    """`body` with the section between the markers `start` and `end` replaced by `section` (appended where the
+    markers are not there yet); the rest of the text kept."""
+    block = f"{start}\n{section}{end}\n"
+    if start in body and end in body:
+        before, rest = body.split(start, 1)
+        return before + block + rest.split(end, 1)[1].lstrip("\n")
     return (body.rstrip("\n") + "\n\n" if body.strip() else "") + block
 
 
