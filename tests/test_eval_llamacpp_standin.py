@@ -22,7 +22,6 @@ from hfpatch import spec as specs
 from hfpatch.evaluate import evaluation
 from hfpatch.evaluate.llamacpp import LlamaCppModel
 from hfpatch.lm.text import load_tokenizer
-from hfpatch.models import smollm2_path
 
 pytest.importorskip("gguf", reason="the llama.cpp engine reads the GGUF file's metadata with the gguf package")
 
@@ -75,14 +74,6 @@ def stand_in(monkeypatch):
     return StandInLlama
 
 
-@pytest.fixture(scope="module")
-def gguf_file():
-    try:
-        return smollm2_path()
-    except ValueError as e:
-        pytest.skip(str(e))
-
-
 def expected_nll(window: list[int], first: int) -> float:
     """Sum of -log p(window[i] | window[i-1]) for i >= first, in float64: what the engine must compute."""
     total = 0.0
@@ -103,10 +94,10 @@ def expected_greedy(last: int, new_tokens: int, eos: set) -> list[int]:
     return out
 
 
-def test_engine_model_scores_windows_as_llama_cpps_logits_give(stand_in, gguf_file):
+def test_engine_model_scores_windows_as_llama_cpps_logits_give(stand_in, smollm2_gguf):
     ids = np.random.default_rng(0).integers(0, VOCAB, 200).tolist()
     spans = [(0, 64, 1), (50, 114, 14), (114, 200, 1)]  # (start, end, first scored): a window, a strided one, a third
-    model = LlamaCppModel(gguf_file, threads=1)
+    model = LlamaCppModel(smollm2_gguf, threads=1)
     try:
         with model.applied({}, "none"):
             total, count, runs = model.document_nll(ids, spans)
@@ -119,10 +110,10 @@ def test_engine_model_scores_windows_as_llama_cpps_logits_give(stand_in, gguf_fi
     assert all(llm.closed for llm in stand_in.made)  # closing the model closes its contexts
 
 
-def test_engine_model_decodes_greedily_on_its_kv_cache_and_stops_at_eos(stand_in, gguf_file):
+def test_engine_model_decodes_greedily_on_its_kv_cache_and_stops_at_eos(stand_in, smollm2_gguf):
     prompt = np.random.default_rng(1).integers(0, VOCAB, 40).tolist()
     chain = expected_greedy(prompt[-1], 8, set())
-    model = LlamaCppModel(gguf_file, threads=1)
+    model = LlamaCppModel(smollm2_gguf, threads=1)
     try:
         with model.applied({}, "none"):
             assert model.greedy(prompt, 8, set()) == chain
@@ -134,8 +125,8 @@ def test_engine_model_decodes_greedily_on_its_kv_cache_and_stops_at_eos(stand_in
         model.close()
 
 
-def test_a_spec_reaches_llama_cpp_as_the_metadata_overrides_of_its_context(stand_in, gguf_file):
-    model = LlamaCppModel(gguf_file, threads=1)
+def test_a_spec_reaches_llama_cpp_as_the_metadata_overrides_of_its_context(stand_in, smollm2_gguf):
+    model = LlamaCppModel(smollm2_gguf, threads=1)
     try:
         with model.applied(specs.parse("yarn:2"), "yarn:2"):
             overrides = dict(model.setting.kv_overrides)

@@ -25,18 +25,8 @@ N = 256  # tokens per window: small enough for a busy 2-core machine
 
 
 @pytest.fixture(scope="module")
-def smollm2_file():
-    from hfpatch.models import smollm2_path
-
-    try:
-        return smollm2_path()
-    except ValueError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
-def engine(smollm2_file):
-    model = LlamaCppModel(smollm2_file, threads=1)
+def engine(smollm2_gguf):
+    model = LlamaCppModel(smollm2_gguf, threads=1)
     yield model
     model.close()
 
@@ -66,15 +56,15 @@ NATIVE = {
 
 
 @pytest.mark.parametrize("spec", list(NATIVE))
-def test_llama_cpp_reads_the_exported_metadata_as_its_own_parameters(spec, smollm2_file, ids, tmp_path):
+def test_llama_cpp_reads_the_exported_metadata_as_its_own_parameters(spec, smollm2_gguf, ids, tmp_path):
     """The exported file, and the engine's metadata overrides, give llama.cpp exactly the RoPE its own context
     parameters for the scheme give."""
     kwargs = hfpatch.spec.parse(spec)
-    hg.export(smollm2_file, tmp_path / "x.gguf", **kwargs)
+    hg.export(smollm2_gguf, tmp_path / "x.gguf", **kwargs)
     window = ids[:N]
-    expected = scores(smollm2_file, window, **NATIVE[spec])
+    expected = scores(smollm2_gguf, window, **NATIVE[spec])
     assert np.array_equal(scores(str(tmp_path / "x.gguf"), window), expected)
-    model = LlamaCppModel(smollm2_file, threads=1)
+    model = LlamaCppModel(smollm2_gguf, threads=1)
     try:
         with model.applied(kwargs, spec):
             assert not model.setting.exported  # metadata overrides, no copy of the file
@@ -83,7 +73,7 @@ def test_llama_cpp_reads_the_exported_metadata_as_its_own_parameters(spec, smoll
             assert np.array_equal(np.array(llm.scores[:N]), expected)
     finally:
         model.close()
-    assert not np.array_equal(scores(smollm2_file, window), expected)  # the scheme changes something
+    assert not np.array_equal(scores(smollm2_gguf, window), expected)  # the scheme changes something
 
 
 @pytest.mark.parametrize("spec", ["none", "yarn:4", "llama3:4", "linear:2"])
@@ -104,9 +94,9 @@ def test_the_engine_scores_what_transformers_scores(spec, smollm2, engine, ids):
     assert abs(got / n - ref / n_ref) / (ref / n_ref) < 0.01
 
 
-def test_engine_nll_is_the_log_softmax_of_llama_cpps_logits(engine, smollm2_file, ids):
+def test_engine_nll_is_the_log_softmax_of_llama_cpps_logits(engine, smollm2_gguf, ids):
     window = ids[:N]
-    logits = torch.tensor(scores(smollm2_file, window[:-1]), dtype=torch.float64)
+    logits = torch.tensor(scores(smollm2_gguf, window[:-1]), dtype=torch.float64)
     expected = torch.nn.functional.cross_entropy(logits, torch.tensor(window[1:]), reduction="sum").item()
     got, n, _ = document_nll(engine, window, [(0, N, 1)])
     assert n == N - 1 and got == pytest.approx(expected, rel=1e-9)
