@@ -426,6 +426,68 @@ def test_a_flex_compilation_failure_falls_back_to_the_next_path(monkeypatch):
         paths.refusal(paths.table("alibi")[2], call(softcap=True))
 
 
+def test_a_flex_recompile_limit_falls_back_to_the_next_path_and_the_limit_is_raised_for_flex_calls(monkeypatch):
+    """Each kind of flex call is one compilation of the one compiled function; dynamo stops at its recompile_limit
+    (8) with FailOnRecompileLimitHit, which is no TorchDynamoException. Seen on an H200 running three schemes in
+    one process: the ninth kind raised out of the forward. Our calls run with a higher limit, and hitting it still
+    steps aside to the next path."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    limits = []
+
+    def at_the_limit(*args, **kwargs):
+        limits.append(torch._dynamo.config.recompile_limit)
+        raise FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+
+    monkeypatch.setattr(flex, "compiled_fn", lambda: at_the_limit)
+    monkeypatch.setattr(flex, "_timings", {})
+    monkeypatch.setattr(flex, "_failed", {})
+    monkeypatch.setattr(flex, "COMPILE_MIN_SCORES", 1)
+    model = patched("alibi")
+    attn = model.model.layers[0].self_attn
+    q, k, v, _, real = inputs(50, 50, torch.float32)
+    paths.reset(model)
+    with pytest.warns(RuntimeWarning, match="FailOnRecompileLimitHit"), torch.no_grad():
+        got, _ = paths.run("alibi", attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True,
+                           kwargs={"softcap": 20.0})
+    assert limits == [flex.RECOMPILE_LIMIT] and torch._dynamo.config.recompile_limit < flex.RECOMPILE_LIMIT
+    assert paths.ran(model) == {"written-out": 1}
+    assert rel(got, run_path("alibi", "written-out", attn, q, k, v, None, softcap=20.0), real) == 0
+
+
+def test_a_row_that_sees_no_key_in_a_kernel_call_gets_output_zero_and_lse_minus_infinity():
+    """The piece paths merge kernel calls by log-sum-exp; a padded row may see no key of one piece. What a kernel
+    gives such a row differs (CUDA's memory-efficient kernel gave a finite log-sum-exp that the merge weighed: the
+    piece paths were 75 % off the written-out path on padded batches on an H200), so `attend` decides it from the
+    mask: output 0, log-sum-exp -inf, whatever the kernel said."""
+    q, k, v = (torch.randn(2, 4, n, 16, dtype=torch.float64).float() for n in (6, 9, 9))
+    visible = torch.ones(2, 1, 6, 9, dtype=torch.bool)
+    visible[1, :, :3, :] = False  # rows 0-2 of the second sequence see nothing
+    mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+    for causal in (False, True):
+        out, lse = kernels.attend(q, k, v, 0.25, mask=mask, causal=causal)
+        assert (lse[1, :, :3] == float("-inf")).all() and (out[1, :, :3] == 0).all()
+        scores = (q.double() @ k.double().transpose(-1, -2)) * 0.25 + mask.double()
+        if causal:
+            scores = scores.masked_fill(torch.ones(6, 9, dtype=torch.bool).triu(1), float("-inf"))
+        want = torch.logsumexp(scores, -1)
+        seen = want > -1e30
+        assert torch.allclose(lse.double()[seen], want[seen], atol=1e-5)
+        assert torch.allclose(out.double()[seen], (torch.softmax(scores, -1) @ v.double())[seen], atol=1e-5)
+
+
+def test_the_memory_efficient_kernels_bias_is_aligned_whatever_slice_it_comes_from():
+    """CUDA's memory-efficient kernel refuses a bias whose start or row stride is not aligned ("attn_bias_ptr is not
+    correctly aligned", seen on an H200 with a block of T5's band); a slice of a larger mask is copied into an
+    aligned buffer, with the same values."""
+    band = torch.randn(1, 4, 40, 77)
+    for piece in (band[:, :, 3:35, 5:37], band[:, :, :, 1:], band[..., :32], band[:, :1, :10, 7:20]):
+        b, h, q_len, kv_len = 2, 4, piece.shape[2], piece.shape[3]
+        bias = kernels._aligned_bias(piece, b, h, q_len, kv_len)
+        assert kernels._is_aligned(bias[:1, :1]) and torch.equal(bias, piece.expand(b, h, q_len, kv_len))
+    assert not kernels._is_aligned(band[:, :, 3:35, 5:37])
+
+
 def test_the_implementation_the_model_was_loaded_with_is_remembered():
     """Switching a model to a scheme's attention function replaces config._attn_implementation; the flash-attn paths
     still know it was loaded with flash_attention_2, also when the patched model is patched again."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 import torch
-from torch._dynamo.exc import TorchDynamoException
+from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 from torch.nn.attention.flex_attention import AuxOutput, AuxRequest, BlockMask, flex_attention
 
 from . import paths
@@ -47,6 +47,11 @@ BLOCK = 128  # flex's default block size, on the CPU also the kernel's split siz
 # scores up.
 COMPILE_MIN_SCORES = 2048 * 2048
 FLEX_MIN_SCORES = 8192
+# Compilations the one compiled function may hold. Each kind of call (scheme's score_mod, region's mask_mod, a
+# padding mask or none, log-sum-exp or not, gradients or not) is one; dynamo's default limit of 8 per function is
+# reached by a process that evaluates three schemes with and without padding (seen on an H200: the ninth kind
+# raised FailOnRecompileLimitHit out of the forward). Raised for these calls only.
+RECOMPILE_LIMIT = 64
 
 _compiled: Callable[..., torch.Tensor | tuple[torch.Tensor, AuxOutput]] | None = None
 _timings: dict[str, float] = {}  # "first call": seconds of the first compiled call (compilation included)
@@ -209,9 +214,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
     t0 = time.perf_counter()
     aux = AuxRequest(lse=True) if lse else None
     try:
-        result = fn(query, key, value, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=gqa,
-                    return_aux=aux)
-    except TorchDynamoException as e:  # compiling failed (fullgraph: never a silent run of the [L, L] reference)
+        with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
+            result = fn(query, key, value, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=gqa,
+                        return_aux=aux)
+    except (TorchDynamoException, FailOnRecompileLimitHit) as e:  # fullgraph: never a silent [L, L] reference run
         if not compiled:
             raise
         _failed["compile"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"

@@ -17,23 +17,43 @@ flash-attn (the package) is an optional extra, imported where it is used.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
 
 import torch
 
 MIN = torch.finfo(torch.float32).min
+ALIGN = 16  # elements: the alignment torch's sdpa gives the bias of its memory-efficient kernel
 FLOOR = -1e30  # log-sum-exp of a part a row sees nothing of, for merging: exp(FLOOR - any real lse) is 0
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, mask: torch.Tensor | None = None,
            causal: bool = False):
     """(output [b, H, q, d], log-sum-exp [b, H, q] float32) of softmax(q·kᵀ·scale + mask) v. k/v may have fewer
-    heads than q (grouped-query attention). A row that sees no key gets a finite log-sum-exp far below any real one
-    (CPU, masks) or -inf: either weighs nothing in `merge`."""
+    heads than q (grouped-query attention). A row that sees no key (every key masked by the dtype's lowest value
+    or -inf, or above the diagonal) gets output 0 and log-sum-exp -inf, so it weighs nothing in `merge`."""
     if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
-                                                                          scale=scale)
-    return _attend_cuda(q, k, v, scale, mask, causal)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                              scale=scale)[:2]
+    else:
+        out, lse = _attend_cuda(q, k, v, scale, mask, causal)
+    if mask is None:  # without a mask every row sees a key (causal calls here are top-left: row r sees key 0)
+        return out, lse
+    return _without_unseen_rows(out, lse, _rows_seeing_a_key(mask, causal, q.shape[2], k.shape[2]))
+
+
+def _rows_seeing_a_key(mask: torch.Tensor, causal: bool, q_len: int, kv_len: int) -> torch.Tensor:
+    """[b, 1 or H, q] bool: whether the row sees at least one key through the additive mask (and the top-left
+    causal rule). The kernels disagree on what such a row's log-sum-exp is (the CPU one gives about the mask value,
+    CUDA's memory-efficient kernel a finite number that a merge then weighs: seen on an H200), so it is decided
+    here rather than read off the kernel."""
+    visible = mask > torch.finfo(mask.dtype).min
+    if causal:
+        visible = visible & torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).tril_()
+    return visible.any(-1)
+
+
+def _without_unseen_rows(out: torch.Tensor, lse: torch.Tensor, seen: torch.Tensor):
+    """Output 0 and log-sum-exp -inf where a row sees no key."""
+    return out.masked_fill(~seen[..., None], 0.0), lse.masked_fill(~seen, float("-inf"))
 
 
 def _attend_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
@@ -57,13 +77,24 @@ def _attend_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return out, _empty_rows(lse[..., :q_len])  # the kernel pads the log-sum-exp to a multiple of 32 rows
 
 
-def _aligned_bias(mask: Any, b: Any, h: Any, q_len: Any, kv_len: Any):
-    """The memory-efficient kernel reads its bias with the last dimension's stride a multiple of 16 elements (as
-    torch's sdpa prepares it): pad, slice back, broadcast to [b, H, q, kv]."""
-    pad = -kv_len % 16
-    if pad:
-        mask = torch.nn.functional.pad(mask, (0, pad))[..., :kv_len]
+def _aligned_bias(mask: torch.Tensor, b: int, h: int, q_len: int, kv_len: int):
+    """The bias as the memory-efficient kernel reads it, broadcast to [b, H, q, kv]. The kernel wants the bias's
+    start address and its row stride aligned (torch's sdpa pads the last dimension to a multiple of 16 elements for
+    it); a slice of a larger mask (a block of the band, say) is neither, and the kernel refuses it ("attn_bias_ptr
+    is not correctly aligned"). Such a mask is copied into a fresh, padded buffer and sliced back."""
+    if not _is_aligned(mask):
+        padded = mask.new_zeros(*mask.shape[:-1], kv_len + (-kv_len % ALIGN))
+        padded[..., :kv_len] = mask
+        mask = padded[..., :kv_len]
     return mask.expand(b, h, q_len, kv_len)
+
+
+def _is_aligned(mask: torch.Tensor) -> bool:
+    """Start address a multiple of 16 elements, last dimension contiguous, and every other stride of a dimension
+    longer than one a multiple of 16 elements."""
+    strides = [s for s, n in zip(mask.stride()[:-1], mask.shape[:-1], strict=True) if n > 1]
+    return (mask.data_ptr() % (ALIGN * mask.element_size()) == 0 and mask.stride(-1) == 1
+            and all(s % ALIGN == 0 for s in strides))
 
 
 def _empty_rows(lse: torch.Tensor):

@@ -138,10 +138,7 @@ def _pieces(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tens
             if g > window:
                 parts.append((rows, piece(qg, kg, 0, g - window, rows)))
         for rows, (o, lse_o) in filter(None, parts):
-            total = torch.logaddexp(lse[..., rows], lse_o)
-            acc[:, :, rows] = (acc[:, :, rows] * (lse[..., rows] - total).exp()[..., None]
-                               + o.float() * (lse_o - total).exp()[..., None])
-            lse[..., rows] = total
+            acc[:, :, rows], lse[..., rows] = kernels.merge(acc[:, :, rows], lse[..., rows], o, lse_o)
         outs.append(acc.to(v.dtype))
     return torch.cat(outs, dim=2)
 
