@@ -296,7 +296,8 @@ def device_tables(results: dict, args) -> str:
     return "\n".join([
         f"SmolLM2-shaped Llama (d=576, 9/3 heads, head_dim 64), {args.layers} layers, random weights; batch 1; "
         f"{args.device}, {args.dtype}, {args.mode} ({what}); "
-        f"{torch.get_num_threads()} threads" + (", a busy neighbour process beside it; " if args.neighbour else "; ") +
+        + ("" if args.device.startswith("cuda") else f"{args.threads or torch.get_num_threads()} threads"
+           + (", a busy neighbour process beside it; " if args.neighbour else "; ")) +
         f"median of {args.repeats} after a first call at the length (reported apart: compilation included); "
         "the path each scheme's table chooses; peak = "
         + ("torch's CUDA allocator peak during the timed calls." if args.device.startswith("cuda")

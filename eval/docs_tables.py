@@ -276,11 +276,13 @@ def attention_bench():
     return "\n\n".join(parts)
 
 
-@table("eval/results/gpu/summary.json")
+@table("eval/results/gpu/summary.json", "eval/results/gpu/bench_infer.json", "eval/results/gpu/rerun/run.json",
+       "eval/results/gpu/rerun/junit.xml", "eval/results/gpu/rerun/bench_train.json")
 def gpu_check():
-    """The GPU check's summary (eval/gpu_check.sh) once its results are committed; until then, what it measures."""
+    """The GPU check's summary (eval/gpu_check.sh) once its results are committed, the re-run after what it found,
+    and the attention benchmark's tables; until then, what the check measures."""
     if (RESULTS / "gpu" / "summary.json").is_file():
-        return gpu.summary_markdown(load("gpu/summary.json"))
+        return "\n\n".join([gpu.summary_markdown(load("gpu/summary.json")), gpu_rerun(), gpu_bench()])
     pending = "not yet measured on a GPU"
     rows = [["CUDA tests (`pytest -m cuda`)", "the CUDA and flash-attn attention paths against the written-out path",
              pending],
@@ -290,6 +292,27 @@ def gpu_check():
             ["SmolLM2-135M perplexity at 32k (bf16)", "yarn:4, self-extend (G=8, W=1024), dual-chunk vs the "
              f"committed fp32 CPU cells, within {gpu.NLL_TOLERANCE} nats", pending]]
     return markdown_table(["check", "what", "result"], rows)
+
+
+def gpu_rerun() -> str:
+    run = load("gpu/rerun/run.json")
+    tests = gpu.junit_summary(RESULTS / "gpu" / "rerun" / "junit.xml")
+    skipped = "".join(f"; {n} skipped: {why}" for why, n in tests["skipped"].items())
+    return (f"**Re-run** on the same kind of machine ({run['device']}, torch {run['torch']}) at commit "
+            f"`{run['commit']}`, {run['why']}: `{run['commands'][0]}`: {tests['passed']} passed, "
+            f"{len(tests['failed'])} failed{skipped}." + "".join(f"\n- failed: {n}" for n in tests["failed"]))
+
+
+def gpu_bench() -> str:
+    """The GPU check's inference grid and the re-run's training grid, in bench_attention's own layout."""
+    parts = []
+    for name, title in (("bench_infer.json", "Inference, from the check"),
+                        ("rerun/bench_train.json", "Training, from the re-run (" + load("gpu/rerun/run.json")["note"]
+                         + ")")):
+        d = load(f"gpu/{name}")
+        cells = {(key.rpartition("@")[0], int(key.rpartition("@")[2])): r for key, r in d["cells"].items()}
+        parts.append(f"{title}:\n\n" + bench_attention.device_tables(cells, argparse.Namespace(**d["args"])))
+    return "\n\n".join(parts)
 
 
 @table("eval/results/attention/smollm2_paths.json")
