@@ -70,3 +70,14 @@ def test_the_dry_run_runs_every_step_or_says_why_not(tmp_path):
     bench = json.loads((out / "bench_train.json").read_text())["cells"]
     assert "seconds" in bench["unpatched@256"] and bench["alibi@256"]["ran"]
     assert (out / "summary.md").read_text().startswith("GPU check on CPU")
+
+
+@pytest.mark.parametrize("argv,says", [(["tempreature"], "unknown argument tempreature (accepted: temperature, "
+                                        "search, --dry-run, --stage)"),
+                                       (["--dry-run"], "name a study: temperature or search")])
+def test_the_gpu_study_refuses_a_wrong_call_in_one_line(argv, says, tmp_path):
+    """A wrong argument costs a GPU call nothing but one line: the script stops before staging or installing."""
+    done = subprocess.run(["bash", str(REPO / "eval" / "gpu_study.sh"), *argv], capture_output=True, text=True,
+                          env={**os.environ, "OUT": str(tmp_path / "out")}, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip() == f"gpu_study.sh: {says}"
+    assert not (tmp_path / "out").exists()
