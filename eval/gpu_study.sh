@@ -5,12 +5,17 @@
 #   bash eval/gpu_study.sh --stage               # on the GPU machine, carrying .gpu-model/1, then .gpu-model/2
 #   bash eval/gpu_study.sh temperature           # carrying .whl, .gpu-data and .gpu-model/3
 #   bash eval/gpu_study.sh search                # likewise
+#   bash eval/gpu_study.sh heal                  # likewise
 #   bash eval/gpu_study.sh temperature --dry-run # here, on the CPU: the same commands at a few hundred tokens
 # temperature: attention temperature (none, logn, llama4) on top of the model's own RoPE, yarn:4, Self-Extend and
 #   Dual Chunk Attention (their defaults): perplexity at 8k/16k/32k, passkey at 16k/32k (10 keys per cell, depth 0.5).
 # search: `hfpatch search` at 32k calibrated on Dracula, then the found patch (saved with `hfpatch patch
 #   --spec-file`, evaluated as a folder) against the unpatched model, linear:4, ntk:4, yarn:4, llama3:4, Self-Extend
 #   and Dual Chunk Attention on Moby-Dick, which the search never saw: perplexity at 8k/16k/32k, passkey at 16k/32k.
+# heal: the shipped heal recipe and config (recipes/configs/heal_smollm2_layernorm.yaml: 60 steps of distillation
+#   from the unpatched model on Emma and Jane Eyre, 512-token sequences) after p-rope (keep 0.75), after the iRoPE
+#   pattern (NoPE in every 4th layer) and with no patch (the control: the same training of plain RoPE); perplexity
+#   at 8k/16k/32k before and after on Moby-Dick.
 # Each step runs under `timeout` with its own budget (the whole study under 9 minutes on one H200); a step that
 # fails or runs out of time is logged and the next one runs; results files are written after every unit, so a step
 # stopped by its budget keeps what it finished.
@@ -22,17 +27,17 @@ STAGED=${HFPATCH_GPU_MODEL_DIR:-/tmp/hfpatch-gpu-model}
 STUDY="" MODE=gpu
 for a in "$@"; do
   case "$a" in
-    temperature|search) STUDY=$a ;;
+    temperature|search|heal) STUDY=$a ;;
     --dry-run) MODE=dry ;;
     --stage) MODE=stage ;;
-    *) echo "gpu_study.sh: unknown argument $a (accepted: temperature, search, --dry-run, --stage)" >&2; exit 2 ;;
+    *) echo "gpu_study.sh: unknown argument $a (accepted: temperature, search, heal, --dry-run, --stage)" >&2; exit 2 ;;
   esac
 done
 if [ "$MODE" = stage ]; then
   $PY -m eval.gpu_check model --parts .gpu-model --staged "$STAGED" >/dev/null
   exit 0
 fi
-[ -n "$STUDY" ] || { echo "gpu_study.sh: name a study: temperature or search" >&2; exit 2; }
+[ -n "$STUDY" ] || { echo "gpu_study.sh: name a study: temperature, search or heal" >&2; exit 2; }
 OUT=${OUT:-$ROOT/gpu-out}
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
@@ -62,6 +67,7 @@ if [ "$MODE" = gpu ]; then
   # step budgets in seconds (measured on an H200: a 32k forward of this model well under a second, a passkey trial
   # at 32k about one; compilations of flex_attention 5-15 s each)
   B_SEARCH=200 B_SAVE=40 B_PPL=120 B_KEYS=330 B_FIXED_PPL=90 B_FIXED_KEYS=200 B_FOUND_PPL=40 B_FOUND_KEYS=60
+  ACCEL=(--config_file recipes/accelerate/ddp.yaml --num_processes 1); HEAL=(); B_HEAL=110 B_HEAL_PPL=60
 else  # the same commands on the CPU at a few hundred tokens: the plumbing, not the numbers
   export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
   MODEL=$($PY -c "from hfpatch.models import smollm2_path; print(smollm2_path())")
@@ -70,6 +76,8 @@ else  # the same commands on the CPU at a few hundred tokens: the plumbing, not 
   KEYS=(--lengths 256 --depths 0.5 --trials 1)
   TARGET=512; SEARCH=(--budget 3 --window 256)
   B_SEARCH=600 B_SAVE=120 B_PPL=300 B_KEYS=300 B_FIXED_PPL=300 B_FIXED_KEYS=300 B_FOUND_PPL=300 B_FOUND_KEYS=300
+  ACCEL=(--config_file recipes/accelerate/cpu.yaml --num_processes 1)
+  HEAL=(max_steps=1 warmup_steps=0 eval_every=1 save_every=1 eval_batches=1 seq_len=64); B_HEAL=300 B_HEAL_PPL=300
 fi
 TEXT=.gpu-data/moby_dick.txt
 [ -n "$MODEL" ] && [ -f "$TEXT" ] || { echo "gpu_study.sh: the model or $TEXT is missing (bash eval/gpu_wheels.sh)" >&2; exit 1; }
@@ -94,6 +102,22 @@ if [ "$STUDY" = temperature ]; then
     done
   done
   evaluate temperature "$MODEL" "${specs#,}" $B_PPL $B_KEYS
+elif [ "$STUDY" = heal ]; then
+  declare -A PATCH=([plain]="{}" [p-rope]="{position: p-rope, keep: 0.75}"
+                    [irope]="{position: rope, layers: {nope: every4}}")
+  ppl() {  # name model patches budget
+    step "$1" "$4" $PY -m hfpatch.cli eval ppl --model "$2" --patches "$3" --text-files "$TEXT" "${RUN[@]}" \
+      "${PPL[@]}" --out "$WORK/$1"
+    cp "$WORK/$1/results.json" "$OUT/$1.json" 2>/dev/null
+  }
+  ppl heal-before "$MODEL" none,p-rope:keep=0.75,rope+nope@every4 $B_HEAL_PPL
+  for arm in plain p-rope irope; do
+    step "heal-$arm" $B_HEAL $PY -m accelerate.commands.launch "${ACCEL[@]}" recipes/heal.py \
+      --config recipes/configs/heal_smollm2_layernorm.yaml model="$MODEL" "patch=${PATCH[$arm]}" \
+      "data.text_files=[.gpu-data/emma.txt, .gpu-data/jane_eyre.txt]" "${HEAL[@]}" output_dir="$WORK/heal-$arm"
+    sed "s/^{/{\"arm\": \"$arm\", /" "$WORK/heal-$arm/log.jsonl" >>"$OUT/heal-train.jsonl" 2>/dev/null
+    ppl "heal-$arm" "$WORK/heal-$arm/final" none $B_HEAL_PPL
+  done
 else
   step search $B_SEARCH $PY -m hfpatch.cli search --model "$MODEL" --target-length $TARGET "${SEARCH[@]}" \
     --text-files .gpu-data/dracula.txt "${RUN[@]}" --no-progress --out "$WORK/search"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prepare what the GPU check (eval/gpu_check.sh) carries to the GPU machine, which fetches nothing:
 #   .whl/        the wheels of eval/gpu_wheels.txt, for CPython 3.12 on manylinux x86-64 (pip download);
-#   .gpu-data/   the texts: Moby-Dick (the check's perplexity cell and the studies' evaluations) and Dracula (the
-#                search study's calibration text, which the evaluations never see); never committed;
+#   .gpu-data/   the texts: Moby-Dick (the check's perplexity cell and the studies' evaluations), Dracula (the
+#                search study's calibration text) and Emma and Jane Eyre (the heal study's training text), which
+#                the evaluations never see; never committed;
 #   .gpu-model/  SmolLM2's GGUF (98 MB, more than one call may carry) cut into 40 MiB parts, .gpu-model/1, 2, 3,
 #                each carried by one call (docs/maintenance.md: "The GPU check").
 # All three are git-ignored. Prints each one's size; exit 1 if the wheels and the tree come to more than a call
@@ -36,7 +37,9 @@ $PY -m eval.gpu_check wheels --dir .whl >/dev/null
 
 if [ -n "$BOOKS" ]; then
   mkdir -p .gpu-data && cp "$BOOKS/moby_dick.txt" .gpu-data/moby_dick.txt
-  [ -f "$BOOKS/dracula.txt" ] && cp "$BOOKS/dracula.txt" .gpu-data/dracula.txt
+  for book in dracula emma jane_eyre; do
+    [ -f "$BOOKS/$book.txt" ] && cp "$BOOKS/$book.txt" .gpu-data/$book.txt
+  done
 else
   echo "gpu_wheels.sh: moby_dick.txt not found (--books DIR): the check's perplexity step will be skipped" >&2
 fi

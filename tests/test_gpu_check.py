@@ -73,8 +73,8 @@ def test_the_dry_run_runs_every_step_or_says_why_not(tmp_path):
 
 
 @pytest.mark.parametrize("argv,says", [(["tempreature"], "unknown argument tempreature (accepted: temperature, "
-                                        "search, --dry-run, --stage)"),
-                                       (["--dry-run"], "name a study: temperature or search")])
+                                        "search, heal, --dry-run, --stage)"),
+                                       (["--dry-run"], "name a study: temperature, search or heal")])
 def test_the_gpu_study_refuses_a_wrong_call_in_one_line(argv, says, tmp_path):
     """A wrong argument costs a GPU call nothing but one line: the script stops before staging or installing."""
     done = subprocess.run(["bash", str(REPO / "eval" / "gpu_study.sh"), *argv], capture_output=True, text=True,
