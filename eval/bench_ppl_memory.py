@@ -27,7 +27,7 @@ from eval.benchutil import REPO, interleaved, markdown_table, median, module_nam
 from hfpatch.lm import budget
 from hfpatch.lm import text as data
 from hfpatch.lm.causal import causal_lm_parts, window_nll
-from hfpatch.lm.text import load_tokenizer
+from hfpatch.lm.tokenizer import load_tokenizer
 from hfpatch.models import load
 from hfpatch.utils.files import write_json
 

@@ -612,7 +612,7 @@ def soak_recipe():
 def cli_help():
     d = load("benchmarks/cli_help.json")
     rows = [[f"`{name}`", r["wall_s"], r["cpu_s"], r["wall_vs_python"]] for name, r in d["commands"].items()]
-    return markdown_table(["command (fresh process; in brackets: the checkout before lazy imports)",
+    return markdown_table(["command (fresh process; in brackets: the checkout compared, `--vs`)",
                            f"wall s (median of {d['rounds']})", "CPU s", "wall / `python -c pass`"], rows)
 
 

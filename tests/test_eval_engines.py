@@ -12,7 +12,7 @@ from typing import ClassVar
 import pytest
 from conftest import stdlib_text
 
-from hfpatch.evaluate import evaluation, sweep
+from hfpatch.evaluate import definition, evaluation, sweep
 from hfpatch.evaluate.common import load_model
 from hfpatch.lm.causal import causal_lm_parts, document_nll, greedy
 from hfpatch.registry import Registry
@@ -74,10 +74,18 @@ class ForeignEngine:
         return {}
 
 
+def test_the_engines_the_command_line_offers_are_the_sweeps_engines():
+    """--engine's choices are declared where the evaluations' command line is (definition.py, which loads no
+    engine, so that --help answers without torch): the sweep's registry holds exactly those engines, by their names."""
+    assert tuple(sweep.ENGINES) == definition.ENGINE_NAMES
+    assert all(sweep.ENGINES[name].name == name for name in definition.ENGINE_NAMES)
+
+
 @pytest.fixture
 def foreign(monkeypatch):
     # the registry with one more engine, for this test only (a registry takes each name once, for good)
     monkeypatch.setattr(sweep, "ENGINES", Registry.of("evaluation engine", {**sweep.ENGINES, "foreign": ForeignEngine}))
+    monkeypatch.setattr(definition, "ENGINE_NAMES", (*definition.ENGINE_NAMES, "foreign"))  # --engine's choices
     ForeignEngine.loaded = []
     return ForeignEngine
 

@@ -21,7 +21,7 @@ from conftest import stdlib_text
 from hfpatch import spec as specs
 from hfpatch.evaluate import evaluation
 from hfpatch.evaluate.llamacpp import LlamaCppModel
-from hfpatch.lm.text import load_tokenizer
+from hfpatch.lm.tokenizer import load_tokenizer
 
 pytest.importorskip("gguf", reason="the llama.cpp engine reads the GGUF file's metadata with the gguf package")
 

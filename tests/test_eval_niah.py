@@ -11,6 +11,7 @@ import pytest
 
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate import haystack as hs
+from hfpatch.evaluate import sweep
 from hfpatch.evaluate.evaluations import niah
 from hfpatch.tiny import save_sized as save_tiny
 from hfpatch.tiny import char_tokenizer as tiny_tokenizer
@@ -66,12 +67,12 @@ def test_cli_heatmap_table_and_scores(tmp_path, monkeypatch, capsys):
     model_dir = save_tiny(tmp_path / "model")
     tok = tiny_tokenizer()
 
-    def oracle(parts, ids, new_tokens, eos, done=None):
+    def oracle(run, ids, new_tokens, eos, done=None):
         text = tok.decode(ids)
         first = text.index("Figs are one of") < len(text) / 2
         return tok(" figs and goat cheese" if first else " bread", add_special_tokens=False)["input_ids"]
 
-    monkeypatch.setattr(niah, "greedy", oracle)
+    monkeypatch.setattr(sweep.Run, "greedy", oracle)
     argv = ["eval", "niah", "--model", str(model_dir), "--needles", "pizza", "--lengths", "1500,2500",
             "--depths", "0,0.3,0.9", "--patches", "none,ntk:2", "--out", str(tmp_path / "n")]
     assert cli_main(argv) == 0

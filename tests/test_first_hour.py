@@ -11,7 +11,7 @@ import hfpatch
 from hfpatch import families
 from hfpatch import models
 from hfpatch.cli import main
-from hfpatch.evaluate import report
+from hfpatch.evaluate import plots
 from hfpatch.evaluate.evaluations import ppl as perplexity
 
 
@@ -64,13 +64,13 @@ def test_top_level_help_says_what_the_command_does(capsys):
 
 def _captured_figures(monkeypatch) -> list:
     figures: list = []
-    real = report.figure
+    real = plots.figure
 
     def keep(**kwargs):
         figures.append(real(**kwargs))
         return figures[-1]
 
-    monkeypatch.setattr(report, "figure", keep)
+    monkeypatch.setattr(plots, "figure", keep)
     return figures
 
 
@@ -97,12 +97,12 @@ def test_perplexity_plot_labels_ticks_across_the_data(ppls, tmp_path, monkeypatc
 
 def test_heatmap_text_contrasts_with_its_cell(tmp_path, monkeypatch):
     """Black "1.00" on RdYlGn's dark green was hard to read: text is white on dark cells, black on light ones."""
-    assert report.text_color(matplotlib.colormaps["RdYlGn"](1.0)) == "white"
-    assert report.text_color(matplotlib.colormaps["RdYlGn"](0.0)) == "white"  # dark red
-    assert report.text_color(matplotlib.colormaps["RdYlGn"](0.5)) == "black"  # pale yellow
+    assert plots.text_color(matplotlib.colormaps["RdYlGn"](1.0)) == "white"
+    assert plots.text_color(matplotlib.colormaps["RdYlGn"](0.0)) == "white"  # dark red
+    assert plots.text_color(matplotlib.colormaps["RdYlGn"](0.5)) == "black"  # pale yellow
     figures = _captured_figures(monkeypatch)
     cells = [{"patch": "none", "length": n, "depth": d, "accuracy": a, "complete": True}
              for n, d, a in [(2048, 0.0, 1.0), (2048, 1.0, 0.5)]]
-    report.grid_heatmap(cells, ["none"], [2048], [0.0, 1.0], tmp_path / "passkey.png")
+    plots.grid_heatmap(cells, ["none"], [2048], [0.0, 1.0], tmp_path / "passkey.png")
     colours = {t.get_text(): t.get_color() for t in figures[-1].axes[0].texts}
     assert colours == {"1.00": "white", "0.50": "black"}

@@ -27,20 +27,25 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from ..apply import unwrap
-from ..lm import budget
-from ..lm.text import load_tokenizer
+from ..lm import budget, causal
+from ..lm.tokenizer import load_tokenizer
 from ..models import model_fingerprint
 from ..registry import Registry
-from ..utils import command
 from .common import length_label, parse_patches, versions
+from .definition import Cell as Cell  # importable from here too
+from .definition import Evaluation, Plan
+from .definition import Unit as Unit  # importable from here too
+from .definition import build_parser as build_parser  # importable from here too
+from .definition import decoding as decoding  # importable from here too
+from .definition import main as main  # importable from here too
 from .llamacpp import Engine as LlamaCppEngine
 from .results import Results, now
 from .transformers_engine import MODEL_OPTIONS, TransformersEngine
@@ -50,168 +55,28 @@ from .vllm_engine import Engine as VllmEngine
 
 
 @dataclass
-class Unit:
-    id: object  # stored in the unit's record under Evaluation.unit_key (a document name, a trial number)
-    # the forwards it makes, for the time estimate: (tokens read, keys the last one attends to, positions through
-    # the LM head)
-    forwards: list[tuple[int, int, int]]
-    data: object = None  # whatever run_unit needs
-
-    @property
-    def tokens(self) -> int:
-        return sum(f[0] for f in self.forwards)
-
-
-def decoding(prompt_tokens: int, new_tokens: int) -> list[tuple[int, int, int]]:
-    """The forwards of greedy decoding, for Unit.forwards: the prompt, then one token at a time."""
-    return [(prompt_tokens, prompt_tokens, 1)] + [(1, prompt_tokens + k, 1) for k in range(1, new_tokens)]
-
-
-@dataclass
-class Cell:
-    key: dict  # its coordinates besides the patch spec, e.g. {"windowing": "chunks", "length": 2048}
-    units: list[Unit]
-    fields: dict = field(default_factory=dict)  # stored with the cell when it is created
-
-
-@dataclass
-class Plan:
-    identity: dict  # what decides the numbers besides the coordinates: a results file is continued only if equal
-    cells: list[Cell]
-    read: int  # the most tokens the model reads in one forward
-    new_tokens: int = 0  # tokens generated after such a read (0: no generation, no KV cache)
-    score_chunk: int = 0  # positions per LM-head chunk when scoring (0: only the last position goes through it)
-    info: dict = field(default_factory=dict)  # stored at the top of the results file (settings, corpus, ...)
-
-
-@dataclass
 class Run:
-    """What run_unit gets: the loaded model (patched with the cell's spec), its parts and tokenizer, the args."""
+    """What run_unit gets: the loaded model (patched with the cell's spec), its parts and tokenizer, the args, and
+    the model operations a unit calls (greedy, document_nll), whichever engine runs the model: an evaluation module
+    calls them here instead of importing lm.causal, which imports torch."""
 
     model: object
-    parts: object
+    parts: Any  # lm.causal.LMParts, or another engine's model with its own greedy and document_nll (llamacpp.py)
     tok: object
     args: object
     applied: Callable[..., Any]  # (model, kwargs, spec name) -> context manager: the engine's way to patch
     paths_ran: Callable[[Any], dict]  # model -> {attention path: calls so far}, what the engine can say of its kernels
 
+    def greedy(self, ids: list[int], new_tokens: int, eos: set[int], done: Any = None) -> list[int]:
+        """Greedy decoding of `ids` by the engine's model (lm.causal.greedy): up to new_tokens, an EOS token, or
+        done(generated) returning True."""
+        return causal.greedy(self.parts, ids, new_tokens, eos, done)
 
-class Evaluation:
-    """One evaluation; its module (evaluate/evaluations/NAME.py) gives it its name, and the first paragraph of the
-    module's docstring its description."""
-
-    records = "records"  # the cell field with one record per unit
-    unit_key = "id"  # the record field that holds the unit's id
-    default_patches = "none,yarn:2"
-    # the cells' coordinates besides the patch spec: settings key -> the cell field it lists (numeric ones are shown
-    # sorted, the others in the order they were run)
-    axes: ClassVar[dict[str, str]] = {}
-
-    @property
-    def name(self) -> str:
-        """hfpatch eval NAME: the name of its module."""
-        return type(self).__module__.rpartition(".")[2]
-
-    @property
-    def kind(self) -> str:
-        """The results file's kind."""
-        return self.name
-
-    @property
-    def description(self) -> str:
-        return (sys.modules[type(self).__module__].__doc__ or "").split("\n\n")[0]
-
-    @property
-    def default_out(self) -> str:
-        return f"runs/{self.name}"
-
-    @property
-    def plot_name(self) -> str:
-        """The plot's file under --out."""
-        return f"{self.name}.png"
-
-    @property
-    def prog(self) -> str:
-        return f"hfpatch eval {self.name}"
-
-    def main(self, argv: list[str] | None = None) -> int:
-        """The command: hfpatch eval NAME ARGS."""
-        return main(self, argv)
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        pass
-
-    def plan(self, args: argparse.Namespace, tok: Any) -> Plan:
-        raise NotImplementedError
-
-    def run_unit(self, run: Run, cell: dict, unit: Unit, progress: Callable[[int], None]) -> dict:
-        """Run one unit with the cell's spec applied; return its record. progress(n) may report tokens read."""
-        raise NotImplementedError
-
-    def summarize(self, records: list[dict]) -> dict:
-        """A finished cell's numbers: a pure function of its records (the results file is checked with it)."""
-        raise NotImplementedError
-
-    def caption(self, data: dict) -> str:
-        """One line above the tables, and the plot's title: what was measured on what."""
-        raise NotImplementedError
-
-    def tables(self, data: dict) -> str:
-        """The Markdown tables of a results file's data."""
-        raise NotImplementedError
-
-    def plot(self, data: dict, path: Path, title: str) -> None:
-        """The plot of a results file's data, written to `path`."""
-        raise NotImplementedError
-
-
-def build_parser(ev: Evaluation) -> command.Parser:
-    p = command.Parser(prog=ev.prog, description=ev.description)
-    p.add_argument("--model", default="smollm2",
-                   help="hub id, local folder, .gguf file, or smollm2 (the embedded default; default)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "auto"],
-                   help="weights dtype (default fp32; auto = the checkpoint's); transformers engine only")
-    p.add_argument("--device-map", dest="device_map",
-                   help="'auto' shards the model over the GPUs present (accelerate big-model inference); "
-                        "transformers engine only")
-    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu); "
-                                    "ignored with --device-map; transformers engine only")
-    p.add_argument("--engine", default="transformers", choices=list(ENGINES),
-                   help="transformers (default), or llama.cpp: the same cells run by llama.cpp on the GGUF file, "
-                        "specs applied as its RoPE metadata (needs pip install 'hfpatch[llama-cpp]'), or vllm: "
-                        "the same cells run by vLLM on the folder hfpatch.save_pretrained writes for each spec, in "
-                        "vLLM's own Python (--engine-python)")
-    p.add_argument("--engine-python", dest="engine_python",
-                   help="--engine vllm: the Python of the environment vLLM is installed in (default: "
-                        "$HFPATCH_VLLM_PYTHON, else ~/.cache/hfpatch/vllm/bin/python)")
-    p.add_argument("--patches", default=ev.default_patches,
-                   help="comma-separated patch specs, each applied to the same loaded model and removed again: "
-                        "none, yarn:2, ntk:2, dynamic, linear:2, yarn:4:beta_fast=16, ... "
-                        f"(default {ev.default_patches})")
-    ev.add_arguments(p)
-    p.add_argument("--out", default=ev.default_out,
-                   help=f"folder for results.json, table.md and the plot (default {ev.default_out})")
-    p.add_argument("--overwrite", action="store_true", help="discard an existing results file instead of resuming")
-    p.add_argument("--no-plot", action="store_true", dest="no_plot")
-    p.add_argument("--dry-run", action="store_true", dest="dry_run",
-                   help="validate, check memory, load the model and print the time estimate; run nothing and "
-                        "write nothing")
-    p.add_argument("--no-memory-check", action="store_true", dest="no_memory_check",
-                   help="run even when the estimated memory exceeds what is free")
-    return p
-
-
-def main(ev: Evaluation, argv: list[str] | None = None) -> int:
-    return command.run_main(lambda a: _main(ev, a), argv, ev.prog,
-                        interrupted="run the same command again to resume from the results file")
-
-
-def _main(ev: Evaluation, argv: list[str] | None) -> int:
-    args = build_parser(ev).parse_args(argv)
-    data = execute(ev, args, record_argv=list(sys.argv[1:] if argv is None else argv))
-    if data is not None:
-        print(data["report"])
-    return 0
+    def document_nll(self, ids: Any, windows: list[tuple[int, int, int]], chunk: int = 1024,
+                     progress: Any = None) -> tuple[float, int, list[tuple[int, int]]]:
+        """(nll sum, tokens scored, runs of scored token indices) over the windows of `ids`, by the engine's model
+        (lm.causal.document_nll); progress(n) is told the tokens read after each window."""
+        return causal.document_nll(self.parts, ids, windows, chunk, progress)
 
 
 @dataclass
@@ -413,7 +278,7 @@ def _run(ev: Evaluation, run: Run, todo: list, results: Results) -> None:
 # estimate, applied, paths_ran; the class says which of MODEL_OPTIONS it reads (`reads`) and why it reads no others
 # (`unread_reason`)
 ENGINES: Registry[Callable[[argparse.Namespace], Any]] = Registry.of(
-    "evaluation engine", {"transformers": TransformersEngine, "llama.cpp": LlamaCppEngine, "vllm": VllmEngine})
+    "evaluation engine", {e.name: e for e in (TransformersEngine, LlamaCppEngine, VllmEngine)})
 
 
 def _add_paths_since(cell: dict, before: dict, now: dict) -> None:

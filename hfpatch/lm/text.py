@@ -1,5 +1,6 @@
 """Text for the evaluations and the recipes: local files and folders, a `datasets` dataset, or the default corpus;
-the model's tokenizer; tokenization, cached.
+tokenization with the tokenizer given, cached. Loading a model's tokenizer is tokenizer.py's: this module imports
+neither torch nor transformers, so the evaluation modules can import it at their top and answer --help at once.
 
 The default corpus is a fixed list of long, pure-Python modules of the standard library of the Python that runs
 hfpatch: every install has them, no download is needed. They are source code, so their perplexities are lower than
@@ -22,11 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from transformers import AutoConfig, AutoTokenizer
 
-from ..models import resolve
 from ..utils.files import cache_dir
-from .causal import check_causal_config
 
 # Long modules present in every CPython >= 3.10, longest first; the default corpus is those found on disk.
 STDLIB_FILES = (
@@ -152,27 +150,6 @@ def documents(text_files_arg: Any = None, dataset: str | None = None, config: st
     if text_files_arg:
         return text_files(text_files_arg)
     return default_corpus()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# tokenizer
-
-
-def load_tokenizer(name: str):
-    """The tokenizer of a model (hub id, folder, .gguf, "smollm2"), after checking from its config alone that the
-    model is a causal LM: both before any weights are loaded, so that those errors come at once."""
-    where, gguf_file = resolve(name)
-    if not gguf_file:
-        try:
-            config = AutoConfig.from_pretrained(where)
-        except (OSError, ValueError):
-            config = None  # loading the model will say what is wrong with it
-        if config is not None:
-            check_causal_config(config)
-    try:
-        return AutoTokenizer.from_pretrained(where, **({"gguf_file": gguf_file} if gguf_file else {}))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"could not load a tokenizer for {name!r}: {str(e).strip().splitlines()[0]}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..evaluate.common import load_model, parse_length
-from ..lm.text import load_tokenizer
+from ..lm.tokenizer import load_tokenizer
 from ..models import model_fingerprint
 from ..utils import command
 from . import space

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import hfpatch
 
 from ..introspect import position_limit
-from ..lm.text import load_tokenizer
+from ..lm.tokenizer import load_tokenizer
 from ..models import load as load_model
 from ..position.registry import SCHEMES
 from . import init, memory, parallel

@@ -29,10 +29,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ...lm import text as texts
-from ...lm.causal import greedy
+from .. import definition, plots, report
 from .. import haystack as hs
-from .. import report, sweep
-from ..common import length_label, parse_fractions, parse_lengths
+from ..parsing import length_label, parse_fractions, parse_lengths
 
 NEEDLE_SETS = {
     "sandwich": {
@@ -117,7 +116,7 @@ def trial_offset(seed: int, trial: int, n_words: int) -> int:
     return random.Random(f"{seed}:niah:{trial}").randrange(n_words)
 
 
-class Niah(sweep.Evaluation):
+class Niah(definition.Evaluation):
     records = "trials"
     unit_key = "trial"
     axes: ClassVar[dict[str, str]] = {"lengths": "length", "depths": "depth"}
@@ -138,7 +137,7 @@ class Niah(sweep.Evaluation):
         p.add_argument("--chat-template", action="store_true", dest="chat_template",
                        help="wrap the question and haystack in the tokenizer's chat template")
 
-    def plan(self, args: argparse.Namespace, tok: Any) -> sweep.Plan:
+    def plan(self, args: argparse.Namespace, tok: Any) -> definition.Plan:
         lengths = parse_lengths(args.lengths)
         depths = parse_fractions(args.depths, "--depths", "0 = the start of the haystack, 1 = its end")
         for flag, value in (("--trials", args.trials), ("--new-tokens", args.new_tokens)):
@@ -158,22 +157,22 @@ class Niah(sweep.Evaluation):
                     sizes[n] = size
                     _check_haystack(src, size, n, args.text_files)
                     ids = prompter.ids(sample)
-                    units.append(sweep.Unit(t, sweep.decoding(len(ids), args.new_tokens),
+                    units.append(definition.Unit(t, definition.decoding(len(ids), args.new_tokens),
                                             (ids, sample.references, offset, size)))
-                cells.append(sweep.Cell({"length": n, "depth": d}, units))
+                cells.append(definition.Cell({"length": n, "depth": d}, units))
         identity = {"model": args.model, "dtype": args.dtype, "seed": args.seed, "needles": needles,
                     "new_tokens": args.new_tokens, "haystack": texts.describe_source(args.text_files),
                     "text_sha256": src.sha256, "chat_template": args.chat_template,
                     "template": TEMPLATE}
         settings = {"lengths": lengths, "depths": depths, "trials": args.trials, "needles": args.needles,
                     "dtype": args.dtype, "device_map": args.device_map}
-        return sweep.Plan(identity, cells, read=max(lengths), new_tokens=args.new_tokens,
+        return definition.Plan(identity, cells, read=max(lengths), new_tokens=args.new_tokens,
                           info={"settings": settings})
 
     def run_unit(self, run: Any, cell: dict, unit: Any, progress: Any) -> dict:
         ids, references, offset, size = unit.data
         eos = {i for i in [run.tok.eos_token_id] if i is not None}
-        answer = run.tok.decode(greedy(run.parts, ids, run.args.new_tokens, eos, hs.all_found(run.tok, references)),
+        answer = run.tok.decode(run.greedy(ids, run.args.new_tokens, eos, hs.all_found(run.tok, references)),
                                 skip_special_tokens=True)
         clean = hs.postprocess(answer)
         return {"prompt_tokens": len(ids), "offset": offset, "haystack_words": size, "answer": answer,
@@ -196,7 +195,7 @@ class Niah(sweep.Evaluation):
 
     def plot(self, data: dict, path: Path | str, title: str) -> None:
         s = data["settings"]
-        report.grid_heatmap(data["cells"], s["patches"], s["lengths"], s["depths"], path, title=title,
+        plots.grid_heatmap(data["cells"], s["patches"], s["lengths"], s["depths"], path, title=title,
                             row="depth of the needle", value="score")
 
 

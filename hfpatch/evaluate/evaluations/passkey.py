@@ -23,9 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ...lm.causal import greedy
-from .. import report, sweep
-from ..common import parse_fractions, parse_lengths
+from .. import definition, plots, report
+from ..parsing import parse_fractions, parse_lengths
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
         "I will quiz you about the important information there.")
@@ -74,7 +73,7 @@ def make_key(seed: int, length: int, depth: float, trial: int, digits: int) -> s
     return str(rng.randrange(10 ** (digits - 1), 10**digits))
 
 
-class Passkey(sweep.Evaluation):
+class Passkey(definition.Evaluation):
     records = "trials"
     unit_key = "trial"
     axes: ClassVar[dict[str, str]] = {"lengths": "length", "depths": "depth"}
@@ -89,7 +88,7 @@ class Passkey(sweep.Evaluation):
                        help="tokens to generate (default 12)")
         p.add_argument("--seed", type=int, default=0)
 
-    def plan(self, args: argparse.Namespace, tok: Any) -> sweep.Plan:
+    def plan(self, args: argparse.Namespace, tok: Any) -> definition.Plan:
         lengths = parse_lengths(args.lengths)
         depths = parse_fractions(args.depths, "--depths", "0 = right after the task line, 1 = right before the "
                                  "question")
@@ -107,19 +106,20 @@ class Passkey(sweep.Evaluation):
                 for t in range(args.trials):  # the same keys and prompts for every spec, and after a resume
                     key = make_key(args.seed, n, d, t, args.key_digits)
                     ids, n_filler = build_prompt(tok, n, d, key)
-                    units.append(sweep.Unit(t, sweep.decoding(len(ids), args.new_tokens), (key, ids, n_filler)))
-                cells.append(sweep.Cell({"length": n, "depth": d}, units))
+                    units.append(definition.Unit(t, definition.decoding(len(ids), args.new_tokens),
+                                                 (key, ids, n_filler)))
+                cells.append(definition.Cell({"length": n, "depth": d}, units))
         identity = {"model": args.model, "dtype": args.dtype, "seed": args.seed, "key_digits": args.key_digits,
                     "new_tokens": args.new_tokens, "prompt": [TASK, FILLER, KEY_LINE, QUESTION]}
         settings = {"lengths": lengths, "depths": depths, "trials": args.trials, "dtype": args.dtype,
                     "device_map": args.device_map}
-        return sweep.Plan(identity, cells, read=max(lengths), new_tokens=args.new_tokens,
+        return definition.Plan(identity, cells, read=max(lengths), new_tokens=args.new_tokens,
                           info={"settings": settings})
 
     def run_unit(self, run: Any, cell: dict, unit: Any, progress: Any) -> dict:
         key, ids, n_filler = unit.data
         eos = {i for i in [run.tok.eos_token_id] if i is not None}
-        answer = run.tok.decode(greedy(run.parts, ids, run.args.new_tokens, eos), skip_special_tokens=True)
+        answer = run.tok.decode(run.greedy(ids, run.args.new_tokens, eos), skip_special_tokens=True)
         return {"key": key, "prompt_tokens": len(ids), "filler": n_filler, "answer": answer,
                 "correct": is_correct(answer, key)}
 
@@ -137,7 +137,7 @@ class Passkey(sweep.Evaluation):
 
     def plot(self, data: dict, path: Path | str, title: str) -> None:
         s = data["settings"]
-        report.grid_heatmap(data["cells"], s["patches"], s["lengths"], s["depths"], path, title=title,
+        plots.grid_heatmap(data["cells"], s["patches"], s["lengths"], s["depths"], path, title=title,
                             row="depth of the key")
 
 

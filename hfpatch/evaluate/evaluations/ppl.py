@@ -30,15 +30,15 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ...lm import text as texts
-from ...lm.causal import document_nll, windows
-from .. import report, sweep
-from ..common import finite, length_label, parse_length, parse_lengths
+from ...lm.windows import windows
+from .. import definition, plots, report
+from ..parsing import finite, length_label, parse_length, parse_lengths
 
 DEFAULT_LENGTHS = "2k,8k,16k"  # the main command: under 10 minutes on 2 CPU cores (see README)
 WINDOWINGS = ("chunks", "sliding", "rolling")
 
 
-class Perplexity(sweep.Evaluation):
+class Perplexity(definition.Evaluation):
     kind = "perplexity"  # what its results files are marked with (files written so far resume under it)
     records = "documents"
     unit_key = "name"
@@ -68,7 +68,7 @@ class Perplexity(sweep.Evaluation):
         p.add_argument("--score-chunk", type=int, default=1024, dest="score_chunk",
                        help="positions per LM-head chunk (memory vs overhead; default 1024)")
 
-    def plan(self, args: argparse.Namespace, tok: Any) -> sweep.Plan:
+    def plan(self, args: argparse.Namespace, tok: Any) -> definition.Plan:
         lengths = parse_lengths(args.lengths)
         longest = max(lengths)
         windowings, stride = _windowings_and_stride(args, lengths)
@@ -102,12 +102,12 @@ class Perplexity(sweep.Evaluation):
         corpus = {**source, "documents": corpus_docs, "skipped": len(skipped), "skipped_examples": skipped[:20],
                   "byte_attribution": "offsets" if all(t.exact_bytes for _, t in chosen)
                   else "per-token decode (approximate)"}
-        return sweep.Plan(identity, cells, read=longest, score_chunk=args.score_chunk,
+        return definition.Plan(identity, cells, read=longest, score_chunk=args.score_chunk,
                           info={"settings": settings, "corpus": corpus})
 
     def run_unit(self, run: Any, cell: dict, unit: Any, progress: Any) -> dict:
         toks, ids, wins, shift = unit.data
-        nll, n, scored = document_nll(run.parts, ids, wins, run.args.score_chunk, progress)
+        nll, n, scored = run.document_nll(ids, wins, run.args.score_chunk, progress)
         # bytes of the scored tokens; with a prefix token (rolling), ids[i] is the document's token i - 1
         nbytes = sum(toks.bytes_between(a - shift, b - shift) for a, b in scored)
         return {"tokens": n, "nll_sum": nll, "bytes": nbytes, "windows": len(wins)}
@@ -155,9 +155,9 @@ class Perplexity(sweep.Evaluation):
         settings, window = data["settings"], data.get("model", {}).get("trained_window")
         lengths, windowings = settings["lengths"], settings["windowing"]
         done = {(c["patch"], c["windowing"], c["length"]): c for c in report.complete(data["cells"])}
-        fig = report.figure(figsize=(7, 4.5))
+        fig = plots.figure(figsize=(7, 4.5))
         ax = fig.subplots()
-        colors = report.colors()
+        colors = plots.colors()
         plotted: list[float] = []  # the perplexities drawn, for the value axis
         for i, p in enumerate(settings["patches"]):
             for w in windowings:
@@ -168,13 +168,13 @@ class Perplexity(sweep.Evaluation):
                 label = p if len(windowings) == 1 else f"{p} ({w})"
                 ax.plot(*zip(*pts), marker="o", color=colors[i % len(colors)],
                         linestyle="-" if w == "chunks" else "--", label=label)
-        if report.shows_window(window, lengths):
+        if plots.shows_window(window, lengths):
             ax.axvline(window, color="gray", linestyle=":", linewidth=1)
             ax.text(window, 0.98, " trained window", transform=ax.get_xaxis_transform(), color="gray",
                     fontsize=8, va="top")
-        report.length_axis(ax, lengths)
+        plots.length_axis(ax, lengths)
         if plotted:  # labels across the perplexities drawn, not only at the powers of ten
-            report.log_value_axis(ax, plotted)
+            plots.log_value_axis(ax, plotted)
         else:
             ax.set_yscale("log")
         ax.set_xlabel("context length (tokens)")
@@ -215,7 +215,7 @@ def _check_text_options(args: argparse.Namespace) -> None:
 
 
 def _cells(windowings: list[str], lengths: list[int], chosen: list, per_doc: int | None, stride: int | None,
-           prefix: int | None) -> list[sweep.Cell]:
+           prefix: int | None) -> list[definition.Cell]:
     """A cell per (windowing, length), a unit per document: the windows it scores and what scoring them needs."""
     longest = max(lengths)
     cells = []
@@ -228,9 +228,9 @@ def _cells(windowings: list[str], lengths: list[int], chosen: list, per_doc: int
                 if w == "rolling":
                     ids = np.concatenate([[prefix], ids]).astype(np.int64)
                 wins = windows(len(ids), n, w, stride)
-                units.append(sweep.Unit(doc.name, [(e - s - 1, e - s - 1, e - s - f) for s, e, f in wins],
+                units.append(definition.Unit(doc.name, [(e - s - 1, e - s - 1, e - s - f) for s, e, f in wins],
                                         (toks, ids, wins, 1 if w == "rolling" else 0)))
-            cells.append(sweep.Cell({"windowing": w, "length": n}, units,
+            cells.append(definition.Cell({"windowing": w, "length": n}, units,
                                     {"stride": stride if w == "sliding" else None,
                                      "prefix_token": prefix if w == "rolling" else None}))
     return cells

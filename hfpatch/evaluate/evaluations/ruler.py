@@ -42,10 +42,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ...lm import text as texts
-from ...lm.causal import greedy
+from .. import definition, plots, report
 from .. import haystack as hs
-from .. import report, sweep
-from ..common import length_label, parse_lengths
+from ..parsing import length_label, parse_lengths
 from ..stats import pooled, wilson
 
 NIAH_TEMPLATE = ("Some special magic {vs} are hidden within the following text. Make sure to memorize it. I will "
@@ -257,7 +256,7 @@ def parse_tasks(text: str) -> list[str]:
     return names
 
 
-class Ruler(sweep.Evaluation):
+class Ruler(definition.Evaluation):
     records = "samples"
     unit_key = "sample"
     axes: ClassVar[dict[str, str]] = {"tasks": "task", "lengths": "length"}
@@ -273,7 +272,7 @@ class Ruler(sweep.Evaluation):
         p.add_argument("--chat-template", action="store_true", dest="chat_template",
                        help="wrap each task in the tokenizer's chat template (default: plain text, RULER's base)")
 
-    def plan(self, args: argparse.Namespace, tok: Any) -> sweep.Plan:
+    def plan(self, args: argparse.Namespace, tok: Any) -> definition.Plan:
         tasks, lengths = parse_tasks(args.tasks), parse_lengths(args.lengths)
         if args.samples < 1:
             raise ValueError(f"--samples must be >= 1, got {args.samples}")
@@ -295,19 +294,19 @@ class Ruler(sweep.Evaluation):
                 for i in range(args.samples):  # the same prompts for every spec and after a resume
                     sample, ids = first[(task, n)] if i == 0 else build(prompter, src, task, n,
                                                                          f"{args.seed}:{task}:{n}:{i}", sizes)
-                    units.append(sweep.Unit(i, sweep.decoding(len(ids), new), (ids, sample.references, new)))
-                cells.append(sweep.Cell({"task": task, "length": n}, units))
+                    units.append(definition.Unit(i, definition.decoding(len(ids), new), (ids, sample.references, new)))
+                cells.append(definition.Cell({"task": task, "length": n}, units))
         identity = {"model": args.model, "dtype": args.dtype, "seed": args.seed, "haystack": source,
                     "chat_template": args.chat_template, "text_sha256": src.sha256}
         settings = {"tasks": tasks, "lengths": lengths, "samples": args.samples, "dtype": args.dtype,
                     "device_map": args.device_map}
-        return sweep.Plan(identity, cells, read=max(lengths), new_tokens=max(TASKS[t][2] for t in tasks),
+        return definition.Plan(identity, cells, read=max(lengths), new_tokens=max(TASKS[t][2] for t in tasks),
                           info={"settings": settings})
 
     def run_unit(self, run: Any, cell: dict, unit: Any, progress: Any) -> dict:
         ids, references, new = unit.data
         eos = {i for i in [run.tok.eos_token_id] if i is not None}
-        answer = run.tok.decode(greedy(run.parts, ids, new, eos, hs.all_found(run.tok, references)),
+        answer = run.tok.decode(run.greedy(ids, new, eos, hs.all_found(run.tok, references)),
                                 skip_special_tokens=True)
         return {"prompt_tokens": len(ids), "references": references, "answer": answer,
                 "score": hs.string_match_all(hs.postprocess(answer), references)}
@@ -350,9 +349,9 @@ class Ruler(sweep.Evaluation):
         panels = (["mean"] if len(tasks) > 1 else []) + list(tasks)
         cols = min(4, len(panels))
         rows = -(-len(panels) // cols)
-        fig = report.figure(figsize=(3.2 * cols, 2.6 * rows + 0.6))
+        fig = plots.figure(figsize=(3.2 * cols, 2.6 * rows + 0.6))
         axes = fig.subplots(rows, cols, squeeze=False, sharey=True)
-        colors = report.colors()
+        colors = plots.colors()
         for k, panel in enumerate(panels):
             ax = axes[k // cols][k % cols]
             for i, p in enumerate(patches):
@@ -369,9 +368,9 @@ class Ruler(sweep.Evaluation):
                     err = [[y - 100 * lo for y, lo in zip(ys, los)], [100 * hi - y for y, hi in zip(ys, his)]]
                     ax.errorbar([x * dodge for x in xs], ys, yerr=err, marker="o", markersize=4, capsize=2,
                                 color=colors[i % len(colors)], label=p)
-            if report.shows_window(window, lengths):
+            if plots.shows_window(window, lengths):
                 ax.axvline(window, color="gray", linestyle=":", linewidth=1)
-            report.length_axis(ax, lengths)
+            plots.length_axis(ax, lengths)
             ax.set_ylim(-5, 105)
             ax.set_title(panel if panel != "mean" else "mean over tasks", fontsize=9)
             ax.grid(True, alpha=0.3)

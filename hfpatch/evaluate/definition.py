@@ -1,0 +1,182 @@
+"""What an evaluation is, as its module (evaluate/evaluations/NAME.py) sees it: the `Evaluation` base class, its
+command line (`build_parser`: the options every evaluation shares, then its own), and the plan it makes of its
+cells and units (`Plan`, `Cell`, `Unit`, `decoding`). The sweep (sweep.py) runs a plan; it re-exports these names.
+
+This module and what it imports load neither torch nor transformers: an evaluation module imports it at its top,
+and `hfpatch eval NAME --help` (and the parsing of its arguments, with the errors of a bad flag) answers at once. The
+model operations a unit needs come from the run the sweep hands it (`run.greedy`, `run.document_nll`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..utils import command
+
+# --engine NAME: the engines a command line may name, in the order --help lists them; the sweep's ENGINES registry
+# holds exactly these (tests/test_eval_engines.py checks it), each under its class's `name`
+ENGINE_NAMES = ("transformers", "llama.cpp", "vllm")
+
+
+@dataclass
+class Unit:
+    id: object  # stored in the unit's record under Evaluation.unit_key (a document name, a trial number)
+    # the forwards it makes, for the time estimate: (tokens read, keys the last one attends to, positions through
+    # the LM head)
+    forwards: list[tuple[int, int, int]]
+    data: object = None  # whatever run_unit needs
+
+    @property
+    def tokens(self) -> int:
+        return sum(f[0] for f in self.forwards)
+
+
+def decoding(prompt_tokens: int, new_tokens: int) -> list[tuple[int, int, int]]:
+    """The forwards of greedy decoding, for Unit.forwards: the prompt, then one token at a time."""
+    return [(prompt_tokens, prompt_tokens, 1)] + [(1, prompt_tokens + k, 1) for k in range(1, new_tokens)]
+
+
+@dataclass
+class Cell:
+    key: dict  # its coordinates besides the patch spec, e.g. {"windowing": "chunks", "length": 2048}
+    units: list[Unit]
+    fields: dict = field(default_factory=dict)  # stored with the cell when it is created
+
+
+@dataclass
+class Plan:
+    identity: dict  # what decides the numbers besides the coordinates: a results file is continued only if equal
+    cells: list[Cell]
+    read: int  # the most tokens the model reads in one forward
+    new_tokens: int = 0  # tokens generated after such a read (0: no generation, no KV cache)
+    score_chunk: int = 0  # positions per LM-head chunk when scoring (0: only the last position goes through it)
+    info: dict = field(default_factory=dict)  # stored at the top of the results file (settings, corpus, ...)
+
+
+class Evaluation:
+    """One evaluation; its module (evaluate/evaluations/NAME.py) gives it its name, and the first paragraph of the
+    module's docstring its description."""
+
+    records = "records"  # the cell field with one record per unit
+    unit_key = "id"  # the record field that holds the unit's id
+    default_patches = "none,yarn:2"
+    # the cells' coordinates besides the patch spec: settings key -> the cell field it lists (numeric ones are shown
+    # sorted, the others in the order they were run)
+    axes: ClassVar[dict[str, str]] = {}
+
+    @property
+    def name(self) -> str:
+        """hfpatch eval NAME: the name of its module."""
+        return type(self).__module__.rpartition(".")[2]
+
+    @property
+    def kind(self) -> str:
+        """The results file's kind."""
+        return self.name
+
+    @property
+    def description(self) -> str:
+        return (sys.modules[type(self).__module__].__doc__ or "").split("\n\n")[0]
+
+    @property
+    def default_out(self) -> str:
+        return f"runs/{self.name}"
+
+    @property
+    def plot_name(self) -> str:
+        """The plot's file under --out."""
+        return f"{self.name}.png"
+
+    @property
+    def prog(self) -> str:
+        return f"hfpatch eval {self.name}"
+
+    def main(self, argv: list[str] | None = None) -> int:
+        """The command: hfpatch eval NAME ARGS."""
+        return main(self, argv)
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        pass
+
+    def plan(self, args: argparse.Namespace, tok: Any) -> Plan:
+        raise NotImplementedError
+
+    def run_unit(self, run: Any, cell: dict, unit: Unit, progress: Callable[[int], None]) -> dict:
+        """Run one unit with the cell's spec applied; return its record. progress(n) may report tokens read. `run`
+        is the sweep's Run: the model, its tokenizer and the args, and the model operations the unit calls
+        (run.greedy, run.document_nll), whichever engine runs the model."""
+        raise NotImplementedError
+
+    def summarize(self, records: list[dict]) -> dict:
+        """A finished cell's numbers: a pure function of its records (the results file is checked with it)."""
+        raise NotImplementedError
+
+    def caption(self, data: dict) -> str:
+        """One line above the tables, and the plot's title: what was measured on what."""
+        raise NotImplementedError
+
+    def tables(self, data: dict) -> str:
+        """The Markdown tables of a results file's data."""
+        raise NotImplementedError
+
+    def plot(self, data: dict, path: Path, title: str) -> None:
+        """The plot of a results file's data, written to `path`."""
+        raise NotImplementedError
+
+
+def build_parser(ev: Evaluation) -> command.Parser:
+    p = command.Parser(prog=ev.prog, description=ev.description)
+    p.add_argument("--model", default="smollm2",
+                   help="hub id, local folder, .gguf file, or smollm2 (the embedded default; default)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "auto"],
+                   help="weights dtype (default fp32; auto = the checkpoint's); transformers engine only")
+    p.add_argument("--device-map", dest="device_map",
+                   help="'auto' shards the model over the GPUs present (accelerate big-model inference); "
+                        "transformers engine only")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu); "
+                                    "ignored with --device-map; transformers engine only")
+    p.add_argument("--engine", default="transformers", choices=list(ENGINE_NAMES),
+                   help="transformers (default), or llama.cpp: the same cells run by llama.cpp on the GGUF file, "
+                        "specs applied as its RoPE metadata (needs pip install 'hfpatch[llama-cpp]'), or vllm: "
+                        "the same cells run by vLLM on the folder hfpatch.save_pretrained writes for each spec, in "
+                        "vLLM's own Python (--engine-python)")
+    p.add_argument("--engine-python", dest="engine_python",
+                   help="--engine vllm: the Python of the environment vLLM is installed in (default: "
+                        "$HFPATCH_VLLM_PYTHON, else ~/.cache/hfpatch/vllm/bin/python)")
+    p.add_argument("--patches", default=ev.default_patches,
+                   help="comma-separated patch specs, each applied to the same loaded model and removed again: "
+                        "none, yarn:2, ntk:2, dynamic, linear:2, yarn:4:beta_fast=16, ... "
+                        f"(default {ev.default_patches})")
+    ev.add_arguments(p)
+    p.add_argument("--out", default=ev.default_out,
+                   help=f"folder for results.json, table.md and the plot (default {ev.default_out})")
+    p.add_argument("--overwrite", action="store_true", help="discard an existing results file instead of resuming")
+    p.add_argument("--no-plot", action="store_true", dest="no_plot")
+    p.add_argument("--dry-run", action="store_true", dest="dry_run",
+                   help="validate, check memory, load the model and print the time estimate; run nothing and "
+                        "write nothing")
+    p.add_argument("--no-memory-check", action="store_true", dest="no_memory_check",
+                   help="run even when the estimated memory exceeds what is free")
+    return p
+
+
+def main(ev: Evaluation, argv: list[str] | None = None) -> int:
+    return command.run_main(lambda a: _main(ev, a), argv, ev.prog,
+                        interrupted="run the same command again to resume from the results file")
+
+
+def _main(ev: Evaluation, argv: list[str] | None) -> int:
+    args = build_parser(ev).parse_args(argv)
+    # the CLI's lazy loading: --help and bad flags answered above, without torch; the sweep that runs the model
+    # (torch, transformers, the engines) is imported only for a command that will run
+    from .sweep import execute
+
+    data = execute(ev, args, record_argv=list(sys.argv[1:] if argv is None else argv))
+    if data is not None:
+        print(data["report"])
+    return 0

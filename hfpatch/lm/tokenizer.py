@@ -1,0 +1,26 @@
+"""A model's tokenizer, loaded by the model's name, after checking from its config alone that the model is a causal
+LM (transformers' Auto classes: kept out of text.py, which the evaluation modules import at their top)."""
+
+from __future__ import annotations
+
+from transformers import AutoConfig, AutoTokenizer
+
+from ..models import resolve
+from .causal import check_causal_config
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of a model (hub id, folder, .gguf, "smollm2"), after checking from its config alone that the
+    model is a causal LM: both before any weights are loaded, so that those errors come at once."""
+    where, gguf_file = resolve(name)
+    if not gguf_file:
+        try:
+            config = AutoConfig.from_pretrained(where)
+        except (OSError, ValueError):
+            config = None  # loading the model will say what is wrong with it
+        if config is not None:
+            check_causal_config(config)
+    try:
+        return AutoTokenizer.from_pretrained(where, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not load a tokenizer for {name!r}: {str(e).strip().splitlines()[0]}") from None
