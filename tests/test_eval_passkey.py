@@ -13,12 +13,12 @@ from conftest import tiny_model
 
 import hfpatch
 from hfpatch.cli import main as cli_main
-from hfpatch.evaluate.evaluations import passkey
+from hfpatch.evaluate import sweep
 from hfpatch.evaluate.evaluations.passkey import FILLER, build_prompt, is_correct, make_key
 from hfpatch.evaluate.results import comparable as strip_timing
 from hfpatch.lm.causal import causal_lm_parts, greedy
-from hfpatch.tiny import save_sized as save_tiny
 from hfpatch.tiny import char_tokenizer as tiny_tokenizer
+from hfpatch.tiny import save_sized as save_tiny
 
 
 @pytest.fixture(autouse=True)
@@ -121,14 +121,14 @@ def test_cli_table_heatmap_json_and_resume(tmp_path, monkeypatch, capsys):
     tok = tiny_tokenizer()
     calls = []
 
-    def oracle(parts, ids, new_tokens, eos):
+    def oracle(run, ids, new_tokens, eos, done=None):  # in place of the run's greedy decoding
         calls.append(len(ids))
         text = tok.decode(ids)
         key = re.search(r"The pass key is (\d+)\. Remember", text)
         right = key.start() < len(text) / 2
         return tok(" " + (key.group(1) if right else "12"), add_special_tokens=False)["input_ids"]
 
-    monkeypatch.setattr(passkey, "greedy", oracle)
+    monkeypatch.setattr(sweep.Run, "greedy", oracle)
     argv = ["eval", "passkey", "--model", str(model_dir), "--lengths", "600,1000", "--depths", "0,0.4,1",
             "--trials", "2", "--patches", "none,yarn:2", "--out", str(tmp_path / "pk")]
     assert cli_main(argv) == 0

@@ -15,6 +15,7 @@ from conftest import FAMILIES, tiny_model, tokens
 
 import hfpatch
 from hfpatch.cli import main as cli_main
+from hfpatch.evaluate import sweep
 from hfpatch.evaluate.common import applied
 from hfpatch.evaluate.evaluations import ppl as perplexity
 from hfpatch.evaluate.results import comparable as strip_timing
@@ -183,7 +184,7 @@ def test_interrupted_run_resumes_without_recomputing(tiny_run, tmp_path, monkeyp
     assert perplexity.main([*common, "--out", str(tmp_path / "whole")]) == 0
     whole = json.loads((tmp_path / "whole" / "results.json").read_text())
 
-    real = perplexity.document_nll
+    real = sweep.Run.document_nll
     calls = []
 
     def interrupted(*a, **k):  # the 4th document: the second of the second cell
@@ -193,7 +194,7 @@ def test_interrupted_run_resumes_without_recomputing(tiny_run, tmp_path, monkeyp
         return real(*a, **k)
 
     out = tmp_path / "resumed"
-    monkeypatch.setattr(perplexity, "document_nll", interrupted)
+    monkeypatch.setattr(sweep.Run, "document_nll", interrupted)
     assert perplexity.main([*common, "--out", str(out)]) == 130
     assert "run the same command again to resume" in capsys.readouterr().err
     partial = json.loads((out / "results.json").read_text())
@@ -201,7 +202,7 @@ def test_interrupted_run_resumes_without_recomputing(tiny_run, tmp_path, monkeyp
     assert len(partial["cells"][1]["documents"]) == 1  # finished documents of an unfinished cell are kept too
 
     counted = []
-    monkeypatch.setattr(perplexity, "document_nll", lambda *a, **k: counted.append(1) or real(*a, **k))
+    monkeypatch.setattr(sweep.Run, "document_nll", lambda *a, **k: counted.append(1) or real(*a, **k))
     assert perplexity.main([*common, "--out", str(out)]) == 0
     assert len(counted) == 2 * 2 * 2 - 3  # 4 cells x 2 documents, minus the 3 already done
     final = json.loads((out / "results.json").read_text())
@@ -385,7 +386,7 @@ def test_given_text_is_scored_whole_by_default(tiny_run, tmp_path, capsys):
 
 def test_dry_run_estimates_and_scores_nothing(tiny_run, tmp_path, monkeypatch, capsys):
     model_dir, docs = tiny_run
-    monkeypatch.setattr(perplexity, "document_nll", lambda *a, **k: pytest.fail("a dry run scored"))
+    monkeypatch.setattr(sweep.Run, "document_nll", lambda *a, **k: pytest.fail("a dry run scored"))
     assert perplexity.main(["--model", str(model_dir), "--text-files", str(docs), "--lengths", "16",
                             "--patches", "none,yarn:2", "--dry-run", "--out", str(tmp_path / "o")]) == 0
     err = capsys.readouterr().err
@@ -524,7 +525,7 @@ def test_attention_path_counts_add_up_across_a_resume(tiny_run, tmp_path, monkey
     assert perplexity.main([*common, "--out", str(tmp_path / "whole")]) == 0
     whole = json.loads((tmp_path / "whole" / "results.json").read_text())["cells"][0]["attention_path"]
 
-    real, calls = perplexity.document_nll, []
+    real, calls = sweep.Run.document_nll, []
 
     def interrupted(*a, **k):  # the second document of the cell
         calls.append(1)
@@ -533,9 +534,9 @@ def test_attention_path_counts_add_up_across_a_resume(tiny_run, tmp_path, monkey
         return real(*a, **k)
 
     out = tmp_path / "resumed"
-    monkeypatch.setattr(perplexity, "document_nll", interrupted)
+    monkeypatch.setattr(sweep.Run, "document_nll", interrupted)
     assert perplexity.main([*common, "--out", str(out)]) == 130
-    monkeypatch.setattr(perplexity, "document_nll", real)
+    monkeypatch.setattr(sweep.Run, "document_nll", real)
     assert perplexity.main([*common, "--out", str(out)]) == 0
     resumed = json.loads((out / "results.json").read_text())["cells"][0]
     assert len(resumed["documents"]) == 2 and sum(whole.values()) > 0

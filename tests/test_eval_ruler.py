@@ -15,12 +15,13 @@ import pytest
 
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate import haystack as hs
+from hfpatch.evaluate import sweep
 from hfpatch.evaluate.evaluations import ruler
 from hfpatch.evaluate.results import comparable as strip_timing
 from hfpatch.evaluate.stats import wilson
 from hfpatch.lm.causal import causal_lm_parts, greedy
-from hfpatch.tiny import save_sized as save_tiny
 from hfpatch.tiny import char_tokenizer as tiny_tokenizer
+from hfpatch.tiny import save_sized as save_tiny
 
 
 @pytest.fixture(autouse=True)
@@ -188,7 +189,7 @@ def test_cli_scores_tables_and_resume(tmp_path, monkeypatch, capsys):
     calls = []
     truth = {}
 
-    def oracle(parts, ids, new_tokens, eos, done=None):
+    def oracle(run, ids, new_tokens, eos, done=None):  # in place of the run's greedy decoding
         calls.append(len(ids))
         if len(calls) == 7 and "interrupt" in truth:
             raise KeyboardInterrupt
@@ -203,7 +204,7 @@ def test_cli_scores_tables_and_resume(tmp_path, monkeypatch, capsys):
         truth[tuple(ids)] = sample.references
         return sample, ids
 
-    monkeypatch.setattr(ruler, "greedy", oracle)
+    monkeypatch.setattr(sweep.Run, "greedy", oracle)
     monkeypatch.setattr(ruler, "build", recording_build)
     argv = ["eval", "ruler", "--model", str(model_dir), "--tasks", "niah_single_1,niah_multivalue,vt",
             "--lengths", "2100,3000", "--samples", "2", "--patches", "none,yarn:2", "--out", str(tmp_path / "r")]
@@ -226,13 +227,13 @@ def test_cli_scores_tables_and_resume(tmp_path, monkeypatch, capsys):
     assert "| niah_single_1 | 100 [34, 100] | 0 [0, 66] |" in out and "| **mean** | 100 [61, 100] | 0 [0, 39] |" in out
     assert (tmp_path / "r" / "ruler.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    monkeypatch.setattr(ruler, "greedy", lambda *a: pytest.fail("a finished run decoded again"))
+    monkeypatch.setattr(sweep.Run, "greedy", lambda *a: pytest.fail("a finished run decoded again"))
     assert cli_main(argv) == 0  # finished: only the report
     again = json.loads((tmp_path / "r" / "results.json").read_text())
     assert strip_timing(again) == strip_timing(res)
 
     # a later command adding one spec at one length reports every cell of the file, not only its own
-    monkeypatch.setattr(ruler, "greedy", oracle)
+    monkeypatch.setattr(sweep.Run, "greedy", oracle)
     capsys.readouterr()
     assert cli_main(["eval", "ruler", "--model", str(model_dir), "--tasks", "vt", "--lengths", "3000", "--samples",
                      "2", "--patches", "dynamic", "--out", str(tmp_path / "r"), "--no-plot"]) == 0
