@@ -418,6 +418,46 @@ def heal_dyt():
     return moby_dick_2k(rows)
 
 
+HEALED_POSITIONS = "heal_positions"  # eval/results/heal_positions/: p-RoPE and iRoPE on SmolLM2, before/after the heal
+
+
+@table(*(f"eval/results/{HEALED_POSITIONS}/{name}" for name in (
+    "before_16k.json", "before_32k.json", "heal_prope_16k.json", "heal_prope_32k.json", "heal_irope_16k.json",
+    "heal_plain_16k.json", "heal_prope_log.jsonl", "heal_irope_log.jsonl", "heal_plain_log.jsonl")),
+    "eval/results/cross_engine/8k-16k/ppl-transformers/results.json", "eval/results/self_extend/ppl_32k.json")
+def heal_positions():
+    """p-RoPE and the iRoPE pattern on SmolLM2 before and after the shipped heal, and the no-patch control."""
+    d = HEALED_POSITIONS
+    unpatched, prope, prope_healed = "SmolLM2, unpatched", "p-RoPE (keep 0.75), not trained", "p-RoPE, healed"
+    rows = [("cross_engine/8k-16k/ppl-transformers/results.json", "none", unpatched),
+            ("self_extend/ppl_32k.json", "none", unpatched),
+            (f"{d}/before_16k.json", "p-rope:keep=0.75", prope), (f"{d}/before_32k.json", "p-rope:keep=0.75", prope),
+            (f"{d}/heal_prope_16k.json", "none", prope_healed), (f"{d}/heal_prope_32k.json", "none", prope_healed),
+            (f"{d}/before_16k.json", "rope+nope@every4", "iRoPE (NoPE in every 4th layer), not trained"),
+            (f"{d}/heal_irope_16k.json", "none", "iRoPE, healed"),
+            (f"{d}/heal_plain_16k.json", "none", "control: no patch, the same heal")]
+    cells = [c for path, patch, label in rows for c in relabelled(path, patch, label)]
+    labels = list(dict.fromkeys(label for *_, label in rows))
+    training = [[arm, *heal_log_summary(RESULTS / d / f"heal_{name}_log.jsonl")]
+                for arm, name in (("p-RoPE (keep 0.75)", "prope"), ("iRoPE", "irope"), ("control: no patch", "plain"))]
+    return ("Perplexity on *Moby-Dick* (chunks): 8k and 16k on its first 16,384 tokens, 32k on its first 32,768; "
+            "— was not run.\n\n" + ppl_tables(cells, labels, [8192, 16384, 32768], ["chunks"])
+            + "\n\nThe heals (the shipped config: distillation from the unpatched model, α = 1, lr 5e-5, 60 steps "
+            "of 2 × 512 tokens on *Emma* and *Jane Eyre*):\n\n"
+            + markdown_table(["patch healed", "steps", "KL to the original, steps 1-10", "KL, last 10 steps",
+                              "wall clock"], training))
+
+
+def heal_log_summary(path: Path) -> list[str]:
+    """steps, mean KL of the first and of the last ten steps, and the wall clock of a heal's log.jsonl."""
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [s for s in steps if "kl" in s]
+    first, last = steps[:10], steps[-10:]
+    minutes, seconds = divmod(round(steps[-1]["seconds"]), 60)  # seconds since the start, at each step
+    return [str(len(steps)), f"{sum(s['kl'] for s in first) / len(first):.4f}",
+            f"{sum(s['kl'] for s in last) / len(last):.4f}", f"{minutes} min {seconds} s"]
+
+
 @table("eval/results/context_extension_before.json", "eval/results/context_extension_after.json")
 def context_extension():
     rows = [("context_extension_before.json", "none", "pretrained at 256, no patch"),
@@ -850,3 +890,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
