@@ -13,9 +13,10 @@
 #   --spec-file`, evaluated as a folder) against the unpatched model, linear:4, ntk:4, yarn:4, llama3:4, Self-Extend
 #   and Dual Chunk Attention on Moby-Dick, which the search never saw: perplexity at 8k/16k/32k, passkey at 16k/32k.
 # heal: the shipped heal recipe and config (recipes/configs/heal_smollm2_layernorm.yaml: 60 steps of distillation
-#   from the unpatched model on Emma and Jane Eyre, 512-token sequences) after p-rope (keep 0.75), after the iRoPE
-#   pattern (NoPE in every 4th layer) and with no patch (the control: the same training of plain RoPE); perplexity
-#   at 8k/16k/32k before and after on Moby-Dick.
+#   from the unpatched model on Emma and Jane Eyre) at the trained window, 8k-token sequences instead of its 512
+#   (at 512 tokens p-RoPE's unrotated low frequencies barely matter, so that heal has nothing to correct: measured
+#   on the CPU, docs/recipes/heal.md), after p-rope (keep 0.75), after the iRoPE pattern (NoPE in every 4th layer)
+#   and with no patch (the control); perplexity at 8k/16k/32k before and after on Moby-Dick.
 # Each step runs under `timeout` with its own budget (the whole study under 9 minutes on one H200); a step that
 # fails or runs out of time is logged and the next one runs; results files are written after every unit, so a step
 # stopped by its budget keeps what it finished.
@@ -67,7 +68,7 @@ if [ "$MODE" = gpu ]; then
   # step budgets in seconds (measured on an H200: a 32k forward of this model well under a second, a passkey trial
   # at 32k about one; compilations of flex_attention 5-15 s each)
   B_SEARCH=200 B_SAVE=40 B_PPL=120 B_KEYS=330 B_FIXED_PPL=90 B_FIXED_KEYS=200 B_FOUND_PPL=40 B_FOUND_KEYS=60
-  ACCEL=(--config_file recipes/accelerate/ddp.yaml --num_processes 1); HEAL=(); B_HEAL=110 B_HEAL_PPL=60
+  ACCEL=(--config_file recipes/accelerate/ddp.yaml --num_processes 1); HEAL=(seq_len=8192); B_HEAL=150 B_HEAL_PPL=60
 else  # the same commands on the CPU at a few hundred tokens: the plumbing, not the numbers
   export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
   MODEL=$($PY -c "from hfpatch.models import smollm2_path; print(smollm2_path())")
