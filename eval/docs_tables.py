@@ -265,14 +265,19 @@ def attention_contention():
             + markdown_table(["L", "variant", "path", *(f"seconds ({name}; x unpatched)" for name in runs)], rows))
 
 
+def bench_cells(d: dict) -> dict:
+    """A bench_attention results file's cells keyed as its table functions take them: {(variant, length): cell}
+    from its "variant@length" keys."""
+    return {(key.rpartition("@")[0], int(key.rpartition("@")[2])): r for key, r in d["cells"].items()}
+
+
 @table("eval/results/attention/bench.json", "eval/results/attention/bench_8k_cells.json",
        "eval/results/attention/bench_16k_cells.json", "eval/results/attention/bench_16k_written.json")
 def attention_bench():
     parts = []
     for name in ("bench.json", "bench_8k_cells.json", "bench_16k_cells.json", "bench_16k_written.json"):
         d = load(f"attention/{name}")
-        cells = {(key.rpartition("@")[0], int(key.rpartition("@")[2])): r for key, r in d["cells"].items()}
-        parts.append(bench_attention.tables(cells, argparse.Namespace(**d["args"])))
+        parts.append(bench_attention.tables(bench_cells(d), argparse.Namespace(**d["args"])))
     return "\n\n".join(parts)
 
 
@@ -297,10 +302,8 @@ def gpu_check():
 def gpu_rerun() -> str:
     run = load("gpu/rerun/run.json")
     tests = gpu.junit_summary(RESULTS / "gpu" / "rerun" / "junit.xml")
-    skipped = "".join(f"; {n} skipped: {why}" for why, n in tests["skipped"].items())
     return (f"**Re-run** on the same kind of machine ({run['device']}, torch {run['torch']}) at commit "
-            f"`{run['commit']}`, {run['why']}: `{run['commands'][0]}`: {tests['passed']} passed, "
-            f"{len(tests['failed'])} failed{skipped}." + "".join(f"\n- failed: {n}" for n in tests["failed"]))
+            f"`{run['commit']}`, {run['why']}: `{run['commands'][0]}`: {gpu.tests_summary(tests)}")
 
 
 def gpu_bench() -> str:
@@ -310,8 +313,7 @@ def gpu_bench() -> str:
                         ("rerun/bench_train.json", "Training, from the re-run (" + load("gpu/rerun/run.json")["note"]
                          + ")")):
         d = load(f"gpu/{name}")
-        cells = {(key.rpartition("@")[0], int(key.rpartition("@")[2])): r for key, r in d["cells"].items()}
-        parts.append(f"{title}:\n\n" + bench_attention.device_tables(cells, argparse.Namespace(**d["args"])))
+        parts.append(f"{title}:\n\n" + bench_attention.device_tables(bench_cells(d), argparse.Namespace(**d["args"])))
     return "\n\n".join(parts)
 
 
@@ -890,4 +892,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -236,6 +236,13 @@ def summary(out: Path, steps: list[dict], env: dict) -> dict:
     return data
 
 
+def tests_summary(tests: dict) -> str:
+    """junit_summary's counts as a line ("N passed, M failed; K skipped: why"), then one line per failed test."""
+    skipped = "".join(f"; {n} skipped: {why}" for why, n in tests["skipped"].items())
+    return (f"{tests['passed']} passed, {len(tests['failed'])} failed{skipped}"
+            + "".join(f"\n- failed: {name}" for name in tests["failed"]))
+
+
 def summary_markdown(data: dict) -> str:
     from hfpatch.evaluate.report import markdown_table  # after the carried wheels are installed (see the top)
 
@@ -248,9 +255,7 @@ def summary_markdown(data: dict) -> str:
                                  for s in data["steps"]]))
     tests = data.get("tests")
     if tests:
-        lines += ["", f"Tests (pytest -m cuda): {tests['passed']} passed, {len(tests['failed'])} failed"
-                  + "".join(f"; {n} skipped: {why}" for why, n in tests["skipped"].items())]
-        lines += [f"- failed: {name}" for name in tests["failed"]]
+        lines += ["", f"Tests (pytest -m cuda): {tests_summary(tests)}"]
     ppl = data.get("ppl")
     if ppl:
         rows = [[c["patch"], c["length"], f"{c['ppl']:.3f}",
