@@ -407,3 +407,35 @@ def test_heal_recipe_takes_norm_dyt(tmp_path, tiny_tokenizer_dir):
     assert info["norm"]["kind"] == "dyt" and info["placement"] == "peri"
     alphas = [float(m.alpha) for m in loaded.modules() if isinstance(m, DyT)]
     assert alphas and any(a != 0.5 for a in alphas)  # trained
+
+
+def test_heal_recipe_calibrates_the_patch_on_training_sequences_before_the_first_step(tmp_path, tiny_tokenizer_dir,
+                                                                                      monkeypatch):
+    import importlib.util
+
+    from hfpatch.train import loop
+    from hfpatch.train.cli import run
+
+    spec = importlib.util.spec_from_file_location("heal", REPO / "recipes" / "heal.py")
+    heal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(heal)
+    text = tmp_path / "text.txt"
+    text.write_text(stdlib_text(40_000))
+    pretrained = tmp_path / "pretrained"
+    hfpatch.save_pretrained(tiny_model("llama", vocab_size=400), pretrained)
+    seen = {}
+
+    def first_step(cfg, model, tok, train_seqs, eval_seqs, teacher=None):  # what training would start from
+        seen["alphas"] = [float(m.alpha) for m in model.modules() if isinstance(m, DyT)]
+        seen["seqs"] = train_seqs
+        return {}
+
+    monkeypatch.setattr(loop, "train", first_step)
+    argv = [f"model={pretrained}", f"tokenizer={tiny_tokenizer_dir}", "patch={norm: dyt}", f"data.text_files=[{text}]",
+            "seq_len=64", "batch_size=2", "calibrate=5", f"output_dir={tmp_path / 'run'}"]
+    assert run("heal", heal.main, argv) == 0
+    # the reference: the same patch on the same model, calibrated by hand on the first 5 training sequences
+    reference = hfpatch.patch(hfpatch.from_pretrained(pretrained), norm="dyt")
+    hfpatch.calibrate(reference, [seen["seqs"][:2], seen["seqs"][2:4], seen["seqs"][4:5]])
+    expected = [float(m.alpha) for m in reference.modules() if isinstance(m, DyT)]
+    assert seen["alphas"] == expected and all(a != DyT.ALPHA0 for a in expected)

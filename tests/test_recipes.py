@@ -162,6 +162,9 @@ def tiny_folder(tmp_path, tiny_tokenizer_dir):
     ("heal", ["log_with=[nonsense]"], "log_with: unknown tracker 'nonsense'"),
     ("heal", ["data.max_tokens=40"], "the data holds 40 tokens: fewer than two sequences of seq_len=32"),
     ("heal", ["tokenizer=smollm2"], "the tokenizer has 49152 tokens, the model's embedding 384 rows"),
+    ("heal", ["calibrate=-1"], "calibrate must be >= 0"),
+    ("heal", ["patch={norm: dyt}", "calibrate=100000"], "calibrate=100000 is more than the"),
+    ("heal", ["calibrate=1"], "nothing to calibrate (patch it with norm='batchnorm'"),
 ])
 def test_bad_configs_fail_before_training(tiny_folder, text, tmp_path, capsys, recipe, args, message):
     import importlib.util

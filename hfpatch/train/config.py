@@ -278,11 +278,16 @@ class HealConfig(RecipeConfig):
     """recipes/heal.py: after a swap, fine-tune back toward the original model, optionally distilling from it."""
 
     distill: Distill = field(default_factory=Distill, metadata={"help": "distillation (section)", "path": False})
+    calibrate: int = setting(0, "training sequences hfpatch.calibrate fits the patch on before the first step (DyT's "
+                                "α, BatchNorm's running statistics, Peri-LN's output norms), batch_size at a time; "
+                                "0: none")
 
     def distillation(self) -> Distill | None:
         return self.distill if self.distill.enabled else None
 
     def _check_own(self) -> None:
+        if self.calibrate < 0:
+            raise ConfigError(f"calibrate must be >= 0 (training sequences; 0: none), got {self.calibrate}")
         distill = self.distill
         if not (math.isfinite(distill.temperature) and distill.temperature > 0):
             raise ConfigError(f"distill.temperature must be a finite number > 0, got {distill.temperature}")

@@ -246,7 +246,7 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 # Keys added after checkpoints already existed, with the value every run had before they did: at that value they are
 # left out of the identity, so that those checkpoints still resume (any other value is compared like every key).
-ADDED_KEYS = {"adam_beta2": 0.999, "init": "hf"}
+ADDED_KEYS = {"adam_beta2": 0.999, "init": "hf", "calibrate": 0}
 
 
 def run_identity(cfg: RecipeConfig, train_seqs: torch.Tensor, eval_seqs: torch.Tensor) -> dict:

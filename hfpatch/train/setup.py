@@ -15,7 +15,7 @@ from ..lm.tokenizer import load_tokenizer
 from ..models import load as load_model
 from ..position.registry import SCHEMES
 from . import init, memory, parallel
-from .config import ConfigError, PretrainConfig, RecipeConfig
+from .config import ConfigError, HealConfig, PretrainConfig, RecipeConfig
 
 
 def dtype_of(cfg: RecipeConfig) -> torch.dtype:
@@ -116,3 +116,21 @@ def apply_patch(model, cfg: RecipeConfig):
                           "remove fused_loss")
     parallel.check(cfg, scheme)
     return model
+
+
+def calibrate(model, cfg: HealConfig, train_seqs: torch.Tensor) -> int:
+    """hfpatch.calibrate on the first cfg.calibrate training sequences, cfg.batch_size at a time, when the config
+    asks for it: what the patch put in (DyT's α, BatchNorm's statistics, Peri-LN's output norms) fit to the model it
+    replaced before training starts from it. Every process fits on the same sequences, so all get the same values.
+    Returns the number of norms calibrated (0: calibrate is 0)."""
+    if not cfg.calibrate:
+        return 0
+    if cfg.calibrate > len(train_seqs):
+        raise ConfigError(f"calibrate={cfg.calibrate} is more than the {len(train_seqs)} training sequences of "
+                          f"seq_len={cfg.seq_len}: give at most that many, or more text")
+    device = hfpatch.apply.unwrap(model).get_input_embeddings().weight.device
+    batches = [b.to(device) for b in train_seqs[: cfg.calibrate].split(cfg.batch_size)]
+    try:
+        return hfpatch.calibrate(model, batches)
+    except ValueError as e:
+        raise ConfigError(f"{e}; or set calibrate: 0") from None
