@@ -195,6 +195,14 @@ def _patch_arguments(s) -> None:
     s.add_argument("--spec-file", dest="spec_file", metavar="JSON",
                    help="the patch as a JSON object of hfpatch.patch's keyword arguments (hfpatch search writes "
                         "OUT/best.json); other flags add to it, and may not repeat a key it gives")
+    s.add_argument("--calibrate", nargs="+", metavar="TEXT",
+                   help="text files or folders of .txt files: after patching, hfpatch.calibrate fits DyT's α, "
+                        "BatchNorm's running statistics and Peri-LN's output norms to the model they replaced, on "
+                        "the first --calibrate-tokens tokens of this text (a pretrained model needs it before "
+                        "norm=dyt or norm=batchnorm is used without training)")
+    s.add_argument("--calibrate-tokens", type=int, metavar="N", dest="calibrate_tokens",
+                   help=f"with --calibrate: the tokens read, in sequences of up to {CALIBRATION_SEQ_LEN} "
+                        f"(default {CALIBRATION_TOKENS})")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="load the model in this dtype")
     s.add_argument("--overwrite", action="store_true",
                    help="with a .gguf --out: replace an existing GGUF file there (never a file of another kind)")
@@ -331,6 +339,7 @@ def _patch(args) -> int:
     if not kwargs:
         raise UsageError("hfpatch patch: error: nothing to patch: give --position, --norm, --placement, "
                          "--attention-temperature or --spec-file")
+    _check_calibration_flags(args)
     if args.out.endswith(".gguf"):  # GGUF in, GGUF out: llama.cpp's RoPE metadata, the weights as they are
         return _export_gguf(args, kwargs)
     if args.overwrite:
@@ -346,11 +355,56 @@ def _patch(args) -> int:
     with _locked(out):
         model, tok = load(args.model, dtype=dtype, **_loading(args))
         hfpatch.patch(model, **kwargs)
+        if args.calibrate:
+            hfpatch.calibrate(model, calibration_batches(model, tok, args.calibrate, args.calibrate_tokens))
         # written as OUT.partial and renamed once complete: a full disk leaves OUT as it was, never half a model
         write_folder(out, lambda tmp: hfpatch.save_pretrained(model, tmp, tokenizer=tok))
     info = hfpatch.describe(model)
     print(f"saved {info['family']} with {hfpatch.spec.describe_string(info['applied'])} to {args.out}")
     return 0
+
+
+CALIBRATION_TOKENS = 4096  # hfpatch patch --calibrate: tokens read by default,
+CALIBRATION_SEQ_LEN = 512  # in sequences of this many (or the model's window, if shorter), one batch each
+
+
+def _check_calibration_flags(args) -> None:
+    """--calibrate and --calibrate-tokens, checked before the model is loaded."""
+    if args.calibrate_tokens is not None and not args.calibrate:
+        raise UsageError("hfpatch patch: error: --calibrate-tokens needs --calibrate TEXT")
+    if args.calibrate_tokens is not None and args.calibrate_tokens < 2:
+        raise UsageError(f"hfpatch patch: error: --calibrate-tokens must be >= 2, got {args.calibrate_tokens}")
+    if args.calibrate and args.out.endswith(".gguf"):
+        raise UsageError("hfpatch patch: error: --calibrate fits weights, which a .gguf --out does not change (it "
+                         "writes RoPE metadata only): save a model folder")
+    for path in args.calibrate or ():
+        if not os.path.exists(os.path.expanduser(path)):
+            raise UsageError(f"hfpatch patch: error: --calibrate {path}: no such file or folder")
+
+
+def calibration_batches(model, tok, paths: list[str], tokens: int | None) -> list:
+    """The first `tokens` tokens of the text files (documents joined by EOS) as [1, seq] batches of token ids,
+    seq = CALIBRATION_SEQ_LEN or the model's window if shorter (the last batch may be shorter)."""
+    import torch
+
+    from .introspect import position_limit
+    from .lm.text import documents, tokenize
+
+    if tok is None:
+        raise ValueError("--calibrate needs the model's tokenizer to read the text, and this model has none")
+    tokens = tokens or CALIBRATION_TOKENS
+    ids: list[int] = []
+    for doc in documents(text_files_arg=paths):
+        ids += [*tokenize(tok, doc).ids.tolist(), *([tok.eos_token_id] if tok.eos_token_id is not None else [])]
+        if len(ids) >= tokens:
+            break
+    ids = ids[:tokens]
+    if len(ids) < 2:
+        raise ValueError(f"--calibrate: the text holds {len(ids)} tokens; calibrating needs at least 2")
+    seq = min(CALIBRATION_SEQ_LEN, position_limit(model) or CALIBRATION_SEQ_LEN)
+    device = model.get_input_embeddings().weight.device
+    rows = [ids[i: i + seq] for i in range(0, len(ids), seq)]
+    return [torch.tensor([row], device=device) for row in rows if len(row) >= 2]
 
 
 def _spec_file(path: str) -> dict:

@@ -44,7 +44,7 @@ LAYERS: dict[str, set[str]] = {
               "utils"},
     "studies": {"hfpatch", "introspect", "evaluate", "train", "apply", "spec", "adapters", "lm", "models", "norm", "position",
                 "utils"},
-    "cli": {"hfpatch", "introspect", "evaluate", "search", "norm", "spec", "models", "families", "apply", "interop", "position", "utils"},
+    "cli": {"hfpatch", "introspect", "evaluate", "lm", "search", "norm", "spec", "models", "families", "apply", "interop", "position", "utils"},
     "__main__": {"cli"},
 }
 

@@ -384,6 +384,44 @@ def test_the_command_line_takes_them(tmp_path, capsys):
     assert "0 < post_fraction < 1" in err and err.count("\n") == 1 and not (tmp_path / "x").exists()
 
 
+def test_the_command_line_calibrates_on_a_text_file(tmp_path, tiny_tokenizer_dir, capsys):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    src, out, text = tmp_path / "llama", tmp_path / "dyt", tmp_path / "text.txt"
+    hfpatch.save_pretrained(tiny_model("llama", vocab_size=len(tok)), src, tokenizer=tok)
+    text.write_text(stdlib_text(20_000))
+    assert main(["patch", str(src), "--norm", "dyt", "--calibrate", str(text), "--calibrate-tokens", "150",
+                 "--out", str(out)]) == 0
+    # the reference: the first 150 tokens of the text, in sequences of the model's 64-position window
+    ids = tok(text.read_text())["input_ids"][:150]
+    reference = hfpatch.patch(hfpatch.from_pretrained(src), norm="dyt")
+    hfpatch.calibrate(reference, [torch.tensor([ids[i: i + 64]]) for i in range(0, 150, 64)])
+    expected = [float(m.alpha) for m in reference.modules() if isinstance(m, DyT)]
+    assert [float(m.alpha) for m in hfpatch.from_pretrained(out).modules() if isinstance(m, DyT)] == expected
+    assert all(a != DyT.ALPHA0 for a in expected)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--position", "yarn", "--factor", "2", "--calibrate", "TEXT"], "nothing to calibrate"),
+    (["--norm", "dyt", "--calibrate-tokens", "100"], "--calibrate-tokens needs --calibrate TEXT"),
+    (["--norm", "dyt", "--calibrate", "TEXT", "--calibrate-tokens", "1"], "--calibrate-tokens must be >= 2"),
+    (["--norm", "dyt", "--calibrate", "/no/such.txt"], "--calibrate /no/such.txt: no such file or folder"),
+])
+def test_the_command_lines_calibration_refusals_are_one_line(tmp_path, tiny_tokenizer_dir, capsys, args, message):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    src, text = tmp_path / "llama", tmp_path / "text.txt"
+    hfpatch.save_pretrained(tiny_model("llama", vocab_size=len(tok)), src, tokenizer=tok)
+    text.write_text(stdlib_text(5_000))
+    capsys.readouterr()
+    argv = ["patch", str(src), *[str(text) if a == "TEXT" else a for a in args], "--out", str(tmp_path / "x")]
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]  # (besides progress bars)
+    assert len(errors) == 1 and message in errors[0] and not (tmp_path / "x").exists()
+
+
 # ------------------------------------------------------------------------------------------------------- the recipe
 
 def test_heal_recipe_takes_norm_dyt(tmp_path, tiny_tokenizer_dir):
