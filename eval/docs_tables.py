@@ -238,6 +238,41 @@ def dual_chunk_passkey():
     return "One random key per cell, at depth 0.5, greedy decoding.\n\n" + markdown_table(header, rows)
 
 
+# ------------------------------------------------------------------------------------------ attention temperature
+
+TEMPERATURE_FILES = ("temperature/ppl_16k.json",)
+TEMPERATURE_BASES = ["none", "yarn:4", "self-extend", "dual-chunk"]
+TEMPERATURES = ["logn", "llama4"]
+
+
+def with_temperature(base: str, kind: str) -> str:
+    """The spec `hfpatch eval` names a base scheme with an attention temperature by."""
+    return f"attention_temperature={kind}" if base == "none" else f"{base}+attention_temperature={kind}"
+
+
+@table(*(f"eval/results/{f}" for f in TEMPERATURE_FILES))
+def temperature_ppl():
+    """Perplexity of the four bases without and with each attention temperature, and the temperature's effect."""
+    cells = [c for f in TEMPERATURE_FILES for c in load(f)["cells"] if c.get("complete")]
+    specs = [s for base in TEMPERATURE_BASES for s in [base, *(with_temperature(base, t) for t in TEMPERATURES)]]
+    lengths = [8192, 16384, 32768]
+    ppl = {(c["patch"], c["length"]): c["ppl"] for c in cells}
+    rows = []
+    for base in TEMPERATURE_BASES:
+        row = [base]
+        for n in lengths[1:]:
+            for t in TEMPERATURES:
+                pair = ppl.get((base, n)), ppl.get((with_temperature(base, t), n))
+                row.append("—" if None in pair else f"{100 * (pair[1] / pair[0] - 1):+.1f} %")
+        rows.append(row)
+    header = ["base", *(f"{t} at {length_label(n)}" for n in lengths[1:] for t in TEMPERATURES)]
+    return ("SmolLM2-135M on *Moby-Dick*: 8k and 16k on its first 16,384 tokens, 32k on its first 32,768 (compare "
+            "specs within a column); — : not run.\n\n"
+            + ppl_tables(cells, specs, lengths, ["chunks"])
+            + "\n\nThe temperature's effect: the change in perplexity from the same base without it (negative: "
+            "it helps).\n\n" + markdown_table(header, rows))
+
+
 # ---------------------------------------------------------------------------------------------- attention paths
 
 @table("eval/results/attention/contention/idle/bench.json", "eval/results/attention/contention/busy/bench.json")
