@@ -240,7 +240,7 @@ def dual_chunk_passkey():
 
 # ------------------------------------------------------------------------------------------ attention temperature
 
-TEMPERATURE_FILES = ("temperature/ppl_16k.json",)
+TEMPERATURE_FILES = ("temperature/ppl_16k.json", "temperature/ppl_32k.json")
 TEMPERATURE_BASES = ["none", "yarn:4", "self-extend", "dual-chunk"]
 TEMPERATURES = ["logn", "llama4"]
 
