@@ -445,14 +445,22 @@ def heal():
 
 
 @table("eval/results/heal_before.json", "eval/results/heal_kl_only.json", "eval/results/heal_dyt_before.json",
-       "eval/results/heal_dyt.json")
+       "eval/results/heal_dyt.json", "eval/results/heal_dyt_calibrated_before.json",
+       "eval/results/heal_dyt_calibrated.json", "eval/results/heal_dyt_log.jsonl",
+       "eval/results/heal_dyt_calibrated_log.jsonl")
 def heal_dyt():
     rows = [("heal_before.json", "none", "original SmolLM2"),
             ("heal_before.json", "norm=layernorm", "swapped to LayerNorm, not trained"),
             ("heal_kl_only.json", "none", "LayerNorm, healed: distillation only (α = 1), lr 5e-5, 60 steps"),
             ("heal_dyt_before.json", "norm=dyt", "swapped to DyT (α0 = 0.5), not trained"),
-            ("heal_dyt.json", "none", "DyT, healed: the same config (α = 1, lr 5e-5, 60 steps)")]
-    return moby_dick_2k(rows)
+            ("heal_dyt.json", "none", "DyT, healed: the same config (α = 1, lr 5e-5, 60 steps)"),
+            ("heal_dyt_calibrated_before.json", "none", "swapped to DyT, α calibrated on 4,096 tokens, not trained"),
+            ("heal_dyt_calibrated.json", "none", "DyT, calibrated on 8 training sequences, then the same heal")]
+    training = [[arm, *heal_log_summary(RESULTS / f"heal_{name}_log.jsonl")]
+                for arm, name in (("DyT (α0 = 0.5)", "dyt"), ("DyT, calibrated first", "dyt_calibrated"))]
+    return (moby_dick_2k(rows) + "\n\nThe two DyT heals (the same config and data):\n\n"
+            + markdown_table(["heal", "steps", "KL to the original, steps 1-10", "KL, last 10 steps", "wall clock"],
+                             training))
 
 
 HEALED_POSITIONS = "heal_positions"  # eval/results/heal_positions/: p-RoPE and iRoPE on SmolLM2, before/after the heal
