@@ -241,7 +241,7 @@ def dual_chunk_passkey():
 # ------------------------------------------------------------------------------------------ attention temperature
 
 TEMPERATURE_FILES = ("temperature/ppl_16k.json", "temperature/ppl_32k.json")
-TEMPERATURE_BASES = ["none", "yarn:4", "self-extend", "dual-chunk"]
+TEMPERATURE_BASES = ["none", "yarn:4", "yarn:4:attention_factor=1", "self-extend", "dual-chunk"]
 TEMPERATURES = ["logn", "llama4"]
 
 
@@ -254,7 +254,9 @@ def with_temperature(base: str, kind: str) -> str:
 def temperature_ppl():
     """Perplexity of the four bases without and with each attention temperature, and the temperature's effect."""
     cells = [c for f in TEMPERATURE_FILES for c in load(f)["cells"] if c.get("complete")]
-    specs = [s for base in TEMPERATURE_BASES for s in [base, *(with_temperature(base, t) for t in TEMPERATURES)]]
+    ran = {c["patch"] for c in cells}
+    specs = [s for base in TEMPERATURE_BASES for s in [base, *(with_temperature(base, t) for t in TEMPERATURES)]
+             if s in ran]
     lengths = [8192, 16384, 32768]
     ppl = {(c["patch"], c["length"]): c["ppl"] for c in cells}
     rows = []
