@@ -33,6 +33,7 @@ from pathlib import Path
 from .evaluate import EVALUATIONS
 from .utils.command import Parser, UsageError, run_main
 from .utils.files import Lock, describe_os_error, write_folder
+from .utils.warn import NeedsCalibrationWarning
 
 
 def _key_value(text: str):
@@ -354,7 +355,10 @@ def _patch(args) -> int:
         dtype = getattr(torch, args.dtype)
     with _locked(out):
         model, tok = load(args.model, dtype=dtype, **_loading(args))
-        hfpatch.patch(model, **kwargs)
+        with warnings.catch_warnings():
+            if args.calibrate:  # the calibration below is what that warning asks for
+                warnings.simplefilter("ignore", NeedsCalibrationWarning)
+            hfpatch.patch(model, **kwargs)
         if args.calibrate:
             hfpatch.calibrate(model, calibration_batches(model, tok, args.calibrate, args.calibrate_tokens))
         # written as OUT.partial and renamed once complete: a full disk leaves OUT as it was, never half a model

@@ -402,6 +402,26 @@ def test_the_command_line_calibrates_on_a_text_file(tmp_path, tiny_tokenizer_dir
     assert all(a != DyT.ALPHA0 for a in expected)
 
 
+def test_the_command_line_does_not_ask_to_calibrate_what_it_calibrates(tmp_path, tiny_tokenizer_dir, recwarn):
+    from transformers import AutoTokenizer
+
+    from hfpatch.utils.warn import NeedsCalibrationWarning
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    src, text = tmp_path / "llama", tmp_path / "text.txt"
+    model = tiny_model("llama", vocab_size=len(tok))
+    with torch.no_grad():  # activations so large that BatchNorm's fresh statistics (mean 0, var 1) overflow them
+        model.get_input_embeddings().weight.mul_(1e37)
+    hfpatch.save_pretrained(model, src, tokenizer=tok)
+    text.write_text(stdlib_text(5_000))
+    assert main(["patch", str(src), "--norm", "batchnorm", "--out", str(tmp_path / "plain")]) == 0
+    assert any(issubclass(w.category, NeedsCalibrationWarning) for w in recwarn)
+    recwarn.clear()
+    assert main(["patch", str(src), "--norm", "batchnorm", "--calibrate", str(text), "--out",
+                 str(tmp_path / "calibrated")]) == 0
+    assert not any(issubclass(w.category, NeedsCalibrationWarning) for w in recwarn)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--position", "yarn", "--factor", "2", "--calibrate", "TEXT"], "nothing to calibrate"),
     (["--norm", "dyt", "--calibrate-tokens", "100"], "--calibrate-tokens needs --calibrate TEXT"),

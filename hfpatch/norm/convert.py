@@ -18,7 +18,7 @@ from ..adapters import Adapter, get_path
 from ..adapters.base import class_key
 from ..adapters.probe import restore_modes
 from ..edits import Edits
-from ..utils.warn import warn_caller
+from ..utils.warn import NeedsCalibrationWarning, warn_caller
 from . import exact as ex
 from .modules import NormModule, NormParams, RMSNorm, build, read
 
@@ -103,7 +103,7 @@ def apply_norm(model: PreTrainedModel, adapter: Adapter, req: dict, norm: Any, p
         _plain_swap(model, path, module, norm, adapter, edits, attributes)
     problem = None if norm.check is None or _on_meta(model) else norm.check(model)
     if problem:
-        warn_caller(f"hfpatch: {problem}")
+        warn_caller(f"hfpatch: {problem}", NeedsCalibrationWarning)
     return {"exact": False, "reason": reason}
 
 

@@ -11,6 +11,11 @@ from types import FrameType
 _PACKAGE = str(Path(__file__).resolve().parents[1])  # hfpatch/, this module being in hfpatch/utils/
 
 
+class NeedsCalibrationWarning(UserWarning):
+    """A patch whose new modules leave the model unusable until hfpatch.calibrate (or training) sets them: BatchNorm's
+    fresh running statistics. A caller that calibrates right after patching may filter it."""
+
+
 def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
     level = 2  # stacklevel 2: warn_caller's caller
     frame: FrameType | None = sys._getframe(1)
