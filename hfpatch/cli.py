@@ -392,17 +392,11 @@ def calibration_batches(model, tok, paths: list[str], tokens: int | None) -> lis
     import torch
 
     from .introspect import position_limit
-    from .lm.text import documents, tokenize
+    from .lm.text import documents, joined_ids
 
     if tok is None:
         raise ValueError("--calibrate needs the model's tokenizer to read the text, and this model has none")
-    tokens = tokens or CALIBRATION_TOKENS
-    ids: list[int] = []
-    for doc in documents(text_files_arg=paths):
-        ids += [*tokenize(tok, doc).ids.tolist(), *([tok.eos_token_id] if tok.eos_token_id is not None else [])]
-        if len(ids) >= tokens:
-            break
-    ids = ids[:tokens]
+    ids = joined_ids(tok, documents(text_files_arg=paths), tokens or CALIBRATION_TOKENS).tolist()
     if len(ids) < 2:
         raise ValueError(f"--calibrate: the text holds {len(ids)} tokens; calibrating needs at least 2")
     seq = min(CALIBRATION_SEQ_LEN, position_limit(model) or CALIBRATION_SEQ_LEN)

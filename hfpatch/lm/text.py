@@ -239,3 +239,20 @@ def tokenize(tok: Any, doc: Document, use_cache: bool = True) -> Tokens:
     except OSError:
         pass  # a read-only home: the cache is an optimisation only
     return out
+
+
+def joined_ids(tok: Any, docs: Iterable[Document], max_tokens: int | None = None) -> np.ndarray:
+    """The documents' token ids end to end, the tokenizer's EOS token after each (where it has one), cut to the
+    first max_tokens (None: all); documents past those are not read. int64 [n]."""
+    eos = tok.eos_token_id
+    parts, total = [], 0
+    for doc in docs:
+        ids = tokenize(tok, doc).ids
+        parts.append(ids)
+        if eos is not None:
+            parts.append(np.asarray([eos], dtype=np.int64))
+        total += len(ids)
+        if max_tokens and total >= max_tokens:
+            break
+    ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return ids[:max_tokens] if max_tokens else ids

@@ -6,10 +6,9 @@ pure function of (seed, step), so an interrupted run that resumes sees exactly t
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from ..lm.text import documents, tokenize
+from ..lm.text import documents, joined_ids
 from .config import ConfigError, RecipeConfig
 
 
@@ -17,24 +16,12 @@ def packed(cfg: RecipeConfig, tok) -> tuple[torch.Tensor, torch.Tensor]:
     """(train [N, seq_len], held-out [M, seq_len]) int64 token ids."""
     d = cfg.data
     files = [d.text_files] if isinstance(d.text_files, str) else d.text_files
-    eos = tok.eos_token_id
-    parts, total = [], 0
     try:  # unreadable or non-UTF-8 files, a folder without .txt files, a dataset that cannot be loaded
         docs = documents(text_files_arg=files, dataset=d.dataset, config=d.config, split=d.split,
                          text_field=d.text_field)
-        for doc in docs:
-            ids = tokenize(tok, doc).ids
-            parts.append(ids)
-            if eos is not None:
-                parts.append(np.asarray([eos], dtype=np.int64))
-            total += len(ids)
-            if d.max_tokens and total >= d.max_tokens:
-                break
+        ids = joined_ids(tok, docs, d.max_tokens)
     except (ValueError, OSError) as e:
         raise ConfigError(f"data: {' '.join(str(e).split())}") from None
-    ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    if d.max_tokens:
-        ids = ids[: d.max_tokens]
     n = len(ids) // cfg.seq_len
     if n < 2:
         raise ConfigError(f"the data holds {len(ids)} tokens: fewer than two sequences of seq_len={cfg.seq_len}; "
