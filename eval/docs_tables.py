@@ -252,7 +252,7 @@ def with_temperature(base: str, kind: str) -> str:
 
 @table(*(f"eval/results/{f}" for f in TEMPERATURE_FILES))
 def temperature_ppl():
-    """Perplexity of the four bases without and with each attention temperature, and the temperature's effect."""
+    """Perplexity of each base without and with each attention temperature, and the temperature's effect."""
     cells = [c for f in TEMPERATURE_FILES for c in load(f)["cells"] if c.get("complete")]
     ran = {c["patch"] for c in cells}
     specs = [s for base in TEMPERATURE_BASES for s in [base, *(with_temperature(base, t) for t in TEMPERATURES)]
@@ -458,11 +458,9 @@ def heal_dyt():
             ("heal_dyt.json", "none", "DyT, healed: the same config (α = 1, lr 5e-5, 60 steps)"),
             ("heal_dyt_calibrated_before.json", "none", "swapped to DyT, α calibrated on 4,096 tokens, not trained"),
             ("heal_dyt_calibrated.json", "none", "DyT, calibrated on 8 training sequences, then the same heal")]
-    training = [[arm, *heal_log_summary(RESULTS / f"heal_{name}_log.jsonl")]
-                for arm, name in (("DyT (α0 = 0.5)", "dyt"), ("DyT, calibrated first", "dyt_calibrated"))]
     return (moby_dick_2k(rows) + "\n\nThe two DyT heals (the same config and data):\n\n"
-            + markdown_table(["heal", "steps", "KL to the original, steps 1-10", "KL, last 10 steps", "wall clock"],
-                             training))
+            + heal_logs_table("heal", [("DyT (α0 = 0.5)", "heal_dyt_log.jsonl"),
+                                       ("DyT, calibrated first", "heal_dyt_calibrated_log.jsonl")]))
 
 
 HEALED_POSITIONS = "heal_positions"  # eval/results/heal_positions/: p-RoPE and iRoPE on SmolLM2, before/after the heal
@@ -485,14 +483,18 @@ def heal_positions():
             (f"{d}/heal_plain_16k.json", "none", "control: no patch, the same heal")]
     cells = [c for path, patch, label in rows for c in relabelled(path, patch, label)]
     labels = list(dict.fromkeys(label for *_, label in rows))
-    training = [[arm, *heal_log_summary(RESULTS / d / f"heal_{name}_log.jsonl")]
-                for arm, name in (("p-RoPE (keep 0.75)", "prope"), ("iRoPE", "irope"), ("control: no patch", "plain"))]
+    logs = [(arm, f"{d}/heal_{name}_log.jsonl")
+            for arm, name in (("p-RoPE (keep 0.75)", "prope"), ("iRoPE", "irope"), ("control: no patch", "plain"))]
     return ("Perplexity on *Moby-Dick* (chunks): 8k and 16k on its first 16,384 tokens, 32k on its first 32,768; "
             "— was not run.\n\n" + ppl_tables(cells, labels, [8192, 16384, 32768], ["chunks"])
             + "\n\nThe heals (the shipped config: distillation from the unpatched model, α = 1, lr 5e-5, 60 steps "
-            "of 2 × 512 tokens on *Emma* and *Jane Eyre*):\n\n"
-            + markdown_table(["patch healed", "steps", "KL to the original, steps 1-10", "KL, last 10 steps",
-                              "wall clock"], training))
+            "of 2 × 512 tokens on *Emma* and *Jane Eyre*):\n\n" + heal_logs_table("patch healed", logs))
+
+
+def heal_logs_table(first: str, logs: list[tuple[str, str]]) -> str:
+    """One row per heal: its label, then heal_log_summary of its log.jsonl (a path under eval/results/)."""
+    return markdown_table([first, "steps", "KL to the original, steps 1-10", "KL, last 10 steps", "wall clock"],
+                          [[arm, *heal_log_summary(RESULTS / path)] for arm, path in logs])
 
 
 def heal_log_summary(path: Path) -> list[str]:
