@@ -384,12 +384,21 @@ def test_the_command_line_takes_them(tmp_path, capsys):
     assert "0 < post_fraction < 1" in err and err.count("\n") == 1 and not (tmp_path / "x").exists()
 
 
-def test_the_command_line_calibrates_on_a_text_file(tmp_path, tiny_tokenizer_dir, capsys):
+def llama_with_tokenizer(folder, tokenizer_dir, embedding_scale=1.0):
+    """A tiny llama saved in `folder` with the tiny tokenizer (its embeddings times embedding_scale); the tokenizer."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = tiny_model("llama", vocab_size=len(tok))
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(embedding_scale)
+    hfpatch.save_pretrained(model, folder, tokenizer=tok)
+    return tok
+
+
+def test_the_command_line_calibrates_on_a_text_file(tmp_path, tiny_tokenizer_dir, capsys):
     src, out, text = tmp_path / "llama", tmp_path / "dyt", tmp_path / "text.txt"
-    hfpatch.save_pretrained(tiny_model("llama", vocab_size=len(tok)), src, tokenizer=tok)
+    tok = llama_with_tokenizer(src, tiny_tokenizer_dir)
     text.write_text(stdlib_text(20_000))
     assert main(["patch", str(src), "--norm", "dyt", "--calibrate", str(text), "--calibrate-tokens", "150",
                  "--out", str(out)]) == 0
@@ -403,16 +412,11 @@ def test_the_command_line_calibrates_on_a_text_file(tmp_path, tiny_tokenizer_dir
 
 
 def test_the_command_line_does_not_ask_to_calibrate_what_it_calibrates(tmp_path, tiny_tokenizer_dir, recwarn):
-    from transformers import AutoTokenizer
-
     from hfpatch.utils.warn import NeedsCalibrationWarning
 
-    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     src, text = tmp_path / "llama", tmp_path / "text.txt"
-    model = tiny_model("llama", vocab_size=len(tok))
-    with torch.no_grad():  # activations so large that BatchNorm's fresh statistics (mean 0, var 1) overflow them
-        model.get_input_embeddings().weight.mul_(1e37)
-    hfpatch.save_pretrained(model, src, tokenizer=tok)
+    # activations so large that BatchNorm's fresh statistics (mean 0, var 1) overflow them
+    llama_with_tokenizer(src, tiny_tokenizer_dir, embedding_scale=1e37)
     text.write_text(stdlib_text(5_000))
     assert main(["patch", str(src), "--norm", "batchnorm", "--out", str(tmp_path / "plain")]) == 0
     assert any(issubclass(w.category, NeedsCalibrationWarning) for w in recwarn)
@@ -429,11 +433,8 @@ def test_the_command_line_does_not_ask_to_calibrate_what_it_calibrates(tmp_path,
     (["--norm", "dyt", "--calibrate", "/no/such.txt"], "--calibrate /no/such.txt: no such file or folder"),
 ])
 def test_the_command_lines_calibration_refusals_are_one_line(tmp_path, tiny_tokenizer_dir, capsys, args, message):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     src, text = tmp_path / "llama", tmp_path / "text.txt"
-    hfpatch.save_pretrained(tiny_model("llama", vocab_size=len(tok)), src, tokenizer=tok)
+    llama_with_tokenizer(src, tiny_tokenizer_dir)
     text.write_text(stdlib_text(5_000))
     capsys.readouterr()
     argv = ["patch", str(src), *[str(text) if a == "TEXT" else a for a in args], "--out", str(tmp_path / "x")]
@@ -444,14 +445,20 @@ def test_the_command_lines_calibration_refusals_are_one_line(tmp_path, tiny_toke
 
 # ------------------------------------------------------------------------------------------------------- the recipe
 
-def test_heal_recipe_takes_norm_dyt(tmp_path, tiny_tokenizer_dir):
+def heal_recipe():
+    """recipes/heal.py as a module (recipes are scripts, not a package)."""
     import importlib.util
-
-    from hfpatch.train.cli import run
 
     spec = importlib.util.spec_from_file_location("heal", REPO / "recipes" / "heal.py")
     heal = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(heal)
+    return heal
+
+
+def test_heal_recipe_takes_norm_dyt(tmp_path, tiny_tokenizer_dir):
+    from hfpatch.train.cli import run
+
+    heal = heal_recipe()
     text = tmp_path / "text.txt"
     text.write_text(stdlib_text(40_000))
     out, pretrained = tmp_path / "run", tmp_path / "pretrained"
@@ -469,14 +476,10 @@ def test_heal_recipe_takes_norm_dyt(tmp_path, tiny_tokenizer_dir):
 
 def test_heal_recipe_calibrates_the_patch_on_training_sequences_before_the_first_step(tmp_path, tiny_tokenizer_dir,
                                                                                       monkeypatch):
-    import importlib.util
-
     from hfpatch.train import loop
     from hfpatch.train.cli import run
 
-    spec = importlib.util.spec_from_file_location("heal", REPO / "recipes" / "heal.py")
-    heal = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(heal)
+    heal = heal_recipe()
     text = tmp_path / "text.txt"
     text.write_text(stdlib_text(40_000))
     pretrained = tmp_path / "pretrained"
