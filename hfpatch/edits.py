@@ -88,6 +88,12 @@ class Edits:
         """swap_class to a subclass of obj's class with `mixin`'s methods first (see `with_mixin` for `under`)."""
         self.swap_class(obj, with_mixin(type(obj), mixin, under))
 
+    def unmix(self, obj: Any, mixin: type) -> None:
+        """Give `obj` back the class that `with_mixin` made its class from with `mixin` (a mix_in made outside this
+        log, e.g. by the stage a reloaded model was built with); undo gives it the mixed class again."""
+        self._log.append((obj, "__class__", type(obj)))
+        obj.__class__ = without_mixin(type(obj), mixin)
+
     def track_new_attributes(self, obj: Any) -> None:
         """On undo, also drop attributes and buffers that appear on `obj` after this point, e.g. the caches
         transformers' dynamic RoPE update adds while the patched model runs."""
@@ -256,6 +262,13 @@ def with_mixin(cls: type, mixin: type, under: bool = False) -> type:
                                                  else (cls, mixin))
         _SUBCLASSES[key] = type(f"{mixin.__name__}_{cls.__name__}", bases, {"__module__": mixin.__module__})
     return _SUBCLASSES[key]
+
+
+def without_mixin(cls: type, mixin: type) -> type:
+    """The class `with_mixin(base, mixin)` made `cls` from (under=False: its bases are `(mixin, base)`)."""
+    if len(cls.__bases__) != 2 or cls.__bases__[0] is not mixin:
+        raise TypeError(f"{cls.__name__} is not a class with_mixin made with {mixin.__name__}")
+    return cls.__bases__[1]
 
 
 def _like(old: Any, now: Any):

@@ -2,6 +2,7 @@
 from its paper in float64, its calibration against the loss it says it minimises, exact unpatch, save/reload,
 refusals that leave the model as it was, the command line and the heal recipe."""
 
+import json
 import math
 import warnings
 
@@ -16,6 +17,7 @@ from hfpatch.norm import fit
 from hfpatch.norm.convert import norm_sites
 from hfpatch.norm.modules import DyT, read
 from hfpatch.norm.placement import OUTPUT_NORMS, post_layers
+from hfpatch.tiny import char_text, char_tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -254,6 +256,65 @@ def test_peri_and_dyt_save_reload_and_unpatch(tmp_path):
     hfpatch.unpatch(model)
     assert max_diff(logits(model, x), before) == 0.0
     assert_same_fingerprint(fingerprint(model), fp)
+
+
+def saved_peri(folder, family: str, x) -> None:
+    """A tiny `family` model with calibrated Peri-LN output norms, saved in `folder`."""
+    model = hfpatch.patch(tiny_model(family), placement="peri")
+    hfpatch.calibrate(model, x)
+    hfpatch.save_pretrained(model, folder)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("placement", ["pre", "post", "mix"])
+def test_a_reloaded_peri_model_takes_another_placement_as_the_original_model_does(tmp_path, family, placement):
+    """The output norms are part of the reloaded model; another placement replaces Peri-LN as it does in memory:
+    the blocks get the form asked for, from the original pre-norm model (not silently nothing, not an MRO error)."""
+    x = tokens(24)
+    saved_peri(tmp_path, family, x)
+    loaded = hfpatch.from_pretrained(tmp_path).eval()
+    peri = logits(loaded, x)
+    hfpatch.patch(loaded, placement=placement)
+    expected = logits(hfpatch.patch(tiny_model(family), placement=placement), x)
+    assert max_diff(logits(loaded, x), expected) == 0.0 and max_diff(expected, peri) > 1e-3
+    assert hfpatch.describe(loaded)["placement"] == placement
+    assert not any(hasattr(layer, name) for layer in layers(loaded) for name in OUTPUT_NORMS)
+    hfpatch.unpatch(loaded)  # back to the model as loaded: its output norms are part of it
+    assert max_diff(logits(loaded, x), peri) == 0.0 and hfpatch.describe(loaded)["placement"] == "peri"
+
+
+def test_a_reloaded_peri_model_patched_peri_again_keeps_its_calibrated_output_norms(tmp_path):
+    x = tokens(24)
+    saved_peri(tmp_path, "llama", x)
+    loaded = hfpatch.from_pretrained(tmp_path).eval()
+    peri = logits(loaded, x)
+    hfpatch.patch(loaded, placement="peri")
+    assert max_diff(logits(loaded, x), peri) == 0.0
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_a_reloaded_peri_model_saved_with_another_placement_reloads_without_the_output_norms(tmp_path, placement):
+    x = tokens(24)
+    saved_peri(tmp_path / "peri", "llama", x)
+    loaded = hfpatch.patch(hfpatch.from_pretrained(tmp_path / "peri").eval(), placement=placement)
+    expected = logits(loaded, x)
+    hfpatch.save_pretrained(loaded, tmp_path / "again")
+    again = hfpatch.from_pretrained(tmp_path / "again").eval()
+    assert max_diff(logits(again, x), expected) == 0.0
+    assert hfpatch.describe(again)["baked"] == []  # nothing of Peri-LN is in the folder, nor built to load it into
+    hfpatch.unpatch(again)  # the base model, not a Peri-LN one with output norms the folder does not hold
+    assert max_diff(logits(again, x), logits(tiny_model("llama"), x)) == 0.0
+
+
+def test_the_command_line_evaluates_a_reloaded_peri_model_in_other_placements(tmp_path, capsys):
+    saved = tmp_path / "peri"
+    hfpatch.save_pretrained(hfpatch.patch(tiny_model("llama"), placement="peri"), saved, tokenizer=char_tokenizer())
+    (tmp_path / "doc.txt").write_text(char_text(2000, seed=3))
+    assert main(["eval", "ppl", "--model", str(saved), "--patches", "none,placement=pre,placement=post,placement=mix",
+                 "--text-files", str(tmp_path / "doc.txt"), "--lengths", "32", "--tokens-per-doc", "600",
+                 "--no-plot", "--out", str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    cells = json.loads((tmp_path / "out" / "results.json").read_text())["cells"]
+    assert len({round(c["ppl"], 9) for c in cells}) == 4, cells  # four placements, four models
 
 
 # ------------------------------------------------------------------------------------------------------------- Mix

@@ -212,8 +212,7 @@ def from_pretrained(path, **kwargs):
     spec = record["spec"]
     # Weight-changing patches of every stage (a reloaded model patched again on the same axis saves two stages),
     # in the order they were applied; the other axes of the final spec are applied again after loading.
-    stages = [{k: v for k, v in stage.items() if changes_weights(k, v)} for stage in record.get("stages", [spec])]
-    stages = [stage for stage in stages if stage]
+    stages = _weight_stages(record.get("stages", [spec]))
     live = {k: v for k, v in spec.items() if not changes_weights(k, v)}
     if not stages:
         model = _model_class(config).from_pretrained(path, config=config, **kwargs)
@@ -222,6 +221,19 @@ def from_pretrained(path, **kwargs):
         return _loaded(patch(model, **specs.to_kwargs(live)))
     model = _load_into_patched_structure(path, config, record, stages, kwargs)
     return _loaded(patch(model, **specs.to_kwargs(live)) if live else model)
+
+
+def _weight_stages(stages: list[dict]) -> list[dict]:
+    """The weight-changing part of each saved stage, in order, less a placement that a later stage replaces: a
+    placement applied to a reloaded model gives the blocks their own form first, so the saved weights hold only the
+    last one's (peri's output norms are gone from them once another placement replaced it)."""
+    out = []
+    for i, stage in enumerate(stages):
+        replaced = any("placement" in later for later in stages[i + 1:])
+        kept = {k: v for k, v in stage.items() if changes_weights(k, v) and not (k == "placement" and replaced)}
+        if kept:
+            out.append(kept)
+    return out
 
 
 def _read_config(path: str | Path, kwargs: dict) -> PreTrainedConfig:

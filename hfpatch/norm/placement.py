@@ -115,7 +115,8 @@ def layer_forms(req: dict, n: int) -> list[str]:
 
 def apply_placement(model: PreTrainedModel, adapter: Adapter, req: dict, edits: Edits) -> dict:
     want, have = req["kind"], adapter.placement_of(model.config)
-    if want == have:
+    carried = carried_forms(model, adapter)
+    if want == have and not any(carried):
         return {}
     forms = placement_forms(adapter)
     if want not in forms and len(forms) > 1:
@@ -129,8 +130,12 @@ def apply_placement(model: PreTrainedModel, adapter: Adapter, req: dict, edits: 
         raise ValueError(f"placement={want!r} does not support models with cross-attention")
     layers = get_path(model.base_model, adapter.layers)
     forms = layer_forms(req, len(layers))
-    for layer, form in zip(layers, forms):
-        if form == have:  # a block already in this form keeps its own forward (a parallel block's pre form)
+    for layer, form, now in zip(layers, forms, carried):
+        if form == (now or have):  # a block already in this form keeps its forward (a parallel block's pre form)
+            continue
+        if now:  # the form a reloaded checkpoint was built with gives way: the block's own forward first
+            _own_form(layer, edits)
+        if form == have:
             continue
         if adapter.placement_layout == "bert":
             edits.mix_in(layer, PreNormBertBlock)
@@ -145,6 +150,32 @@ def apply_placement(model: PreTrainedModel, adapter: Adapter, req: dict, edits: 
         edits.set(layer, SPEC_ATTR, spec)
         edits.mix_in(layer, GenericBlock)
     return {"layers": forms} if len(set(forms)) > 1 else {}
+
+
+def carried_forms(model: PreTrainedModel, adapter: Adapter) -> list[str | None]:
+    """The placement each block carries already, None for its family's own forward. Only a model reloaded with a
+    weight-changing placement (peri: its output norms are in the checkpoint) has blocks in another form when a
+    placement is applied, since a live placement is undone first."""
+    if adapter.placement_layout is None:
+        return []
+    return [_carried_form(layer) for layer in get_path(model.base_model, adapter.layers)]
+
+
+def _carried_form(layer: nn.Module) -> str | None:
+    if isinstance(layer, PreNormBertBlock):
+        return "pre"
+    if isinstance(layer, GenericBlock):
+        form = getattr(layer, SPEC_ATTR).placement
+        return "peri" if form == "parallel_peri" else form
+    return None
+
+
+def _own_form(layer: nn.Module, edits: Edits) -> None:
+    """Give a block in another placement form its family's own forward back: its class, without the form's spec
+    and output norms (undoing `edits` gives them back)."""
+    edits.unmix(layer, PreNormBertBlock if isinstance(layer, PreNormBertBlock) else GenericBlock)
+    for name in (SPEC_ATTR, *OUTPUT_NORMS):
+        edits.delete(layer, name)
 
 
 def _add_output_norms(layer: nn.Module, adapter: Adapter, edits: Edits) -> tuple[str, str]:
