@@ -9,6 +9,7 @@ import pytest
 import hfpatch.evaluate as evaluate
 from hfpatch.evaluate.evaluations import ppl
 from hfpatch.tiny import char_text, char_tokenizer, save_sized, sized_model
+from hfpatch.utils.modes import evaluating
 
 SETTINGS = {"lengths": [16, 32], "patches": "none,yarn:2", "tokens_per_doc": 600}
 
@@ -69,3 +70,32 @@ def test_a_loaded_model_needs_its_tokenizer_and_an_evaluation_its_name():
         evaluate.run("ppl", sized_model("llama"))
     with pytest.raises(ValueError, match="unknown evaluation 'perplexity'; the evaluations: niah, passkey, ppl"):
         evaluate.run("perplexity", "smollm2")
+
+
+def modes_of(model) -> dict:
+    return {name: module.training for name, module in model.named_modules()}
+
+
+def test_a_model_left_in_train_mode_is_measured_in_eval_mode_and_given_back_its_modes(text_file):
+    """Dropout on would change every number, and differently on each run: the evaluation runs in eval mode and gives
+    each module back its own mode (here the model in train mode but for its first block)."""
+    model, tok = sized_model("llama", attention_dropout=0.3), char_tokenizer()
+    settings = {"text_files": [str(text_file)], "lengths": [32], "patches": "none", "tokens_per_doc": 600}
+    in_eval = cells_by_key(evaluate.perplexity(model.eval(), tok, **settings))
+    model.train()
+    model.model.layers[0].eval()
+    modes = modes_of(model)
+    first = cells_by_key(evaluate.perplexity(model, tok, **settings))
+    second = cells_by_key(evaluate.run("ppl", model, tok, **settings))
+    assert first == second == in_eval
+    assert modes_of(model) == modes and model.training and not model.model.layers[0].training
+
+
+def test_evaluating_gives_each_module_its_mode_back_after_an_exception():
+    model = sized_model("llama").train()
+    model.lm_head.eval()
+    modes = modes_of(model)
+    with pytest.raises(RuntimeError, match="inside"), evaluating(model):
+        assert not any(modes_of(model).values())
+        raise RuntimeError("inside")
+    assert modes_of(model) == modes

@@ -28,7 +28,8 @@ def run(name: str, model: Any, tokenizer: Any = None, *, out: str | None = None,
     Args:
         name: the evaluation, as `hfpatch eval NAME` names it.
         model: a model name as the command takes it (a folder, a .gguf file, a hub id, "smollm2"), or a loaded
-            transformers causal LM (patched or not; evaluated as it is, in the transformers engine).
+            transformers causal LM (patched or not; evaluated as it is, in the transformers engine, in eval mode:
+            each of its modules gets its own mode back afterwards).
         tokenizer: the loaded model's tokenizer (required with a loaded model; a name loads its own).
         out: the folder for results.json, table.md and the plot; a run there resumes as the command does.
             None: a temporary folder, removed after the run.

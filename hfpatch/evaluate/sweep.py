@@ -39,6 +39,7 @@ from ..lm import budget, causal
 from ..lm.tokenizer import load_tokenizer
 from ..models import model_fingerprint
 from ..registry import Registry
+from ..utils.modes import evaluating
 from .common import length_label, parse_patches, versions
 from .definition import Cell as Cell  # importable from here too
 from .definition import Evaluation, Plan
@@ -125,7 +126,9 @@ def execute(ev: Evaluation, args: argparse.Namespace, *, record_argv: list | Non
             if not args.no_memory_check:
                 engine.check_memory(args, plan, shape)
             model = given.model if given else engine.load(args)
-            with _closing(model):  # an engine's model may hold processes and files (vLLM's worker and folders)
+            # an engine's model may hold processes and files (vLLM's worker and folders); a torch model is measured
+            # in eval mode (dropout off), whatever mode a caller's model was in, and given back in its own modes
+            with _closing(model), _evaluating(model):
                 run = Run(model, engine.prepare(model, patches, plan, results, given.name if given else args.model),
                           tok, args, engine.applied, engine.paths_ran)
                 estimate = engine.estimate(ev, run, plan, todo)
@@ -175,6 +178,12 @@ def _closing(model):
         close = getattr(model, "close", None)
         if callable(close) and not isinstance(model, torch.nn.Module):
             close()
+
+
+def _evaluating(model: Any) -> contextlib.AbstractContextManager:
+    """The model in eval mode for the run (utils.modes.evaluating) where it is a torch module; another engine's
+    model as it is."""
+    return evaluating(model) if isinstance(model, torch.nn.Module) else contextlib.nullcontext()
 
 
 def report(ev: Evaluation, data: dict, out: Path, plot: bool) -> str:
