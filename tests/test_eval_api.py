@@ -5,6 +5,7 @@ a results folder resumed as the command resumes it."""
 import json
 
 import pytest
+import torch
 
 import hfpatch.evaluate as evaluate
 from hfpatch.evaluate.evaluations import ppl
@@ -99,3 +100,29 @@ def test_evaluating_gives_each_module_its_mode_back_after_an_exception():
         assert not any(modes_of(model).values())
         raise RuntimeError("inside")
     assert modes_of(model) == modes
+
+
+def test_a_loaded_model_runs_in_its_own_dtype_and_the_results_say_which(text_file, tmp_path):
+    """dtype says how a model given by name is loaded: with a loaded model, one that differs from the model's is
+    refused (not ignored and recorded), a matching one is accepted, and results.json records the dtype that ran."""
+    tok, settings = char_tokenizer(), {"text_files": [str(text_file)], "lengths": [32], "patches": "none"}
+    with pytest.raises(ValueError, match=r"dtype='bf16' is how a model given by name is loaded; this loaded model is "
+                                         r"torch.float32 .*leave dtype out, or cast the model first"):
+        evaluate.perplexity(sized_model("llama"), tok, dtype="bf16", **settings)
+    assert evaluate.perplexity(sized_model("llama"), tok, dtype="fp32", **settings)["settings"]["dtype"] == "fp32"
+    bf16 = sized_model("llama").to(torch.bfloat16)
+    evaluate.perplexity(bf16, tok, out=str(tmp_path / "r"), **settings)
+    written = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert written["settings"]["dtype"] == "bf16" and written["model"]["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match=r"dtype='fp16' .* torch\.bfloat16"):
+        evaluate.perplexity(bf16, tok, dtype="fp16", **settings)
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"device": "cuda:7"}, r"device='cuda:7' is where a model given by name is loaded; this loaded model is on cpu"),
+    ({"device_map": "auto"}, r"device_map='auto' is how a model given by name is placed .* leave device_map out"),
+])
+def test_a_loaded_model_refuses_the_placement_options_it_would_ignore(text_file, settings, message):
+    with pytest.raises(ValueError, match=message):
+        evaluate.perplexity(sized_model("llama"), char_tokenizer(), text_files=[str(text_file)], lengths=[32],
+                            patches="none", **settings)

@@ -34,6 +34,8 @@ def run(name: str, model: Any, tokenizer: Any = None, *, out: str | None = None,
         out: the folder for results.json, table.md and the plot; a run there resumes as the command does.
             None: a temporary folder, removed after the run.
         **settings: the command's options, `_` for `-`: e.g. `patches="none,yarn:2"`, `lengths=[2048, 8192]`.
+            With a loaded model, `dtype`, `device` and `device_map` (how a model given by name is loaded) are
+            refused where they differ from the model, which runs as it is; results.json records its dtype.
 
     Returns:
         The results file's content (settings, model, cells with their records and numbers) and, under "report",

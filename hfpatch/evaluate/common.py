@@ -65,6 +65,12 @@ def _split_specs(text: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The --dtype name of a torch dtype (fp32, bf16, fp16), else torch's own (float64)."""
+    name = str(dtype).replace("torch.", "")
+    return next((short for short, full in DTYPES.items() if full == name), name)
+
+
 def torch_dtype(name: str):
     return getattr(torch, DTYPES[name]) if name in DTYPES else ("auto" if name == "auto" else None)
 

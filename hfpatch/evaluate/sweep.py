@@ -40,7 +40,7 @@ from ..lm.tokenizer import load_tokenizer
 from ..models import model_fingerprint
 from ..registry import Registry
 from ..utils.modes import evaluating
-from .common import length_label, parse_patches, versions
+from .common import DTYPES, dtype_name, length_label, parse_patches, versions
 from .definition import Cell as Cell  # importable from here too
 from .definition import Evaluation, Plan
 from .definition import Unit as Unit  # importable from here too
@@ -96,10 +96,9 @@ def execute(ev: Evaluation, args: argparse.Namespace, *, record_argv: list | Non
     resume or start the results file, check memory, load (or take `given`), estimate, run every unit left, report.
     Returns the results file's content with the Markdown report under "report" (None after a dry run)."""
     patches = parse_patches(args.patches)  # every spec validated before any loading
+    if given is not None:
+        check_given_options(args, given.model)
     check_engine_options(args, ENGINES[args.engine])
-    if given is not None and args.engine != "transformers":
-        raise ValueError(f"a loaded model runs in the transformers engine; --engine {args.engine} loads its own model "
-                         "by name: give the model's name or path instead")
     if args.engine_python and not getattr(ENGINES[args.engine], "runs_python", False):
         raise ValueError(f"--engine-python names the Python that runs --engine vllm; --engine {args.engine} runs "
                          "in this one: leave it out")
@@ -233,6 +232,38 @@ def _todo(ev: Evaluation, results: Results, plan: Plan, patches: list[tuple[str,
             if left or not (stored and stored.get("complete")):
                 todo.append((spec, kwargs, c, left))
     return todo
+
+
+def check_given_options(args: argparse.Namespace, model: Any) -> None:
+    """A loaded model runs as it is, in the transformers engine: the options that say how a model given by name is
+    loaded (dtype, device, device_map) are refused where they ask for something else than the model is, rather than
+    ignored; `args.dtype` becomes the model's own, which the results file records."""
+    if args.engine != "transformers":
+        raise ValueError(f"a loaded model runs in the transformers engine; --engine {args.engine} loads its own model "
+                         "by name: give the model's name or path instead")
+    target = unwrap(model)
+    have = dtype_name(target.dtype)
+    if args.dtype not in (None, "auto", have):
+        raise ValueError(f"dtype={args.dtype!r} is how a model given by name is loaded; this loaded model is "
+                         f"{target.dtype} (dtype={have!r}) and runs as it is: leave dtype out, or cast the model first "
+                         f"(model.to(torch.{DTYPES[args.dtype]}))")
+    args.dtype = have
+    if args.device_map is not None:
+        raise ValueError(f"device_map={args.device_map!r} is how a model given by name is placed as it loads; a loaded "
+                         "model runs where it is: leave device_map out (or load it with device_map=... yourself)")
+    if args.device is not None and not _on_device(target, args.device):
+        where = sorted({str(p.device) for p in target.parameters()})
+        raise ValueError(f"device={args.device!r} is where a model given by name is loaded; this loaded model is on "
+                         f"{', '.join(where)}: leave device out, or move the model first (model.to({args.device!r}))")
+
+
+def _on_device(model: Any, device: str) -> bool:
+    """Whether every parameter of `model` is on `device` ("cuda" matches any CUDA device, "cuda:1" only that one)."""
+    try:
+        want = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r}: {e}") from None
+    return all(p.device.type == want.type and want.index in (None, p.device.index) for p in model.parameters())
 
 
 def check_engine_options(args: argparse.Namespace, engine: Any) -> None:
