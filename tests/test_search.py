@@ -25,12 +25,12 @@ from hfpatch.cli import main as cli_main
 from hfpatch.evaluate.results import comparable
 from hfpatch.search import objective, space
 from hfpatch.search import search as run_search
-from hfpatch.search.loop import Budget, parse_budget
+from hfpatch.search.options import Budget, parse_budget
 from hfpatch.lm.text import Document
 from hfpatch.tiny import char_text, char_tokenizer, save_sized
 
 TARGET = 256
-SMALL = {"population": 4, "parents": 2, "samples": 1, "progress": False, "make_plot": False}
+SMALL = {"population": 4, "parents": 2, "samples": 1, "progress": False, "plot": False}
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_monotone_constraint():
 
 
 def test_needle_tokens_are_the_answer_and_the_copy_from_beyond_the_window(tok, docs):
-    samples = objective.build(tok, docs, TARGET, 64, 2, 16, seed=3)
+    samples = objective.build(tok, objective.calibration_ids(tok, docs), TARGET, 64, 2, 16, seed=3)
     for s in samples:
         assert len(s.ids) == TARGET
         (c0, c1), (a0, a1) = s.needle
@@ -134,7 +134,7 @@ def test_needle_tokens_are_the_answer_and_the_copy_from_beyond_the_window(tok, d
 
 def test_too_short_a_target_names_the_shortest(tok, docs):
     with pytest.raises(ValueError, match=r"use at least \d+"):
-        objective.build(tok, docs, 100, 64, 1, 16, seed=0)
+        objective.build(tok, objective.calibration_ids(tok, docs), 100, 64, 1, 16, seed=0)
 
 
 def test_summary_score_and_guard():

@@ -1,12 +1,21 @@
-"""The resumable search: generation after generation of candidates, each scored on the calibration samples and
-written to OUT/results.json (evaluate/results.py: locked, rewritten atomically after every sample, continued only
-by a search with the same identity).
+"""The resumable search: generation after generation of candidates ranked on the calibration samples, then the best
+of them scored at full length, everything written to OUT/results.json (evaluate/results.py: locked, rewritten
+atomically after every sample, continued only by a search with the same identity).
 
-Generation 0 is the unpatched model (the reference of the short-context guard) and every family's starting
-points. Generation g >= 1 is drawn from a generator seeded by (seed, g) from the best candidates of everything
-scored before it, so a resumed search draws exactly the candidates the interrupted one would have: a kill loses at
-most the sample in flight, and the same command finishes the same search. The budget (candidates scored, wall
-time of this run) is checked before each candidate: a candidate is started only if it is expected to end in time.
+Two stages when proxy samples fit (objective.py): every candidate is ranked on short proxy samples whose position
+ids span the target length, and the `finalists` best feasible ones, with the unpatched model, are scored on
+samples of the full target length; the best of those is the answer. Without a proxy, every candidate is scored at
+full length.
+
+Generation 0 is the unpatched model (the reference of the short-context guard, and the score a patch must beat)
+and every family's starting points. Generation g >= 1 is drawn from a generator seeded by (seed, g) from the best
+candidates of everything ranked before it, so a resumed search draws exactly the candidates the interrupted one
+would have: a kill loses at most the sample in flight, and the same command finishes the same search. The guard's
+text is read once per short-context setting (space.Family.short): candidates that agree on it share the record.
+
+Time: the unpatched model's first forwards (the guard's text, its first sample) are timed, and they are the
+estimate of what a candidate costs here; from then on the candidates' own measured times are. A candidate is
+started only if it, and the full-length stage after it, are expected to end within the wall-time budget.
 """
 
 from __future__ import annotations
@@ -14,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -27,15 +35,18 @@ from tqdm.auto import tqdm
 
 from ..adapters.positions import trained_window
 from ..apply import unwrap
-from ..evaluate.common import applied, length_label, live_spec, versions
-from ..evaluate.report import figure, markdown_table, number
+from ..evaluate.common import applied, live_spec, versions
+from ..evaluate.parsing import length_label
 from ..evaluate.results import Results, now
 from ..lm import budget as costs
 from ..lm import text as texts
 from ..lm.causal import causal_lm_parts
 from ..lm.text import Document, tokenizer_fingerprint
-from ..utils.files import describe_os_error
-from . import objective, space
+from ..utils.files import write_text
+from ..utils.modes import evaluating
+from . import objective, report, space
+from .options import Budget, SearchOptions, duration_text
+from .report import FULL, REFERENCE, label
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -43,68 +54,6 @@ if TYPE_CHECKING:
 RESULTS = "results.json"
 BEST = "best.json"
 KIND = "search"
-
-
-@dataclass
-class Options:
-    """What the user chose (every field but the budget decides which candidates are drawn: the identity)."""
-
-    target: int
-    window: int | None = None  # the trained window (default: the model's config)
-    seed: int = 0
-    population: int = 8  # candidates per generation after the first
-    parents: int = 4  # the best candidates new ones are drawn from
-    samples: int = 2  # calibration samples of `target` tokens
-    span: int | None = None  # tokens of the repeated span (default: min(32, window / 4))
-    needle_weight: float = 0.5
-    guard: float = 0.01  # the largest relative rise of perplexity at the trained window
-    families: list[str] = field(default_factory=lambda: list(space.FAMILIES))
-
-
-@dataclass
-class Budget:
-    evaluations: int | None = None  # candidates scored in all (the results file's, the reference included)
-    seconds: float | None = None  # wall time of this run
-
-    def __post_init__(self):
-        if self.evaluations is None and self.seconds is None:
-            raise ValueError("the search needs a budget: a number of candidates, a wall time, or both (e.g. --budget "
-                             "2h, --budget 200, --budget 30m,200)")
-
-
-def parse_budget(text: str) -> Budget:
-    """'2h' / '30m' / '90s' (wall time), '200' (candidates), or both joined by a comma ('2h,200')."""
-    units = {"s": 1, "m": 60, "min": 60, "h": 3600}
-    evaluations, seconds = None, None
-    for raw in text.split(","):
-        part = raw.strip().lower()
-        unit = next((u for u in sorted(units, key=len, reverse=True) if part.endswith(u)), None)
-        try:
-            value = float(part[: -len(unit)] if unit else part)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value <= 0 or (unit is None and value != int(value)):
-            raise ValueError(f"--budget {text!r}: {raw.strip()!r} is neither a wall time (2h, 30m, 90s) nor a number "
-                             "of candidates (200); both may be given, joined by a comma")
-        if unit:
-            seconds = value * units[unit]
-        else:
-            evaluations = int(value)
-    return Budget(evaluations, seconds)
-
-
-def check_options(opts: Options) -> None:
-    """ValueError naming the first option out of its range."""
-    for name in ("population", "parents", "samples", "seed", *(["span"] if opts.span is not None else []),
-                 *(["window"] if opts.window is not None else [])):
-        value = getattr(opts, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "seed" else 1):
-            raise ValueError(f"{name} must be a{' non-negative' if name == 'seed' else ' positive'} integer, "
-                             f"got {value!r}")
-    if not 0.0 <= opts.needle_weight <= 1.0:
-        raise ValueError(f"needle_weight must be in [0, 1], got {opts.needle_weight}")
-    if not 0.0 <= opts.guard < 10.0:
-        raise ValueError(f"guard must be in [0, 10) (a relative rise: 0.01 is 1 %), got {opts.guard}")
 
 
 def model_identity(model: PreTrainedModel) -> dict:
@@ -118,15 +67,49 @@ def model_identity(model: PreTrainedModel) -> dict:
     return {"model_type": target.config.model_type, "state_sha256": h.hexdigest(), "patch": live_spec(model)}
 
 
-# ---------------------------------------------------------------------------------------------------- the search
+@dataclass
+class Plan:
+    """What every candidate is scored on."""
+
+    window: int
+    samples: list[objective.Sample]  # of the target length
+    proxy: list[objective.Sample] | None  # the ranking stage's samples (None: every candidate at full length)
+    guard: list[int]  # the guard's text
+
+    @property
+    def ranking(self) -> list[objective.Sample]:
+        return self.proxy if self.proxy is not None else self.samples
+
+
+@dataclass
+class Clock:
+    """Seconds measured in this run: the guard reads, the ranking candidates, the full-length samples; and what the
+    unpatched model's first forwards said to expect."""
+
+    started: float = field(default_factory=time.perf_counter)
+    guard_reads: list[float] = field(default_factory=list)
+    ranked: list[float] = field(default_factory=list)  # a ranked candidate each, its guard read included
+    full_samples: list[float] = field(default_factory=list)
+    estimate: dict = field(default_factory=dict)  # guard, rank sample, full sample, rank candidate, full candidate
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def expected(self, what: str, measured: list[float]) -> float:
+        return sum(measured) / len(measured) if measured else self.estimate[what]
 
 
 class Search:
-    def __init__(self, model: PreTrainedModel, tok: Any, opts: Options, setting: space.Setting, families: list[str],
-                 samples: list[objective.Sample], results: Results):
+    def __init__(self, model: PreTrainedModel, tok: Any, opts: SearchOptions, setting: space.Setting,
+                 families: list[str], plan: Plan, results: Results):
         self.model, self.tok, self.opts, self.setting = model, tok, opts, setting
-        self.families, self.samples, self.results = families, samples, results
+        self.families, self.plan, self.results = families, plan, results
         self.parts = causal_lm_parts(model)
+        self.clock = Clock()
+
+    @property
+    def cells(self) -> list[dict]:
+        return self.results.data["cells"]
 
     # ------------------------------------------------------------------------------------------------ candidates
 
@@ -138,20 +121,20 @@ class Search:
         rng = random.Random(f"hfpatch-search:{self.opts.seed}:{g}")
         # drawn from the generations before g alone: a resumed search, which holds some of g's own scores already,
         # draws g again exactly as it was first drawn
-        before = [c for c in self.results.data["cells"] if c["generation"] < g]
+        before = [c for c in report.ranked_cells(self.results.data) if c["generation"] < g]
         ranked = [c for c in self.ranked(before) if c["family"] != "none" and c.get("score") is not None]
         parents = ranked[: self.opts.parents]
         if not parents:
             return []
-        seen = {self._key(c["spec"]) for c in before}
+        seen = {_key(c["spec"]) for c in before}
         out: list[tuple[str, dict]] = []
         for _ in range(self.opts.population):
             family, params = self._child(rng, parents)
             for _ in range(10):  # a candidate already scored is drawn again
-                if self._key(space.spec(family, params, self.setting)) not in seen:
+                if _key(space.spec(family, params, self.setting)) not in seen:
                     break
                 family, params = self._child(rng, parents)
-            seen.add(self._key(space.spec(family, params, self.setting)))
+            seen.add(_key(space.spec(family, params, self.setting)))
             out.append((family, params))
         return out
 
@@ -168,36 +151,81 @@ class Search:
             raise RuntimeError(f"search: a {a['family']} candidate breaks its constraints ({why}): {child}")
         return a["family"], child
 
-    @staticmethod
-    def _key(spec: dict) -> str:
-        return json.dumps(spec, sort_keys=True)
-
     def baseline_short(self) -> float | None:
-        ref = self.results.find({"patch": "g0c0"})
+        ref = self.results.find({"patch": REFERENCE})
         return ref.get("short_ppl") if ref and ref.get("complete") else None
 
-    def ranked(self, cells: list[dict] | None = None) -> list[dict]:
-        """The scored candidates (of `cells`, default all), best first: feasible ones by score, then the others
-        (ties: the earlier first)."""
+    def ranked(self, cells: list[dict]) -> list[dict]:
+        """The scored candidates of `cells`, best first: feasible ones by score, then the others (ties: the earlier
+        first)."""
         base = self.baseline_short()
-        done = [c for c in (self.results.data["cells"] if cells is None else cells) if c.get("complete")]
+        done = [c for c in cells if c.get("complete")]
         return sorted(done, key=lambda c: (not objective.feasible(c, base, self.opts.guard),
                                            math.inf if c.get("score") is None else c["score"], c["order"]))
 
-    def best(self) -> dict | None:
+    def finalists(self) -> list[dict]:
+        """The ranked candidates the full-length stage scores: the `finalists` best feasible ones, one per spec."""
         base = self.baseline_short()
-        return next((c for c in self.ranked() if c["family"] != "none"
-                     and objective.feasible(c, base, self.opts.guard)), None)
+        out: list[dict] = []
+        for c in self.ranked(report.ranked_cells(self.results.data)):
+            if (c["family"] != "none" and objective.feasible(c, base, self.opts.guard)
+                    and all(_key(c["spec"]) != _key(f["spec"]) for f in out)):
+                out.append(c)
+        return out[: self.opts.finalists]
+
+    def best(self) -> tuple[dict | None, str | None]:
+        """(the ranked cell of the feasible candidate with the best full-length score, or None; why there is
+        none)."""
+        data = self.results.data
+        base = self.baseline_short()
+        patched = [c for c in report.ranked_cells(data) if c["family"] != "none" and c.get("complete")]
+        feasible = [c for c in patched if objective.feasible(c, base, self.opts.guard)]
+        scored = [(full, c) for c in feasible
+                  if (full := report.full_cell(data, c["patch"])) is not None and full.get("score") is not None]
+        if not scored:
+            return None, ("no patch was scored yet (a larger budget continues the search)" if not patched else
+                          "no candidate kept perplexity at the trained window within the guard" if not feasible else
+                          "no patch was scored at full length yet (a larger budget continues the search)")
+        full, cell = min(scored, key=lambda fc: (fc[0]["score"], fc[1]["order"]))
+        reference = report.full_cell(data, REFERENCE)
+        if reference is not None and reference.get("score") is not None and full["score"] >= reference["score"]:
+            return None, (f"no patch beats the unpatched model (the best, {cell['patch']} {label(cell)}, scores "
+                          f"{full['score']:.4f} against {reference['score']:.4f})")
+        return cell, None
 
     # ------------------------------------------------------------------------------------------------ evaluation
 
-    def evaluate(self, cell: dict) -> None:
-        """Score the cell's candidate on every sample it has no record for; the file is saved after each."""
+    def _guard_record(self, cell: dict) -> dict | None:
+        """The guard record of an earlier cell with the same short-context setting, if any."""
+        key = _guard_key(cell)
+        for other in self.cells:
+            if other is cell or other.get("error"):
+                continue
+            record = next((r for r in other["samples"] if "short_nll" in r), None)
+            if record is not None and _guard_key(other) == key:
+                return {**record, "from": record.get("from", other["patch"])}
+        return None
+
+    def evaluate(self, cell: dict, samples: list[objective.Sample], timings: list[float]) -> None:
+        """Score the cell's candidate: its guard record (shared, or read), then every sample it has no record for;
+        the file is saved after each. Each sample's seconds go to `timings`."""
         try:
             with applied(self.model, cell["spec"], cell["patch"]):
-                for k in range(len(cell["samples"]), len(self.samples)):
-                    cell["samples"].append({"sample": k, **objective.score_sample(self.parts, self.samples[k],
-                                                                                   self.setting.window)})
+                if not any("short_nll" in r for r in cell["samples"]):
+                    shared = self._guard_record(cell)
+                    start = time.perf_counter()
+                    record = shared or {"guard": True, **objective.score_guard(self.parts, self.plan.guard)}
+                    if shared is None:
+                        self.clock.guard_reads.append(time.perf_counter() - start)
+                    cell["samples"].append(record)
+                    self.results.save()
+                done = {r["sample"] for r in cell["samples"] if "sample" in r}
+                for k, sample in enumerate(samples):
+                    if k in done:
+                        continue
+                    start = time.perf_counter()
+                    cell["samples"].append({"sample": k, **objective.score_sample(self.parts, sample)})
+                    timings.append(time.perf_counter() - start)
                     self.results.save()
         except (ValueError, TypeError) as e:  # a patch this model refuses: recorded, never chosen
             cell["error"] = " ".join(str(e).split())
@@ -205,229 +233,305 @@ class Search:
         self.results.finish(cell)
         self.results.save()
 
-    def run(self, budget: Budget, per_candidate: float, progress: bool) -> str:
-        """Score candidates until the budget is spent; returns why it stopped."""
-        t0 = time.perf_counter()
-        try:
-            return self._run(budget, per_candidate, progress, t0)
-        finally:
-            self.results.data["runs"][-1]["seconds"] = round(time.perf_counter() - t0, 2)
+    def _existing(self, name: str, family: str, spec: dict) -> dict | None:
+        """The results file's cell of candidate `name`, checked to be the candidate this search draws."""
+        cell = self.results.find({"patch": name})
+        if cell is not None and (cell["family"], cell["spec"]) != (family, spec):
+            raise ValueError(f"{self.results.path}: candidate {name} there is {cell['family']} {cell['spec']}, this "
+                             f"search draws {family} {spec}: the file was written by another version of hfpatch; use "
+                             "another --out, or --overwrite")
+        return cell
 
-    def _run(self, budget: Budget, per_candidate: float, progress: bool, t0: float) -> str:
-        took: list[float] = []
-        cells = self.results.data["cells"]
+    def _cell(self, name: str, g: int, family: str, params: dict, spec: dict) -> dict:
+        """The cell of candidate `name`, created if absent."""
+        return self._existing(name, family, spec) or self.results.cell({"patch": name}, lambda: {
+            "patch": name, "generation": g, "family": family, "params": params, "spec": spec,
+            "order": len(self.cells), "samples": [], "complete": False})
+
+    # ------------------------------------------------------------------------------------------------ the budget
+
+    def measure(self) -> None:
+        """The estimate of what each part of a candidate costs here: from the timings a run of this search stored,
+        else from the unpatched model's guard read and first ranking sample, timed (and kept as its records)."""
+        stored = [r["estimate"] for r in self.results.data.get("runs", [])[:-1] if r.get("estimate")]
+        if stored:
+            self.clock.estimate = stored[-1]
+            return
+        ref = self._cell(REFERENCE, 0, "none", {"from": "none"}, {})
+        device = self.parts.input_device
+        with torch.no_grad():  # first-call allocations and kernel selection, before anything is timed
+            self.parts.base(input_ids=torch.tensor([self.plan.guard[:16]], device=device), use_cache=False)
+        start = time.perf_counter()
+        guard = {"guard": True, **objective.score_guard(self.parts, self.plan.guard)}
+        guard_s = time.perf_counter() - start
+        start = time.perf_counter()
+        first = {"sample": 0, **objective.score_sample(self.parts, self.plan.ranking[0])}
+        sample_s = time.perf_counter() - start
+        if not ref["samples"]:  # the reference's own first records
+            ref["samples"] += [guard, first]
+            self.results.save()
+        self.clock.estimate = self._estimate(guard_s, sample_s)
+
+    def _estimate(self, guard: float, rank_sample: float) -> dict:
+        """Seconds of a guard read, a ranking sample, a full-length sample, a ranked candidate and a finalist, from
+        the two timed forwards (a full-length sample from a fit t(L) = a L + b L^2 through the guard's and the
+        proxy sample's lengths when it was not read itself)."""
+        window, target = len(self.plan.guard), self.opts.target_length
+        if self.plan.proxy is None:
+            full_sample = rank_sample
+        else:
+            p = len(self.plan.proxy[0].ids)
+            b = max(0.0, (guard / window - rank_sample / p) / (window - p)) if window != p else 0.0
+            a = max(rank_sample / p - b * p, 0.0)
+            full_sample = a * target + b * target * target
+        share = _guard_share(self.generation(0), self.setting)
+        return {"guard": guard, "rank_sample": rank_sample, "full_sample": full_sample, "guard_share": share,
+                "rank": len(self.plan.ranking) * rank_sample + share * guard,
+                "full": len(self.plan.samples) * full_sample}
+
+    def _full_left(self) -> int:
+        """Full-length cells the second stage has still to score (the reference and the finalists)."""
+        if self.plan.proxy is None:
+            return 0
+        names = [REFERENCE] + [c["patch"] for c in self.finalists()]
+        missing = sum(report.full_cell(self.results.data, n) is None for n in names)
+        return missing + max(0, self.opts.finalists - (len(names) - 1))
+
+    def _fits(self, budget: Budget, cost: float) -> bool:
+        return budget.seconds is None or self.clock.elapsed() + cost <= budget.seconds
+
+    def check_budget(self, budget: Budget) -> None:
+        """Refuse a fresh search whose wall-time budget cannot score one candidate (and the full-length stage
+        after it): one line, with the budget it needs."""
+        if budget.seconds is None or any(c.get("complete") for c in self.cells):
+            return
+        e = self.clock.estimate
+        ref_left = e["rank"] - e["rank_sample"] - e["guard_share"] * e["guard"]
+        need = self.clock.elapsed() + ref_left + e["rank"] + (2 * e["full"] if self.plan.proxy is not None else 0)
+        if need > budget.seconds:
+            both = " (and both at full length)" if self.plan.proxy else ""
+            raise ValueError(f"--budget {duration_text(budget.seconds)} cannot score one candidate here: the "
+                             f"unpatched reference and one candidate{both} need about {duration_text(need)} on this "
+                             f"machine ({self.describe_costs()}); give --budget {math.ceil(need / 60)}m or more")
+
+    def describe_costs(self) -> str:
+        e = self.clock.estimate
+        target = length_label(self.opts.target_length)
+        what = (f"{len(self.plan.ranking)} proxy sample(s) of {len(self.plan.proxy[0].ids)} tokens"
+                if self.plan.proxy else f"{len(self.plan.samples)} sample(s) of {target}")
+        text = (f"about {duration_text(e['rank'])} per candidate ({what} at {duration_text(e['rank_sample'])} each, "
+                f"a guard read of {length_label(len(self.plan.guard))} tokens at {duration_text(e['guard'])} for "
+                f"{100 * e['guard_share']:.0f} % of them)")
+        if self.plan.proxy is not None:
+            text += (f"; about {duration_text(e['full'])} per finalist at full length ({len(self.plan.samples)} "
+                     f"sample(s) of {target})")
+        return text
+
+    # ------------------------------------------------------------------------------------------------ the stages
+
+    def run(self, budget: Budget, progress: bool) -> str:
+        """Rank candidates, then score the finalists at full length, until the budget is spent; returns why it
+        stopped."""
+        done = sum(bool(c.get("complete")) for c in report.ranked_cells(self.results.data))
         total = budget.evaluations
         if total is None and budget.seconds is not None:
-            total = sum(c.get("complete", False) for c in cells) + int(budget.seconds // max(per_candidate, 1e-9))
-        bar = tqdm(total=total, initial=sum(bool(c.get("complete")) for c in cells), unit="candidate",
-                   disable=not progress, file=sys.stderr, dynamic_ncols=True)
+            total = done + int(budget.seconds // max(self.clock.estimate["rank"], 1e-9))
+        bar = tqdm(total=total, initial=done, unit="candidate", disable=not progress, file=sys.stderr,
+                   dynamic_ncols=True)
         try:
-            g = 0
-            while True:
-                candidates = self.generation(g)
-                if not candidates:
-                    return "no scored candidate to draw new ones from"
-                for i, (family, params) in enumerate(candidates):
-                    name = f"g{g}c{i}"
-                    spec = {} if family == "none" else space.spec(family, params, self.setting)
-                    cell = self.results.find({"patch": name})
-                    if cell is not None and (cell["family"], cell["spec"]) != (family, spec):
-                        raise ValueError(f"{self.results.path}: candidate {name} there is {cell['family']} "
-                                         f"{cell['spec']}, this search draws {family} {spec}: the file was written by "
-                                         "another version of hfpatch; use another --out, or --overwrite")
-                    if cell is not None and cell.get("complete"):
-                        continue
-                    done = sum(bool(c.get("complete")) for c in cells)
-                    if budget.evaluations is not None and done >= budget.evaluations:
-                        return f"{budget.evaluations} candidates scored"
-                    expected = sum(took) / len(took) if took else per_candidate
-                    if budget.seconds is not None and time.perf_counter() - t0 + expected > budget.seconds:
-                        return f"the wall-time budget ({costs.duration(budget.seconds)}) would be passed"
-                    if cell is None:
-                        cell = self.results.cell({"patch": name}, lambda: {
-                            "patch": name, "generation": g, "family": family, "params": params,  # noqa: B023
-                            "spec": spec, "order": len(cells), "samples": [], "complete": False})  # noqa: B023
-                    start = time.perf_counter()
-                    self.evaluate(cell)
-                    took.append(time.perf_counter() - start)
-                    cell["seconds"] = round(took[-1], 3)
-                    self.results.save()
-                    best = self.best()
-                    bar.set_postfix_str(f"best {label(best) if best else '-'} "
-                                        f"{number(best['score'], 4) if best else ''}".strip())
-                    bar.update(1)
-                g += 1
+            stopped = self._rank(budget, bar)
+            if self.plan.proxy is not None:
+                stopped = self._finals(budget) or stopped
+            return stopped
         finally:
             bar.close()
 
+    def _rank(self, budget: Budget, bar: Any) -> str:
+        g = 0
+        while True:
+            candidates = self.generation(g)
+            if not candidates:
+                return "no scored candidate to draw new ones from"
+            for i, (family, params) in enumerate(candidates):
+                name = f"g{g}c{i}"
+                spec = {} if family == "none" else space.spec(family, params, self.setting)
+                cell = self._existing(name, family, spec)
+                if cell is not None and cell.get("complete"):
+                    continue
+                done = sum(bool(c.get("complete")) for c in report.ranked_cells(self.results.data))
+                if budget.evaluations is not None and done >= budget.evaluations:
+                    return f"{budget.evaluations} candidates ranked"
+                reserve = self._full_left() * self.clock.expected("full", [])
+                if not self._fits(budget, self.clock.expected("rank", self.clock.ranked) + reserve):
+                    return f"the wall-time budget ({duration_text(budget.seconds or 0)}) would be passed"
+                cell = cell or self._cell(name, g, family, params, spec)
+                start = time.perf_counter()
+                self.evaluate(cell, self.plan.ranking, [])
+                self.clock.ranked.append(time.perf_counter() - start)
+                cell["seconds"] = round(self.clock.ranked[-1], 3)
+                self.results.save()
+                leader = next(iter(self.finalists()), None)
+                bar.set_postfix_str(f"best {label(leader)} {leader['score']:.4f}" if leader else "best -")
+                bar.update(1)
+            g += 1
 
-# ------------------------------------------------------------------------------------------------------- reports
+    def _finals(self, budget: Budget) -> str | None:
+        """The reference and the finalists at full length; why it stopped early (None: it did not)."""
+        chosen = [self.results.find({"patch": REFERENCE}), *self.finalists()]
+        for ranked in chosen:
+            if ranked is None or ranked.get("error"):
+                continue
+            name = ranked["patch"] + FULL
+            cell = self._cell(name, ranked["generation"], ranked["family"], ranked["params"], ranked["spec"])
+            if cell.get("complete"):
+                continue
+            left = len(self.plan.samples) - sum("sample" in r for r in cell["samples"])
+            if not self._fits(budget, left * self.clock.expected("full_sample", self.clock.full_samples)):
+                return (f"the wall-time budget ({duration_text(budget.seconds or 0)}) would be passed before "
+                        f"{ranked['patch']} is scored at full length")
+            self.evaluate(cell, self.plan.samples, self.clock.full_samples)
+            self.results.save()
+        return None
 
-
-def label(cell: dict) -> str:
-    """A candidate in a few words: its family and the settings that tell it apart."""
-    p, fam = cell["params"], cell["family"]
-    if fam == "none":
-        return "none"
-    if fam == "longrope":
-        f = p["factors"]
-        text = f"longrope[{p['from']}] λ {f[0]:.3g}..{f[-1]:.3g} a={p['attention_factor']:.3g}"
-    else:
-        shown = {k: v for k, v in cell["spec"].items() if k not in ("position", "original_max_position_embeddings",
-                                                                    "attention_temperature")}
-        text = fam + " " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
-    return text + (f" +{p['temperature']}" if p.get("temperature") else "")
-
-
-def table(data: dict, guard: float) -> str:
-    """The best candidate against every starting point (generation 0)."""
-    cells = [c for c in data["cells"] if c.get("complete")]
-    ref = next((c for c in cells if c["patch"] == "g0c0"), None)
-    base = ref.get("short_ppl") if ref else None
-    best_name = data.get("best")
-    rows = []
-    chosen = [c for c in cells if c["patch"] == best_name] + [c for c in cells if c["generation"] == 0]
-    for c in chosen:
-        rise = (f"{100 * (c['short_ppl'] / base - 1):+.2f} %" if base and c.get("short_ppl") is not None else "")
-        ok = "error: " + c["error"][:60] if c.get("error") else (
-            "yes" if objective.feasible(c, base, guard) else "no (guard)")
-        rows.append([("**best** " if c["patch"] == best_name else "") + c["patch"], label(c),
-                     number(c.get("needle_ppl")), number(c.get("plain_ppl")), number(c.get("short_ppl")), rise,
-                     number(c.get("score"), 4), ok])
-    return markdown_table(["candidate", "patch", "needle ppl", "plain ppl", "ppl at window", "vs none", "score",
-                           "feasible"], rows)
-
-
-def caption(data: dict) -> str:
-    s = data["identity"]
-    return (f"hfpatch search: {s['model'].get('model_type', 'the model')} at "
-            f"{length_label(s['target'])} (trained window {length_label(s['window'])}), {s['samples']} calibration "
-            f"sample(s), {sum(bool(c.get('complete')) for c in data['cells'])} candidates scored; score = "
-            f"{s['needle_weight']:g} x needle NLL + {1 - s['needle_weight']:g} x plain NLL, guard "
-            f"{100 * s['guard']:g} % at the window")
-
-
-def plot(data: dict, path: Path, guard: float) -> None:
-    """Every candidate's score in the order scored, and the best feasible score so far."""
-    cells = sorted([c for c in data["cells"] if c.get("complete") and c.get("score") is not None],
-                   key=lambda c: c["order"])
-    ref = next((c for c in cells if c["patch"] == "g0c0"), None)
-    base = ref.get("short_ppl") if ref else None
-    fig = figure(figsize=(7, 4))
-    ax = fig.add_subplot()
-    ok = [objective.feasible(c, base, guard) for c in cells]
-    ax.scatter([c["order"] for c, f in zip(cells, ok) if f], [c["score"] for c, f in zip(cells, ok) if f],
-               s=12, label="candidate", color="C0")
-    ax.scatter([c["order"] for c, f in zip(cells, ok) if not f], [c["score"] for c, f in zip(cells, ok) if not f],
-               s=12, marker="x", label="outside the guard", color="C3")
-    xs, ys, best = [], [], math.inf
-    for c, f in zip(cells, ok):
-        if f and c["family"] != "none":
-            best = min(best, c["score"])
-        if math.isfinite(best):
-            xs.append(c["order"])
-            ys.append(best)
-    ax.step(xs, ys, where="post", label="best so far", color="C1")
-    if ref is not None:
-        ax.axhline(ref["score"], color="grey", linestyle=":", label="unpatched")
-    ax.set_xlabel("candidate")
-    ax.set_ylabel("score (nats)")
-    ax.set_title(caption(data), fontsize=7, wrap=True)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    def measured(self) -> dict:
+        """What this run measured, next to the estimate (seconds)."""
+        e, c = self.clock.estimate, self.clock
+        out = {"estimate": e, "ranked_candidates": len(c.ranked), "guard_reads": len(c.guard_reads),
+               "full_samples": len(c.full_samples)}
+        if c.ranked:
+            out["rank"] = sum(c.ranked) / len(c.ranked)
+        if c.guard_reads:
+            out["guard"] = sum(c.guard_reads) / len(c.guard_reads)
+        if c.full_samples:
+            out["full_sample"] = sum(c.full_samples) / len(c.full_samples)
+        return out
 
 
-def _write_text(path: Path, text: str) -> None:
-    """Write a file whole: a temporary file renamed over it (a kill leaves the previous one)."""
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise ValueError(f"cannot write {path} ({describe_os_error(e)})") from None
-        raise
+def _key(spec: dict) -> str:
+    return json.dumps(spec, sort_keys=True)
+
+
+def _guard_key(cell: dict) -> str:
+    fam = space.FAMILIES.get(cell["family"])
+    return json.dumps([cell["family"], fam.short_key(cell["params"]) if fam else None], sort_keys=True)
+
+
+def _guard_share(candidates: list[tuple[str, dict]], setting: space.Setting) -> float:
+    """The share of `candidates` that read the guard's text (the first of each short-context setting)."""
+    keys = {_guard_key({"family": f, "params": p}) for f, p in candidates}
+    return len(keys) / max(1, len(candidates))
 
 
 # ------------------------------------------------------------------------------------------------------ the API
 
 
-def search(model: PreTrainedModel, tokenizer: Any, target_length: int, *, out: Path | str, budget: Budget | str,
-           text_files: list | None = None,
-           documents: list[Document] | None = None, seed: int = 0, population: int = 8, parents: int = 4,
-           samples: int = 2, span: int | None = None, needle_weight: float = 0.5, guard: float = 0.01,
-           families: list[str] | str | None = None, window: int | None = None, overwrite: bool = False,
-           progress: bool = True, make_plot: bool = True, memory_check: bool = True,
-           identity: dict | None = None) -> dict:
-    """Search the patch that minimises the objective (objective.py) at `target_length` for this model, scoring
+def search(model: PreTrainedModel, tokenizer: Any, options: SearchOptions | int | None = None, /, *,
+           documents: list[Document] | None = None, identity: dict | None = None, started: float | None = None,
+           **settings: Any) -> dict:
+    """Search the patch that minimises the objective (objective.py) at the target length for this model, scoring
     candidates into OUT/results.json until the budget is spent; write OUT/best.json, OUT/table.md and
-    OUT/convergence.png. `identity` names the model by content (default: a hash of its weights). Returns {"best":
-    candidate name, "spec": the patch's keyword arguments, "score", "label", "results": path} (best and spec None
-    when no candidate kept the guard)."""
-    if isinstance(families, str):
-        families = space.parse_families(families)
-    opts = Options(target=target_length, window=window, seed=seed, population=population, parents=parents,
-                   samples=samples, span=span, needle_weight=needle_weight, guard=guard,
-                   families=list(families) if families is not None else list(space.FAMILIES))
-    check_options(opts)
-    budget = parse_budget(budget) if isinstance(budget, str) else budget
-    window = _fill_window(model, opts)
-    opts.span = opts.span or max(2, min(32, window // 4))
+    OUT/convergence.png.
+
+    `options`: a SearchOptions, or the target length with the other options as keywords (`out`, `budget`, `seed`,
+    ...: hfpatch.search.options, the same as the command's flags). `documents` gives the calibration text as
+    documents instead of `text_files`; `identity` names the model by content (default: a hash of its weights);
+    `started`, a time.perf_counter() value, is when the wall-time budget began (default: this call).
+    The model is scored in eval mode and left in the mode it was in. Returns {"best": candidate name, "spec": the
+    patch's keyword arguments, "score", "label", "results": path}; "best" is None and "spec" {} (the model as it
+    is) when no patch beats the unpatched model."""
+    started = time.perf_counter() if started is None else started
+    opts = _options(options, settings)
+    budget = opts.the_budget
+    window = _window(model, opts)
+    span = opts.span or max(2, min(32, window // 4))
     setting, families, left_out = _applicable_families(model, opts, window)
-    docs = documents if documents is not None else (texts.text_files(text_files) if text_files
+    docs = documents if documents is not None else (texts.text_files(opts.text_files) if opts.text_files
                                                     else texts.default_corpus())
-    calibration = objective.build(tokenizer, docs, target_length, window, opts.samples, opts.span, opts.seed)
-    ident = {"model": identity or model_identity(model), "tokenizer": tokenizer_fingerprint(tokenizer),
+    plan = _plan(tokenizer, docs, opts, window, span)
+    ident = {**opts.identity(), "window": window, "span": span, "families": families,
+             "proxy": len(plan.proxy[0].ids) if plan.proxy else 0,
+             "model": identity or model_identity(model), "tokenizer": tokenizer_fingerprint(tokenizer),
              "text_sha256": hashlib.sha256("\0".join(d.sha256 for d in docs).encode()).hexdigest(),
-             "target": target_length, "window": window, "seed": opts.seed, "population": opts.population,
-             "parents": opts.parents, "samples": opts.samples, "span": opts.span,
-             "needle_weight": opts.needle_weight, "guard": opts.guard, "families": families,
              "dtype": str(next(unwrap(model).parameters()).dtype)}
-    out = Path(out)
-    results = Results(out / RESULTS, KIND, ident, "samples",
-                      lambda r: objective.summarize(r, opts.needle_weight), overwrite)
+    _check_memory(model, opts)
+    out = Path(opts.out)
+    results = Results(out / RESULTS, KIND, ident, "samples", lambda r: objective.summarize(r, opts.needle_weight),
+                      opts.overwrite)
     try:
         if results.resumed:
             print(f"hfpatch search: resuming from {out / RESULTS}", file=sys.stderr)
-        per_candidate = _estimate(model, opts, memory_check)
         results.data.update(versions=versions(), settings={"families_left_out": left_out})
-        results.data.setdefault("runs", []).append({"started": now(), "estimate_per_candidate_s":
-                                                    round(per_candidate, 2), "budget": vars(budget)})
-        results.save()
-        s = Search(model, tokenizer, opts, setting, families, calibration, results)
-        stopped = s.run(budget, per_candidate, progress)
-        best = s.best()
+        results.data.setdefault("runs", []).append({"started": now(), "budget": str(budget)})
+        with evaluating(model):
+            s = Search(model, tokenizer, opts, setting, families, plan, results)
+            s.clock.started = started
+            s.measure()
+            results.data["runs"][-1]["estimate"] = s.clock.estimate
+            print(f"hfpatch search: {s.describe_costs()}", file=sys.stderr)
+            s.check_budget(budget)
+            try:
+                stopped = s.run(budget, opts.progress)
+            finally:
+                results.data["runs"][-1].update(seconds=round(s.clock.elapsed(), 2), measured=s.measured())
+                results.save()
+        best, why = s.best()
         results.data["best"] = best["patch"] if best else None
         results.data["runs"][-1].update(finished=now(), stopped=stopped)
         results.save()
         print(f"hfpatch search: stopped: {stopped}", file=sys.stderr)
-        return _outputs(results.data, out, best, opts, make_plot)
+        _print_timing(s)
+        return _outputs(results.data, out, best, why, opts.plot)
     finally:
         results.close()
 
 
-def _fill_window(model: PreTrainedModel, opts: Options) -> int:
-    """Fill in opts.window (the model's trained window unless given), refusing a target that the window already
-    covers; the window."""
+def _options(options: SearchOptions | int | None, settings: dict) -> SearchOptions:
+    if isinstance(options, SearchOptions):
+        if settings:
+            raise TypeError(f"search() takes its options as a SearchOptions or as keywords, not both (got "
+                            f"{', '.join(sorted(settings))} besides a SearchOptions)")
+        return options
+    if options is not None:
+        if "target_length" in settings:
+            raise TypeError("search() got the target length twice (positionally and as target_length=)")
+        settings = {**settings, "target_length": options}
+    return SearchOptions.from_python(**settings)
+
+
+def _window(model: PreTrainedModel, opts: SearchOptions) -> int:
+    """The trained window (the model's unless given), refusing a target that the window already covers."""
     window = opts.window or trained_window(unwrap(model).config)
     if window is None:
         raise ValueError("the model's config names no trained window (max_position_embeddings): pass window=")
-    opts.window = window
-    if opts.target <= window:
-        raise ValueError(f"the target length ({opts.target}) must be longer than the trained window ({window}): "
-                         "within it the model needs no extension")
+    if opts.target_length <= window:
+        raise ValueError(f"the target length ({opts.target_length}) must be longer than the trained window "
+                         f"({window}): within it the model needs no extension")
     return window
 
 
-def _applicable_families(model: PreTrainedModel, opts: Options,
+def _plan(tok: Any, docs: list[Document], opts: SearchOptions, window: int, span: int) -> Plan:
+    """The samples, the proxy samples (when they fit; said on stderr when they do not) and the guard's text."""
+    text = objective.calibration_ids(tok, docs)
+    samples = objective.build(tok, text, opts.target_length, window, opts.samples, span, opts.seed)
+    proxy = None
+    if opts.proxy_tokens:
+        why = objective.proxy_misfit(tok, opts.target_length, window, opts.proxy_tokens, span)
+        if why:
+            print(f"hfpatch search: no proxy stage ({why}): every candidate is scored at full length",
+                  file=sys.stderr)
+        else:
+            proxy = objective.build_proxy(tok, text, opts.target_length, window, opts.proxy_tokens,
+                                          opts.proxy_samples, span, opts.seed)
+    return Plan(window, samples, proxy, objective.guard_ids(tok, text, window))
+
+
+def _applicable_families(model: PreTrainedModel, opts: SearchOptions,
                          window: int) -> tuple[space.Setting, list[str], dict[str, str]]:
     """(the search space's setting for this model, the families of opts that apply to it, {family left out: why}),
     each one left out said on stderr; no family that applies is an error."""
-    opts.families = space.parse_families(",".join(opts.families))
-    setting, left_out = space.setting_for(model, window, opts.target, opts.families)
-    families = [f for f in opts.families if f not in left_out]
+    names = opts.family_names
+    setting, left_out = space.setting_for(model, window, opts.target_length, names)
+    families = [f for f in names if f not in left_out]
     for name, why in left_out.items():
         print(f"hfpatch search: leaving out {name}: {' '.join(why.split())}", file=sys.stderr)
     if not families:
@@ -435,45 +539,53 @@ def _applicable_families(model: PreTrainedModel, opts: Options,
     return setting, families, left_out
 
 
-def _estimate(model: PreTrainedModel, opts: Options, memory_check: bool) -> float:
-    """Refuse a target length whose forward cannot fit in the memory that is free; the expected seconds per
-    candidate (printed), from one timed forward."""
+def _check_memory(model: PreTrainedModel, opts: SearchOptions) -> None:
+    """Refuse a target length whose forward cannot fit in the memory that is free."""
+    if not opts.memory_check:
+        return
     target = unwrap(model)
     shape = costs.shape_of_config(target.config)
-    parts = causal_lm_parts(model)
-    weight_bytes = next(target.parameters()).element_size()
-    need = costs.memory_needed(shape, weight_bytes, opts.target, score_chunk=1024)
-    device = parts.input_device
-    free, where = costs.available_memory(str(device), None)
-    if memory_check and free is not None and need["total"] - need["weights"] > free:
-        raise ValueError(f"reading {opts.target} tokens needs about {costs.gb(need['total'] - need['weights'])} "
+    need = costs.memory_needed(shape, next(target.parameters()).element_size(), opts.target_length, score_chunk=1024)
+    free, where = costs.available_memory(str(causal_lm_parts(model).input_device), None)
+    if free is not None and need["total"] - need["weights"] > free:
+        raise ValueError(f"reading {opts.target_length} tokens needs about {costs.gb(need['total'] - need['weights'])} "
                          f"beyond the weights and {where} has {costs.gb(free)} free: use a shorter target length, "
-                         "or pass no_memory_check / --no-memory-check")
-    speed = costs.measure_speed(parts, shape, min(opts.target, 2048))
-    window = opts.window or opts.target
-    per = opts.samples * (speed.seconds(shape, opts.target, head_positions=opts.target)
-                          + speed.seconds(shape, window, head_positions=window))
-    print(f"hfpatch search: about {costs.duration(per)} per candidate ({opts.samples} sample(s) of "
-          f"{length_label(opts.target)} tokens, plus {length_label(window)} for the guard); memory about "
-          f"{costs.gb(need['total'])}", file=sys.stderr)
-    return per
+                         "or pass memory_check=False / --no-memory-check")
 
 
-def _outputs(data: dict, out: Path, best: dict | None, opts: Options, make_plot: bool) -> dict:
-    """best.json (the best candidate's patch, as hfpatch.patch's keyword arguments), table.md, the plot."""
-    text = caption(data) + "\n\n" + table(data, opts.guard)
-    _write_text(out / "table.md", text + "\n")
+def _print_timing(s: Search) -> None:
+    """The estimate against what this run measured, per candidate."""
+    m, e = s.measured(), s.clock.estimate
+    parts = []
+    if "rank" in m:
+        parts.append(f"per ranked candidate estimated {duration_text(e['rank'])}, measured {duration_text(m['rank'])} "
+                     f"over {m['ranked_candidates']} ({m['guard_reads']} guard read(s))")
+    if "full_sample" in m and s.plan.proxy is not None:
+        parts.append(f"per full-length sample estimated {duration_text(e['full_sample'])}, measured "
+                     f"{duration_text(m['full_sample'])} over {m['full_samples']}")
+    parts.append(f"wall time {duration_text(s.clock.elapsed())}")
+    print("hfpatch search: " + "; ".join(parts), file=sys.stderr)
+
+
+def _outputs(data: dict, out: Path, best: dict | None, why: str | None, make_plot: bool) -> dict:
+    """best.json (the best candidate's patch as hfpatch.patch's keyword arguments; {} when no patch beats the
+    unpatched model), table.md and the plot."""
+    text = report.caption(data) + "\n\n" + report.table(data)
+    write_text(out / "table.md", text + "\n")
     print(text)
     if make_plot:
-        plot(data, out / "convergence.png", opts.guard)
+        report.plot(data, out / "convergence.png")
     if best is None:
-        (out / BEST).unlink(missing_ok=True)
-        scored = any(c.get("complete") and c["family"] != "none" for c in data["cells"])
-        why = ("no candidate kept perplexity at the trained window within the guard" if scored
-               else "no patch was scored yet (a larger budget continues the search)")
-        print(f"hfpatch search: {why}; no best.json", file=sys.stderr)
-        return {"best": None, "spec": None, "results": str(out / RESULTS)}
-    _write_text(out / BEST, json.dumps(best["spec"], indent=1) + "\n")
-    print(f"hfpatch search: best {label(best)} (score {best['score']:.4f}): {out / BEST}", file=sys.stderr)
-    return {"best": best["patch"], "spec": best["spec"], "score": best["score"], "label": label(best),
+        scored_none = why is not None and why.startswith("no patch beats")
+        if scored_none:
+            write_text(out / BEST, "{}\n")
+        else:
+            (out / BEST).unlink(missing_ok=True)
+        print(f"hfpatch search: {why}; " + (f"{out / BEST} holds no patch ({{}}: the model as it is)" if scored_none
+                                            else "no best.json"), file=sys.stderr)
+        return {"best": None, "spec": {} if scored_none else None, "why": why, "results": str(out / RESULTS)}
+    full = report.full_cell(data, best["patch"]) or best
+    write_text(out / BEST, json.dumps(best["spec"], indent=1) + "\n")
+    print(f"hfpatch search: best {label(best)} (score {full['score']:.4f}): {out / BEST}", file=sys.stderr)
+    return {"best": best["patch"], "spec": best["spec"], "score": full["score"], "label": label(best),
             "results": str(out / RESULTS)}

@@ -9,12 +9,21 @@ real text with two such things built in, at token level:
     "What is the pass key? The pass key is 48213" at the end; the loss on the answer's tokens;
   - a repeated span: `span` tokens of the text copied from more than W tokens back to just before the question;
     the loss on their second occurrence (its first token excluded: nothing announces where a copy starts).
-Those tokens are the "needle" tokens; every other scored token is "plain". A sample's record holds the NLL sums
-and counts of both, and of the sample's first W tokens read alone (the short-context guard).
+Those tokens are the "needle" tokens; every other scored token is "plain".
+
+A proxy sample (`build_proxy`) holds the same things in far fewer tokens: a few segments of the same text, each at
+the position ids it would have in a full sample, so that the position ids skip and the sample spans the target
+length (PoSE's idea, used for scoring). The passkey and the span's source sit in the first segment, the copy and
+the question at the end of the last, at the target length: the distance between them is what it is in a full
+sample, and the attention of every scheme (RoPE scalings, Self-Extend, Dual Chunk Attention, the attention
+temperature) follows the position ids. The first token after each jump is not scored: its text does not follow the
+text before it.
+
+The guard reads the calibration text's first W tokens alone (`guard_ids`): a candidate is feasible when its
+perplexity there is at most (1 + guard) times the unpatched model's.
 
 score = needle_weight x mean needle NLL + (1 - needle_weight) x mean plain NLL (in nats; exp of each mean is the
-perplexity). A candidate is feasible when its perplexity at the trained window is at most (1 + guard) times the
-unpatched model's: a patch that wins far away but costs short prompts is not chosen.
+perplexity).
 """
 
 from __future__ import annotations
@@ -34,16 +43,34 @@ from ..lm.text import Document, tokenize
 
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
+PROXY_SEGMENTS = 4  # segments of a proxy sample, spread evenly over the target length
 
 
 @dataclass
 class Sample:
-    ids: list[int]  # `target` tokens
-    needle: list[tuple[int, int]]  # [start, end) runs of token positions scored as needle tokens
+    ids: list[int]
+    needle: list[tuple[int, int]]  # [start, end) runs of token indices scored as needle tokens
+    positions: list[int] | None = None  # position ids (None: 0, 1, 2, ...)
+    unscored: tuple[int, ...] = ()  # indices of tokens not scored at all (the first token after a jump)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """The token ids of a sample's planted parts."""
+
+    bos: list[int]
+    needle: list[int]
+    question: list[int]
+    answer: list[int]
 
 
 def _piece(tok: Any, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+
+def _pieces(tok: Any, key: str) -> Pieces:
+    return Pieces([tok.bos_token_id] if tok.bos_token_id is not None else [], _piece(tok, NEEDLE.format(key=key)),
+                  _piece(tok, QUESTION), _piece(tok, " " + key))
 
 
 def shortest_target(tok: Any, window: int, span: int) -> int:
@@ -54,45 +81,127 @@ def shortest_target(tok: Any, window: int, span: int) -> int:
     return needle + span + window + span + question + 2
 
 
-def build(tok: Any, docs: list[Document], target: int, window: int, samples: int, span: int, seed: int) -> list[Sample]:
-    """`samples` calibration samples of `target` tokens, cut in order from the documents' tokens joined; every
-    random choice (key, depths) from a generator seeded by the seed and the sample's number."""
+def calibration_ids(tok: Any, docs: list[Document]) -> np.ndarray:
+    """The calibration documents' tokens, joined."""
+    return np.concatenate([tokenize(tok, d).ids for d in docs]) if docs else np.zeros(0, dtype=np.int64)
+
+
+def _key_rng(kind: str, seed: int, k: int) -> tuple[random.Random, str]:
+    rng = random.Random(f"{kind}:{seed}:{k}")
+    return rng, haystack.number(rng, 5)
+
+
+def build(tok: Any, text: np.ndarray, target: int, window: int, samples: int, span: int, seed: int) -> list[Sample]:
+    """`samples` calibration samples of `target` tokens, cut in order from the text's tokens; every random choice
+    (key, depths) from a generator seeded by the seed and the sample's number."""
     need = shortest_target(tok, window, span)
     if target < need:
         raise ValueError(f"--target-length {target} is too short for a passkey and a {span}-token span each more "
                          f"than the trained window ({window}) back: use at least {need}")
-    text = np.concatenate([tokenize(tok, d).ids for d in docs]) if docs else np.zeros(0, dtype=np.int64)
     if len(text) < samples * target:
         raise ValueError(f"the calibration text has {len(text)} tokens; {samples} sample(s) of {target} tokens need "
                          f"{samples * target}: give more text (--text-files) or fewer --samples")
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     out = []
     for k in range(samples):
-        rng = random.Random(f"search-sample:{seed}:{k}")
-        key = haystack.number(rng, 5)
-        needle, question, answer = _piece(tok, NEEDLE.format(key=key)), _piece(tok, QUESTION), _piece(tok, " " + key)
+        rng, key = _key_rng("search-sample", seed, k)
+        p = _pieces(tok, key)
         body = [int(t) for t in text[k * target:(k + 1) * target]]
-        room = target - len(bos) - len(needle) - span - len(question) - len(answer)
+        room = target - len(p.bos) - len(p.needle) - span - len(p.question) - len(p.answer)
         if room < window + span:  # a tokenizer that splits this key into more tokens than the widest one
             raise ValueError(f"--target-length {target} is too short for sample {k}'s passkey; use at least "
                              f"{target + window + span - room}")
         # the needle ends, and the span's source ends, more than `window` tokens before what asks for them
         depth = rng.randrange(0, room - window - span + 1)
-        text_part = body[:depth] + needle + body[depth:room]
+        text_part = body[:depth] + p.needle + body[depth:room]
         src = rng.randrange(0, len(text_part) - window - span + 1)
-        ids = bos + text_part + text_part[src:src + span] + question + answer
-        start_copy = len(bos) + room + len(needle)
-        start_answer = len(ids) - len(answer)
+        ids = p.bos + text_part + text_part[src:src + span] + p.question + p.answer
+        start_copy = len(p.bos) + room + len(p.needle)
+        start_answer = len(ids) - len(p.answer)
         out.append(Sample(ids, [(start_copy + 1, start_copy + span), (start_answer, len(ids))]))
     return out
 
 
+def proxy_misfit(tok: Any, target: int, window: int, tokens: int, span: int) -> str | None:
+    """Why proxy samples of `tokens` tokens cannot stand for samples of `target` tokens (None: they can)."""
+    if tokens * 2 > target:
+        return f"{tokens} proxy tokens are more than half the target length ({target}): not cheaper"
+    seg = tokens // PROXY_SEGMENTS
+    needle = len(_piece(tok, NEEDLE.format(key="99999")))
+    question = len(_piece(tok, QUESTION + " 99999"))
+    if seg < needle + span + 2 + 1:
+        return f"a segment of {seg} tokens cannot hold the passkey and the {span}-token span"
+    if target - seg - span - question <= window:
+        return (f"segments of {seg} tokens over {target} positions leave the passkey within the trained window "
+                f"({window}) of its question")
+    return None
+
+
+def build_proxy(tok: Any, text: np.ndarray, target: int, window: int, tokens: int, samples: int, span: int,
+                seed: int) -> list[Sample]:
+    """`samples` proxy samples of `tokens` tokens whose position ids span `target` (the module's docstring): sample
+    k reads the text of full sample k at the positions its segments stand for."""
+    why = proxy_misfit(tok, target, window, tokens, span)
+    if why:
+        raise ValueError(f"proxy samples do not fit: {why}")
+    if len(text) < samples * target:
+        raise ValueError(f"the calibration text has {len(text)} tokens; {samples} proxy sample(s) spanning {target} "
+                         f"positions need {samples * target}: give more text or fewer proxy samples")
+    seg = tokens // PROXY_SEGMENTS
+    out = []
+    for k in range(samples):
+        rng, key = _key_rng("search-proxy", seed, k)
+        p = _pieces(tok, key)
+        body = [int(t) for t in text[k * target:(k + 1) * target]]
+        last = tokens - seg * (PROXY_SEGMENTS - 1)
+        starts = [round(j * (target - last) / (PROXY_SEGMENTS - 1)) for j in range(PROXY_SEGMENTS)]
+        ids: list[int] = []
+        positions: list[int] = []
+        unscored: list[int] = []
+        # the first segment: the passkey and the span's source
+        first_text = seg - len(p.bos) - len(p.needle)
+        depth = rng.randrange(0, first_text - span + 1)
+        part = body[:depth] + p.needle + body[depth:first_text]
+        src_choices = [i for i in range(len(part) - span + 1)
+                       if i + span <= depth or i >= depth + len(p.needle)]  # the span is text, not the passkey
+        src = rng.choice(src_choices)
+        source = part[src:src + span]
+        ids += p.bos + part
+        positions += list(range(len(ids)))
+        for j in range(1, PROXY_SEGMENTS):
+            unscored.append(len(ids))
+            s = starts[j]
+            if j < PROXY_SEGMENTS - 1:
+                ids += body[s:s + seg]
+                positions += list(range(s, s + seg))
+            else:
+                plain = last - span - len(p.question) - len(p.answer)
+                start_copy = len(ids) + plain
+                ids += body[s:s + plain] + source + p.question + p.answer
+                positions += list(range(s, s + last))
+        start_answer = len(ids) - len(p.answer)
+        out.append(Sample(ids, [(start_copy + 1, start_copy + span), (start_answer, len(ids))], positions,
+                          tuple(unscored)))
+    return out
+
+
+def guard_ids(tok: Any, text: np.ndarray, window: int) -> list[int]:
+    """The guard's text: the calibration text's first `window` tokens (after the BOS token, if any)."""
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    ids = bos + [int(t) for t in text[: window - len(bos)]]
+    if len(ids) < window:
+        raise ValueError(f"the calibration text has {len(text)} tokens; the guard reads {window}")
+    return ids
+
+
 @torch.no_grad()
-def token_nll(parts: LMParts, ids: list[int], chunk: int = 1024) -> torch.Tensor:
-    """-log p(ids[t] | ids[:t]) for t = 1 .. len - 1 (float64, index t - 1), from one forward of ids[:-1], the LM
-    head `chunk` positions at a time."""
+def token_nll(parts: LMParts, ids: list[int], positions: list[int] | None = None, chunk: int = 1024) -> torch.Tensor:
+    """-log p(ids[t] | ids[:t]) for t = 1 .. len - 1 (float64, index t - 1), from one forward of ids[:-1] at their
+    position ids, the LM head `chunk` positions at a time."""
     x = torch.tensor([ids], device=parts.input_device)
-    out = parts.base(input_ids=x[:, :-1], use_cache=False)
+    kwargs: dict[str, Any] = {}
+    if positions is not None:
+        kwargs["position_ids"] = torch.tensor([positions[:-1]], device=parts.input_device)
+    out = parts.base(input_ids=x[:, :-1], use_cache=False, **kwargs)
     h = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[0]
     targets = x[0, 1:]
     nll = torch.empty(h.shape[0], dtype=torch.float64)
@@ -103,18 +212,23 @@ def token_nll(parts: LMParts, ids: list[int], chunk: int = 1024) -> torch.Tensor
     return nll
 
 
-def score_sample(parts: LMParts, sample: Sample, window: int) -> dict:
-    """A sample's record: NLL sums and token counts of its needle tokens, its other tokens, and its first `window`
-    tokens read alone."""
-    nll = token_nll(parts, sample.ids)
-    mask = torch.zeros(len(sample.ids), dtype=torch.bool)
+def score_sample(parts: LMParts, sample: Sample) -> dict:
+    """A sample's record: NLL sums and token counts of its needle tokens and of its other scored tokens."""
+    nll = token_nll(parts, sample.ids, sample.positions)
+    needle = torch.zeros(len(sample.ids), dtype=torch.bool)
     for a, b in sample.needle:
-        mask[a:b] = True
-    mask = mask[1:]  # nll[t - 1] scores token t
-    short, short_n = window_nll(parts, torch.tensor(sample.ids[:window]))
-    return {"needle_nll": float(nll[mask].sum()), "needle_tokens": int(mask.sum()),
-            "plain_nll": float(nll[~mask].sum()), "plain_tokens": int((~mask).sum()),
-            "short_nll": short, "short_tokens": short_n}
+        needle[a:b] = True
+    scored = torch.ones(len(sample.ids), dtype=torch.bool)
+    scored[list(sample.unscored)] = False
+    needle, plain = needle[1:], (scored & ~needle)[1:]  # nll[t - 1] scores token t
+    return {"needle_nll": float(nll[needle].sum()), "needle_tokens": int(needle.sum()),
+            "plain_nll": float(nll[plain].sum()), "plain_tokens": int(plain.sum())}
+
+
+def score_guard(parts: LMParts, ids: list[int]) -> dict:
+    """The guard's record: the NLL sum and count of the guard text read alone."""
+    total, n = window_nll(parts, torch.tensor(ids))
+    return {"short_nll": total, "short_tokens": n}
 
 
 def _ppl(total: float, n: int) -> float | None:
@@ -124,12 +238,15 @@ def _ppl(total: float, n: int) -> float | None:
     return math.exp(mean) if mean < 700 else None
 
 
+FIELDS = ("needle_nll", "needle_tokens", "plain_nll", "plain_tokens", "short_nll", "short_tokens")
+
+
 def summarize(records: list[dict], needle_weight: float) -> dict:
-    """A candidate's numbers from its samples' records (None where there are none, or one overflowed)."""
-    sums = {k: sum(r[k] for r in records) for k in ("needle_nll", "needle_tokens", "plain_nll", "plain_tokens",
-                                                     "short_nll", "short_tokens")}
-    out: dict = {name: _ppl(sums[f"{name}_nll"], sums[f"{name}_tokens"]) for name in ("needle", "plain", "short")}
-    out = {f"{k}_ppl": v for k, v in out.items()}
+    """A candidate's numbers from its records (samples' and the guard's): perplexities (None where there is nothing
+    to count, or one overflowed) and the score (None without needle and plain tokens)."""
+    sums = {k: sum(r.get(k, 0) for r in records) for k in FIELDS}
+    out: dict = {f"{name}_ppl": _ppl(sums[f"{name}_nll"], sums[f"{name}_tokens"])
+                 for name in ("needle", "plain", "short")}
     if out["needle_ppl"] is None or out["plain_ppl"] is None:
         out["score"] = None
     else:

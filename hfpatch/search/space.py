@@ -33,6 +33,7 @@ from ..apply import unwrap
 from ..evaluate.common import applied
 from ..position.registry import unavailable
 from ..position.signal import rotaries_of
+from .options import FAMILY_NAMES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -59,6 +60,17 @@ class Setting:
     @property
     def ratio(self) -> float:
         return self.target / self.window
+
+    @property
+    def attention_range(self) -> tuple[float, float]:
+        """The attention factor's range: ATTENTION_FACTOR, widened to hold YaRN's default 0.1 ln s + 1 (above 2 past
+        a ratio of e^10)."""
+        return ATTENTION_FACTOR[0], max(ATTENTION_FACTOR[1], yarn_attention(self.ratio))
+
+
+def yarn_attention(ratio: float) -> float:
+    """YaRN's attention factor for an extension ratio s: 0.1 ln s + 1."""
+    return 0.1 * math.log(ratio) + 1.0
 
 
 def _log_step(rng: random.Random, value: float, sigma: float, low: float, high: float) -> float:
@@ -99,8 +111,9 @@ def _longrope_why(params: dict, s: Setting) -> str | None:
         return "factors not >= 1 and non-decreasing from high to low frequency"
     if max(f) > FACTOR_CEILING * s.ratio * (1 + 1e-9):
         return f"a factor above {FACTOR_CEILING:g} x the extension ratio"
-    if not ATTENTION_FACTOR[0] <= params["attention_factor"] <= ATTENTION_FACTOR[1]:
-        return f"attention_factor outside {ATTENTION_FACTOR}"
+    low, high = s.attention_range
+    if not low <= params["attention_factor"] <= high:
+        return f"attention_factor outside [{low:g}, {high:g}]"
     return None
 
 
@@ -130,7 +143,7 @@ def _longrope_mutate(rng: random.Random, p: dict, s: Setting) -> dict:
         f = _project(f, ceiling)
     a = p["attention_factor"]
     if rng.random() < 0.3:
-        a = _log_step(rng, a, 0.05, *ATTENTION_FACTOR)
+        a = _log_step(rng, a, 0.05, *s.attention_range)
     return _temperature(rng, {**p, "from": "mutation", "factors": f, "attention_factor": a})
 
 
@@ -156,11 +169,13 @@ def _longrope_spec(p: dict, s: Setting) -> dict:
 
 # --------------------------------------------------------------------------------------------------------- yarn
 
-_YARN_RANGES = {"beta_fast": (2.0, 128.0), "beta_slow": (0.25, 16.0), "attention_factor": ATTENTION_FACTOR}
+_BETAS = {"beta_fast": (2.0, 128.0), "beta_slow": (0.25, 16.0)}
 
 
 def _yarn_ranges(s: Setting) -> dict:
-    return {"factor": (max(1.01, s.ratio / 2), 2 * s.ratio), **_YARN_RANGES}
+    # the factor from half the ratio (at least 1.01, or the ratio itself when it is smaller) to twice it
+    return {"factor": (min(s.ratio, max(1.01, s.ratio / 2)), 2 * s.ratio), **_BETAS,
+            "attention_factor": s.attention_range}
 
 
 def _yarn_why(p: dict, s: Setting) -> str | None:
@@ -175,7 +190,7 @@ def _yarn_why(p: dict, s: Setting) -> str | None:
 def _yarn_start(s: Setting) -> list[dict]:
     # YaRN's published defaults, its attention factor 0.1 ln s + 1
     return [{"from": "yarn", "factor": s.ratio, "beta_fast": 32.0, "beta_slow": 1.0,
-             "attention_factor": 0.1 * math.log(s.ratio) + 1.0, "temperature": None}]
+             "attention_factor": yarn_attention(s.ratio), "temperature": None}]
 
 
 def _yarn_mutate(rng: random.Random, p: dict, s: Setting) -> dict:
@@ -291,29 +306,29 @@ class Family:
     cross: Callable[[random.Random, dict, dict, Setting], dict]
     why_not: Callable[[dict, Setting], str | None]  # which constraint the parameters break (None: they hold)
     spec: Callable[[dict, Setting], dict]  # the keyword arguments of hfpatch.patch
+    # the parameters that decide what the patched model does within its trained window: candidates that agree on
+    # them read the guard's text alike, so the guard is read once for them (the attention temperature is never
+    # among them: it scales no query inside the window)
+    short: tuple[str, ...]
     needs_pairs: bool = False  # needs a rotary module with one flat inv_freq (per-pair factors)
+
+    def short_key(self, params: dict) -> dict:
+        return {k: params[k] for k in self.short}
 
 
 FAMILIES: dict[str, Family] = {
+    # the short factors stay 1 (the model's own frequencies up to the window); the attention factor applies at
+    # every length
     "longrope": Family(_longrope_start, _longrope_mutate, _longrope_cross, _longrope_why, _longrope_spec,
-                       needs_pairs=True),
-    "yarn": Family(_yarn_start, _yarn_mutate, _yarn_cross, _yarn_why, _yarn_spec),
+                       short=("attention_factor",), needs_pairs=True),
+    "yarn": Family(_yarn_start, _yarn_mutate, _yarn_cross, _yarn_why, _yarn_spec,
+                   short=("factor", "beta_fast", "beta_slow", "attention_factor")),
     "self-extend": Family(_self_extend_start, _self_extend_mutate, _self_extend_cross, _self_extend_why,
-                          _self_extend_spec),
+                          _self_extend_spec, short=("group_size", "window")),
     "dual-chunk": Family(_dual_chunk_start, _dual_chunk_mutate, _dual_chunk_cross, _dual_chunk_why,
-                         _dual_chunk_spec),
+                         _dual_chunk_spec, short=("chunk_size", "local_window")),
 }
-
-
-def parse_families(text: str | None) -> list[str]:
-    """'longrope,yarn' -> the names, checked against FAMILIES (None: all of them)."""
-    if text is None:
-        return list(FAMILIES)
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in FAMILIES]
-    if unknown or not names:
-        raise ValueError(f"--families: unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(FAMILIES)}")
-    return list(dict.fromkeys(names))
+assert tuple(FAMILIES) == FAMILY_NAMES  # options.py declares the names for the command line, without torch
 
 
 def _rotary_frequencies(model: PreTrainedModel):

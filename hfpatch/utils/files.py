@@ -255,3 +255,23 @@ def write_json(path: Path, value: Any) -> None:
         json.dump(value, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_text(path: Path | str, text: str) -> Path:
+    """Write a file whole: the text goes to a temporary file beside it, flushed to disk, then renamed over `path`,
+    so that a reader, or a run killed meanwhile, sees the old file or the new one, never half of one. A failure of
+    the disk is a ValueError naming `path` (the commands' one line); the temporary file never stays."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:  # a full disk, Ctrl-C mid-write: the previous file stays, no temporary file
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise ValueError(write_failure(OSError(e.errno, e.strerror, str(path)))) from None
+        raise
+    return path
