@@ -126,3 +126,27 @@ def test_a_loaded_model_refuses_the_placement_options_it_would_ignore(text_file,
     with pytest.raises(ValueError, match=message):
         evaluate.perplexity(sized_model("llama"), char_tokenizer(), text_files=[str(text_file)], lengths=[32],
                             patches="none", **settings)
+
+
+def test_patches_none_is_the_default_and_a_list_of_specs_is_the_comma_separated_string(text_file):
+    tok, settings = char_tokenizer(), {"text_files": [str(text_file)], "lengths": [32]}
+    left_out = evaluate.perplexity(sized_model("llama"), tok, **settings)
+    assert left_out["settings"]["patches"] == ["none", "yarn:2"]  # the evaluation's default
+    assert cells_by_key(evaluate.perplexity(sized_model("llama"), tok, patches=None, **settings)) \
+        == cells_by_key(left_out)
+    assert cells_by_key(evaluate.run("ppl", sized_model("llama"), tok, patches=("none", "yarn:2"), **settings)) \
+        == cells_by_key(left_out)
+
+
+@pytest.mark.parametrize("patches,given", [
+    ({"position": "yarn", "factor": 2}, r"got \{'position': 'yarn', 'factor': 2\} \(dict\)$"),
+    (2, r"got 2 \(int\)$"),
+    ([None], "got a list holding None$"),
+    (["none", {"position": "yarn"}], r"got a list holding \{'position': 'yarn'\} \(dict\)$"),
+])
+def test_patches_of_another_type_are_one_type_error_saying_what_is_taken(text_file, patches, given):
+    taken = (r"^patches takes patch spec strings, as `hfpatch eval --patches` does: one comma-separated string "
+             r"\('none,yarn:2'\) or a list of spec strings .*")
+    with pytest.raises(TypeError, match=taken + given):
+        evaluate.run("ppl", sized_model("llama"), char_tokenizer(), text_files=[str(text_file)], lengths=[32],
+                     patches=patches)

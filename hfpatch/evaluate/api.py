@@ -35,7 +35,9 @@ def run(name: str, model: Any, tokenizer: Any = None, *, out: str | None = None,
             None: a temporary folder, removed after the run.
         **settings: the command's options, `_` for `-`: e.g. `patches="none,yarn:2"`, `lengths=[2048, 8192]`.
             With a loaded model, `dtype`, `device` and `device_map` (how a model given by name is loaded) are
-            refused where they differ from the model, which runs as it is; results.json records its dtype.
+            refused where they differ from the model, which runs as it is; results.json records its dtype. A
+            setting given as None takes the command's default, as if left out; `patches` is a comma-separated
+            string of spec strings or a list of them.
 
     Returns:
         The results file's content (settings, model, cells with their records and numbers) and, under "report",
@@ -43,6 +45,7 @@ def run(name: str, model: Any, tokenizer: Any = None, *, out: str | None = None,
 
     Raises:
         ValueError: an unknown evaluation or setting, a bad value, or what the command refuses (the same message).
+        TypeError: `patches` of another type than a string or a list of strings.
     """
     ev = evaluation(name)
     given = None if isinstance(model, str) else _given(model, tokenizer)
@@ -69,8 +72,8 @@ def _execute(ev: Evaluation, model: Any, given: Given | None, settings: dict) ->
 
 
 def settings_namespace(ev: Evaluation, model_name: str, settings: dict) -> argparse.Namespace:
-    """The parsed arguments the command would have for these settings: its defaults, then each setting through
-    the option's own type and choices."""
+    """The parsed arguments the command would have for these settings: its defaults, then each setting (but those
+    given as None, which keep the default) through the option's own type and choices."""
     parser = build_parser(ev)
     args = parser.parse_args(["--model", model_name])
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "model")}
@@ -78,8 +81,28 @@ def settings_namespace(ev: Evaluation, model_name: str, settings: dict) -> argpa
         action = actions.get(key)
         if action is None:
             raise ValueError(f"{ev.name}: unknown setting {key!r}; it takes: {', '.join(sorted(actions))}")
+        if value is None:  # the command's default, as if the setting were left out
+            continue
+        if key == "patches":
+            value = patch_specs(value)
         setattr(args, key, _value(action, key, value))
     return args
+
+
+def patch_specs(value: Any) -> str:
+    """The `patches` setting as the command takes it (one comma-separated string), from a string or a list or tuple
+    of spec strings; TypeError for anything else."""
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    wrong = [v for v in items if not isinstance(v, str)]
+    if not wrong:
+        return ",".join(items)
+    what = _kind(wrong[0]) if value is wrong[0] else f"a {type(value).__name__} holding {_kind(wrong[0])}"
+    raise TypeError("patches takes patch spec strings, as `hfpatch eval --patches` does: one comma-separated string "
+                    f"('none,yarn:2') or a list of spec strings (['none', 'yarn:4:beta_fast=16']); got {what}")
+
+
+def _kind(value: Any) -> str:
+    return "None" if value is None else f"{value!r} ({type(value).__name__})"
 
 
 def _value(action: argparse.Action, key: str, value: Any) -> Any:
