@@ -55,9 +55,10 @@ def worker(args):
 
         def explicit(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
             maps = getattr(module, self_extend.STATE_ATTR)
-            qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"), attention_mask)
-            return self_extend._explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, 0.0, False, None,
-                                         block=True)
+            q_pos, k_pos = self_extend.positions(query, key, kwargs.get("position_ids"), attention_mask)
+            qn, kn, qg, kg = maps.rotate(query, key, q_pos, k_pos)
+            return self_extend._explicit(maps, q_pos, k_pos, qn, kn, qg, kg, value, attention_mask, scaling, 0.0,
+                                         False, None, block=True)
 
         AttentionInterface.register("hfpatch_self_extend_explicit", explicit)
         AttentionMaskInterface.register("hfpatch_self_extend_explicit", sdpa_mask)

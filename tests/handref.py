@@ -83,6 +83,18 @@ def padded(batch_len, padding):
     return ids, keep, pos
 
 
+def skipping():
+    """(ids, attention mask, position ids that skip, as PoSE or a short stand-in for a long sequence gives them): 48
+    tokens at positions 0..15 then 200..231; the second row left-padded by 6 slots at position 0 (as generate() gives
+    padding), then 0..9 and 200..231."""
+    ids = tokens(48, batch=2)
+    keep = torch.ones(2, 48, dtype=torch.long)
+    keep[1, :6] = 0
+    pos = torch.stack([torch.cat([torch.arange(16), torch.arange(200, 232)]),
+                       torch.cat([torch.zeros(6, dtype=torch.long), torch.arange(10), torch.arange(200, 232)])])
+    return ids, keep, pos
+
+
 def cached_and_full(model):
     """(logits of a 4-token chunk and one step after a cached prefix, the full forward's last 5) with left padding
     and positions counting real tokens, as generate() makes them; and whether generate() with a cache equals it

@@ -8,27 +8,26 @@ import copy
 import pytest
 import torch
 from conftest import ROPE_FAMILIES, WINDOW, assert_same_fingerprint, fingerprint, logits, max_diff, tiny_model, tokens
-from handref import by_hand, cached_and_full, gradients_by_name, padded, rope
+from handref import by_hand, cached_and_full, gradients_by_name, padded, rope, skipping
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb  # noqa: F401 (the attention below rotates with it)
 
 import hfpatch
 from hfpatch import tiny
 from hfpatch.evaluate.common import parse_patches
-from hfpatch.position.schemes import self_extend
+from hfpatch.position.attention import paths
+from hfpatch.position.schemes import rotated, self_extend
 from hfpatch.position.schemes.self_extend import EAGER_NAME, SDPA_NAME
 
 # ------------------------------------------------------------------------------------------------ hand reference
 
 
 def self_extend_scores(G, W):
-    """Jin et al. 2024: for i - j < W the scores of RoPE at the true positions, else of the query at
-    floor(p_i / G) + W - floor(W / G) and the key at floor(p_j / G)."""
+    """Jin et al. 2024: per (query, key) pair, for positions p_i - p_j < W the scores of RoPE at the true positions,
+    else of the query at floor(p_i / G) + W - floor(W / G) and the key at floor(p_j / G)."""
     def scores(q, k, pos, theta):
-        L = q.shape[2]
-        i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
         near = rope(q, pos, theta) @ rope(k, pos, theta).transpose(-1, -2)
         far = rope(q, pos // G + W - W // G, theta) @ rope(k, pos // G, theta).transpose(-1, -2)
-        return torch.where(i - j < W, near, far)
+        return torch.where((pos[:, :, None] - pos[:, None, :] < W)[:, None], near, far)
     return scores
 
 
@@ -56,6 +55,107 @@ def test_equals_the_hand_computation(family, attn, padding, G, W):
     assert max_diff(out[real].double(), expected[real]) <= 1e-4
     unpatched = hfpatch.unpatch(model)(ids, attention_mask=keep, position_ids=pos).logits
     assert max_diff(unpatched[real], out[real]) > 1e-3  # the grouping is visible at this length
+
+
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
+def test_position_ids_that_skip_are_grouped_by_the_distance_of_the_positions(family, attn):
+    """A key a few slots before a jump of the position ids is far from the queries after it: the paper's regions are
+    by position distance. The sdpa name leaves its slot-cut fast paths for the written-out one."""
+    model = hfpatch.patch(tiny_model(family, attn_implementation=attn), position="self-extend", group_size=4, window=8)
+    ids, keep, pos = skipping()
+    paths.reset(model)
+    with torch.no_grad():
+        out = model(ids, attention_mask=keep, position_ids=pos).logits
+    expected = by_hand(model, ids, keep, pos, self_extend_scores(4, 8))
+    real = keep.bool()
+    assert max_diff(out[real].double(), expected[real]) <= 1e-4
+    assert paths.ran(model) == {"written-out" if attn == "sdpa" else "eager": 2}
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+def test_contiguous_positions_take_the_piece_path(padding):
+    """Positions one per slot over the real tokens, whatever the padded slots carry (the count of real tokens, or 0 as
+    generate() gives them), and generate()'s cached steps: slot distances are position distances there."""
+    model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=3, window=8)
+    ids, keep, pos = padded(60, padding)
+    paths.reset(model)
+    with torch.no_grad():
+        for p in (pos, pos.masked_fill(keep == 0, 0)):
+            model(ids, attention_mask=keep, position_ids=p)
+        if padding != "right":
+            model.generate(ids, attention_mask=keep, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert set(paths.ran(model)) == {"pieces"}
+
+
+def test_contiguity_counts_the_slots_some_query_sees():
+    """The decision the slot-cut paths (pieces, flex, flash-attn) take: position - slot one constant per batch row
+    over the slots the mask lets some query see; padded slots carry anything."""
+    contiguous = self_extend.contiguous_positions
+    slots = torch.arange(10)
+    causal = (slots[None, :] <= slots[:, None])[None, None]
+    as_float = lambda m: torch.zeros(m.shape).masked_fill(~m, torch.finfo(torch.float32).min)
+    skip = torch.cat([torch.arange(5), torch.arange(100, 105)])[None]
+    assert contiguous(slots[None], slots[None], None)
+    assert contiguous(torch.stack([slots, slots + 7]), torch.stack([slots, slots + 7]), None)  # an offset per row
+    assert not contiguous(skip, skip, None) and not contiguous(skip, skip, causal)
+    left = torch.tensor([[0, 0, 0, 0, 1, 2, 3, 4, 5, 6]])  # three padded slots at position 0
+    padded_mask = causal & (slots >= 3)
+    assert contiguous(left, left, padded_mask) and contiguous(left, left, as_float(padded_mask))
+    assert not contiguous(left, left, None)  # without a mask every slot counts
+    left_skip = torch.tensor([[0, 0, 0, 0, 1, 2, 50, 51, 52, 53]])
+    assert not contiguous(left_skip, left_skip, padded_mask)
+    right = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 0, 0]])  # right padding: the padded keys are seen by no query
+    assert contiguous(right, right, causal & (slots < 7))
+    nothing = torch.zeros(1, 1, 10, 10, dtype=torch.bool)
+    assert contiguous(skip, skip, nothing)  # a row that sees no key attends nothing
+    for q_pos, expected in ((torch.tensor([[29]]), True), (torch.tensor([[27, 28, 29]]), True),
+                            (torch.tensor([[7, 28, 29]]), False)):  # queries after 20 cached keys
+        q, k = rotated.positions(q_pos, 1, q_pos.shape[1], 30, q_pos.device)
+        assert contiguous(q, k, None) is expected, q_pos
+
+
+@pytest.mark.parametrize("name", ["flash-attn", "flex", "pieces"])
+def test_the_slot_cut_paths_refuse_position_ids_that_skip(name):
+    """Each raises PathUnavailable before it computes anything (flash-attn and flex run on CUDA only: their refusal
+    comes first, so it is seen here); the table then runs the written-out path."""
+    model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=4, window=8)
+    attn = model.model.layers[0].self_attn
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 48, cfg.head_dim, generator=g)
+               for h in (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads))
+    pos = skipping()[2][:1]
+    path = next(p for p in paths.table("self-extend") if p.name == name)
+    with torch.no_grad(), pytest.raises(paths.PathUnavailable, match="position ids that skip"):
+        path.run(attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True, softcap=None,
+                 kwargs={"position_ids": pos})
+    paths.reset(model)
+    with torch.no_grad():
+        paths.run("self-extend", attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True,
+                  kwargs={"position_ids": pos})
+    assert paths.ran(model) == {"written-out": 1}
+
+
+def test_a_compiled_call_whose_positions_skip_stops_with_an_error():
+    """A compiled graph cannot leave the piece path by the positions' values: contiguous positions run it (no graph
+    break), positions that skip raise instead of being attended by slot distance."""
+    model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=4, window=8)
+    attn = model.model.layers[0].self_attn
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 48, cfg.head_dim, generator=g)
+               for h in (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads))
+
+    def attend(pos):
+        return paths.run("self-extend", attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True,
+                         kwargs={"position_ids": pos})[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(torch.arange(48)[None]), attend(torch.arange(48)[None]))
+        with pytest.raises(RuntimeError, match="these position ids skip"):
+            compiled(skipping()[2][:1])
 
 
 @pytest.mark.parametrize("family", ROPE_FAMILIES)

@@ -5,8 +5,9 @@ Query i attends key j (positions) with RoPE at
 - grouped positions otherwise: the key at floor(j / G), the query at floor(i / G) + W - floor(W / G). The shift makes
   the two regions meet: at i - j = W the grouped distance is W again (W or W + 1 when G does not divide W), and
   beyond it grows G times slower, so L tokens use relative positions up to about W + (L - W) / G.
-One softmax runs over both regions. Neighbour and grouped regions are told apart by the distance in the sequence
-(slots), the maps are computed from the positions the model is given.
+One softmax runs over both regions. Regions and maps both come from the positions the model is given
+(position_ids), so position ids that skip (PoSE training, a short sample standing in for a long one) are attended as
+the full sequence would be: a key just before a jump is grouped for the queries after it.
 
 Two position maps, acting at the rotary level (rotated.py: the attention function rotates q and k itself, at both
 maps, with the family's own RoPE; the KV cache holds un-rotated keys). Whether this reproduces the family's attention
@@ -25,10 +26,15 @@ Attention functions registered with transformers (each with its mask function):
     scores: the grouped keys every row of the block sees in full, the grouped keys at the block's lower edge and
     the neighbour band (small [block, keys] masks), merged into one softmax. Memory is O(L) (no [L, L] tensor),
     and the work about that of causal attention;
-  - "written-out" (everything else: gradients on the CPU, dropout, softcapping): the explicit path a block of
-    queries at a time (at most 2^24 scores per block).
+  - "written-out" (everything else: gradients on the CPU, dropout, softcapping, position ids that skip): the
+    explicit path a block of queries at a time (at most 2^24 scores per block).
 - "hfpatch_self_extend_eager" (models loaded with attn_implementation="eager"): the explicit path on all queries at
   once, returning the attention weights like eager attention does.
+The first three tell the regions apart by the distance in slots, which is the distance in positions when, in every
+batch row, position - slot is one constant over the slots the call attends (contiguous positions, left padding and
+generate() with a cache included: padded slots, which no query sees, may carry any position). A call whose positions
+skip is refused by them (`contiguous_positions`) and goes to the written-out path; in a torch.compile'd model, whose
+graph cannot switch paths by tensor values, it stops with an error instead.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ PIECE_ROWS = 1024  # queries per block on the piece path (also at most W - 1, se
 _EVERYTHING_NEAR = 1 << 62  # a window no sequence reaches: the patch-time check
 DEFAULT_GROUP_SIZE = 4
 DEFAULT_WINDOW_FRACTION = 8
+SKIPPING_UNDER_COMPILE = ("position='self-extend' in a torch.compile'd model: these position ids skip, which only the "
+                          "written-out path attends by the distance of the positions, and a compiled graph cannot "
+                          "switch paths by tensor values; run this input uncompiled")
 
 
 # ------------------------------------------------------------------------------------------------ the position maps
@@ -82,13 +91,56 @@ class Maps:
     window: int
     rotation: rotated.Rotation
 
-    def both(self, query: Any, key: Any, position_ids: Any, attention_mask: torch.Tensor | None):
-        """(q, k) at their own positions and (q, k) at the grouped ones."""
-        rotated.check_cache(NAMES.scheme, attention_mask, key, query.shape[2])
-        q_pos, k_pos = rotated.positions(position_ids, query.shape[0], query.shape[2], key.shape[2], query.device)
+    def rotate(self, query: torch.Tensor, key: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        """(q, k) rotated at their own positions q_pos [b, q] / k_pos [b, kv] and (q, k) at the grouped ones."""
         G, W, rotate = self.group_size, self.window, self.rotation.rotate
         return (rotate(query, q_pos), rotate(key, k_pos), rotate(query, grouped_query_positions(q_pos, G, W)),
                 rotate(key, grouped_key_positions(k_pos, G)))
+
+
+def positions(query: torch.Tensor, key: torch.Tensor, position_ids: Any,
+              attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query positions [b, q], key positions [b, kv]) of one call (rotated.positions), its cache checked."""
+    rotated.check_cache(NAMES.scheme, attention_mask, key, query.shape[2])
+    return rotated.positions(position_ids, query.shape[0], query.shape[2], key.shape[2], query.device)
+
+
+def contiguous_positions(q_pos: torch.Tensor, k_pos: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Whether every slot distance the call attends is the distance of the positions: in each batch row, position -
+    slot is one constant over the key slots some query sees and over the queries of those slots (the queries being
+    the last q_len slots). Padded slots are seen by no query, so whatever position they carry (generate() gives them
+    0) does not count. What the paths that cut the keys by slot distance (pieces, flex, flash-attn) need."""
+    offsets = _offsets(q_pos, k_pos)
+    if bool((offsets == offsets[:, :1]).all().item()):  # no skip anywhere, padding included: no mask to read
+        return True
+    return attention_mask is not None and bool(_one_offset_where_seen(offsets, k_pos.shape[1], attention_mask).item())
+
+
+def _offsets(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """[b, kv + q]: position - slot of every key slot, then of every query (the last q_len slots)."""
+    kv_len = k_pos.shape[1]
+    slots = torch.arange(kv_len, device=k_pos.device)
+    return torch.cat([k_pos - slots, q_pos - slots[kv_len - q_pos.shape[1]:]], dim=1)
+
+
+def _one_offset_where_seen(offsets: torch.Tensor, kv_len: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """contiguous_positions as a bool tensor, from _offsets: no branch on tensor values, so it traces into a
+    compiled graph."""
+    if attention_mask is None:
+        seen = torch.ones_like(offsets, dtype=torch.bool)
+    else:
+        keys = _seen_slots(attention_mask, offsets.shape[0], kv_len)
+        seen = torch.cat([keys, keys[:, 2 * kv_len - offsets.shape[1]:]], dim=1)  # the queries' slots: the last q_len
+    first_seen = offsets.gather(1, seen.int().argmax(dim=1, keepdim=True))  # a row that sees nothing: any offset
+    return ((offsets == first_seen) | ~seen).all()
+
+
+def _seen_slots(attention_mask: torch.Tensor, batch: int, kv_len: int) -> torch.Tensor:
+    """[b, kv]: whether some query (of some head) may see the key slot. A float mask counts a slot as seen unless it
+    holds the masking value (the dtype's lowest, or -inf)."""
+    m = attention_mask[..., :kv_len]
+    visible = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+    return visible.any(dim=2).any(dim=1).expand(batch, kv_len)
 
 
 # ------------------------------------------------------------------------------------------------------ piece path
@@ -145,9 +197,11 @@ def _pieces(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tens
 
 # ------------------------------------------------------------------------------------------- attention functions
 
-def _explicit(maps: Maps, qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, scaling: float, dropout: float, training: bool,
-              softcap: float | None, block: bool):
+def _explicit(maps: Maps, q_pos: torch.Tensor, k_pos: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor,
+              qg: torch.Tensor, kg: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+              scaling: float, dropout: float, training: bool, softcap: float | None, block: bool):
+    """The scores at both maps written out, each (query, key) pair taking the neighbour one where the distance of
+    their positions (q_pos [b, q], k_pos [b, kv]) is below the window; slots only order the keys (causality)."""
     kv_len = kn.shape[2]
     slots = torch.arange(kv_len, device=qn.device)
     q_slots = slots[kv_len - qn.shape[2]:]
@@ -155,7 +209,7 @@ def _explicit(maps: Maps, qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, 
     kn, kg, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (kn, kg, value))
 
     def scores(s: int, e: int):
-        near = (q_slots[s:e, None] - slots[None]) < maps.window
+        near = (q_pos[:, None, s:e, None] - k_pos[:, None, None, :]) < maps.window
         return torch.where(near, qn[:, :, s:e] @ kn.transpose(2, 3), qg[:, :, s:e] @ kg.transpose(2, 3)) * scaling, None
 
     return explicit_attention(scores, value, attention_mask, q_slots, slots, softcap=softcap, dropout=dropout,
@@ -172,21 +226,40 @@ def self_extend_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 def _both(module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
           kwargs: dict[str, Any]):
+    """(maps, q positions, k positions, qn, kn, qg, kg) of one call."""
     maps: Maps = getattr(module, STATE_ATTR)
-    return (maps, *maps.both(query, key, kwargs.get("position_ids"), attention_mask))
+    q_pos, k_pos = positions(query, key, kwargs.get("position_ids"), attention_mask)
+    return (maps, q_pos, k_pos, *maps.rotate(query, key, q_pos, k_pos))
+
+
+def _both_by_slots(module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+                   kwargs: dict[str, Any]):
+    """(maps, qn, kn, qg, kg) for a path that tells the regions apart by slot distance; PathUnavailable (before
+    anything is rotated) when the call's positions skip, so that the written-out path takes it. A compiled graph
+    cannot choose its path by tensor values: there the call stays on this path, and positions that skip stop it with
+    an error (SKIPPING_UNDER_COMPILE)."""
+    maps: Maps = getattr(module, STATE_ATTR)
+    q_pos, k_pos = positions(query, key, kwargs.get("position_ids"), attention_mask)
+    if torch.compiler.is_compiling():
+        ok = _one_offset_where_seen(_offsets(q_pos, k_pos), k_pos.shape[1], attention_mask)
+        torch._assert_async(ok, SKIPPING_UNDER_COMPILE)
+    elif not contiguous_positions(q_pos, k_pos, attention_mask):
+        raise paths.PathUnavailable("position ids that skip: the neighbour window is a distance of positions, not "
+                                    "of slots; the written-out path takes this call")
+    return (maps, *maps.rotate(query, key, q_pos, k_pos))
 
 
 def _run_pieces(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
                 softcap: float | None, kwargs: dict[str, Any]):
-    maps, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
+    maps, qn, kn, qg, kg = _both_by_slots(module, query, key, attention_mask, kwargs)
     return _pieces(qn, kn, qg, kg, value, attention_mask, maps.window, scaling).transpose(1, 2).contiguous()
 
 
 def _run_flex(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
               softcap: float | None, kwargs: dict[str, Any]):
-    maps, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
+    maps, qn, kn, qg, kg = _both_by_slots(module, query, key, attention_mask, kwargs)
     out = split.two_maps_flex(qn, kn, qg, kg, value, attention_mask, maps.window, scaling, softcap)
     return out.transpose(1, 2).contiguous()
 
@@ -194,16 +267,16 @@ def _run_flex(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
 def _run_flash(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
                softcap: float | None, kwargs: dict[str, Any]):
-    maps, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
+    maps, qn, kn, qg, kg = _both_by_slots(module, query, key, attention_mask, kwargs)
     return split.two_maps_flash(qn, kn, qg, kg, value, maps.window, scaling, softcap)
 
 
 def _run_written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
                      softcap: float | None, kwargs: dict[str, Any]):
-    maps, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
-    out, _ = _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, module.training, softcap,
-                       block=True)
+    maps, q_pos, k_pos, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
+    out, _ = _explicit(maps, q_pos, k_pos, qn, kn, qg, kg, value, attention_mask, scaling, dropout, module.training,
+                       softcap, block=True)
     return out
 
 
@@ -225,11 +298,10 @@ PATHS = (
 def self_extend_eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    maps: Maps = getattr(module, STATE_ATTR)
     paths.record(module, "eager")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    qn, kn, qg, kg = maps.both(query, key, kwargs.get("position_ids"), attention_mask)
-    return _explicit(maps, qn, kn, qg, kg, value, attention_mask, scaling, dropout, module.training,
+    maps, q_pos, k_pos, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
+    return _explicit(maps, q_pos, k_pos, qn, kn, qg, kg, value, attention_mask, scaling, dropout, module.training,
                      kwargs.get("softcap"), block=False)
 
 
