@@ -7,11 +7,12 @@ as it was."""
 import pytest
 import torch
 from conftest import ROPE_FAMILIES, WINDOW, assert_same_fingerprint, fingerprint, logits, max_diff, tiny_model, tokens
-from handref import by_hand, cached_and_full, gradients_by_name, padded, rope
+from handref import by_hand, cached_and_full, gradients_by_name, padded, rope, skipping
 
 import hfpatch
 from hfpatch import tiny
 from hfpatch.evaluate.common import parse_patches
+from hfpatch.position.attention import paths
 from hfpatch.position.schemes.dual_chunk import NAMES
 
 # ------------------------------------------------------------------------------------------------ hand reference
@@ -68,6 +69,22 @@ def test_equals_the_hand_computation(family, attn, padding, C, w):
     assert max_diff(out[real].double(), expected[real]) <= 1e-4
     unpatched = hfpatch.unpatch(model)(ids, attention_mask=keep, position_ids=pos).logits
     assert max_diff(unpatched[real], out[real]) > 1e-3  # the chunking is visible at this length
+
+
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
+def test_position_ids_that_skip_are_chunked_by_position(family, attn):
+    """Chunks are cut by the positions: after a jump over whole chunks, the keys before it are inter-chunk keys
+    however few slots back they are. The piece path's slot ranges follow the chunks (positions that only go up)."""
+    model = hfpatch.patch(tiny_model(family, attn_implementation=attn), position="dual-chunk", chunk_size=16,
+                          local_window=3)
+    ids, keep, pos = skipping()
+    paths.reset(model)
+    with torch.no_grad():
+        out = model(ids, attention_mask=keep, position_ids=pos).logits
+    expected = by_hand(model, ids, keep, pos, dca_scores(16, 3))
+    real = keep.bool()
+    assert max_diff(out[real].double(), expected[real]) <= 1e-4
+    assert paths.ran(model) == {"pieces" if attn == "sdpa" else "eager": 2}
 
 
 @pytest.mark.parametrize("family", ROPE_FAMILIES)
