@@ -283,6 +283,29 @@ def test_a_reloaded_peri_model_takes_another_placement_as_the_original_model_doe
     assert max_diff(logits(loaded, x), peri) == 0.0 and hfpatch.describe(loaded)["placement"] == "peri"
 
 
+def test_an_interrupted_placement_on_a_reloaded_peri_model_leaves_it_as_loaded(tmp_path, monkeypatch):
+    from hfpatch.norm import placement
+
+    x = tokens(24)
+    saved_peri(tmp_path, "llama", x)
+    loaded = hfpatch.from_pretrained(tmp_path).eval()
+    peri, fp = logits(loaded, x), fingerprint(loaded)
+    real, calls = placement._own_form, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the first block has its own form back already
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(placement, "_own_form", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        hfpatch.patch(loaded, placement="post")
+    assert len(calls) == 2
+    assert_same_fingerprint(fingerprint(loaded), fp)
+    assert max_diff(logits(loaded, x), peri) == 0.0 and hfpatch.describe(loaded)["placement"] == "peri"
+
+
 def test_a_reloaded_peri_model_patched_peri_again_keeps_its_calibrated_output_norms(tmp_path):
     x = tokens(24)
     saved_peri(tmp_path, "llama", x)
