@@ -382,8 +382,8 @@ def model_card_example():
     """The example card: the card hfpatch.save_pretrained wrote, with the committed run added by `hfpatch card`'s
     own code (as README.md's source: the folder's plot link points into the model folder)."""
     folder = RESULTS / "card_example"
-    runs = [card.read_run(folder / "ppl")]
-    text = card.with_results((folder / "README.md").read_text(), runs, card.plot_names(runs))
+    runs = [card.read_run(folder / "ppl")]  # the model line: the files the run evaluated, which the folder held
+    text = card.with_results((folder / "README.md").read_text(), runs, card.plot_names(runs), runs[0].model_files)
     return f"````markdown\n{text.rstrip()}\n````"
 
 

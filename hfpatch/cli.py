@@ -276,8 +276,11 @@ def _eval(args) -> int:
 def _card(args) -> int:
     from hfpatch.evaluate.card import add_results
 
-    readme = add_results(args.folder, args.results)
-    print(f"{readme}: the evaluations of {len(args.results)} run(s)", file=sys.stderr)
+    readme, left_out = add_results(args.folder, args.results)
+    if left_out:
+        print(f"hfpatch: warning: left out of the card {len(left_out)} run(s) of another model than {args.folder}: "
+              f"{'; '.join(left_out)}", file=sys.stderr)
+    print(f"{readme}: the evaluations of {len(args.results) - len(left_out)} run(s)", file=sys.stderr)
     return 0
 
 

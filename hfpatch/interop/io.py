@@ -12,7 +12,10 @@ applies the recorded spec again.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -38,6 +41,8 @@ from ..apply import (
     unwrap,
 )
 from ..introspect import describe
+from ..utils.files import cached_sha256
+from ..utils.warn import warn_caller
 from .serving import serving_keys
 
 if TYPE_CHECKING:
@@ -91,12 +96,19 @@ def save_pretrained(model: PreTrainedModel, path: Path | str, tokenizer: Any = N
 
 # The part of README.md that hfpatch writes: between these markers, replaced on every save; the rest is the user's.
 CARD_START, CARD_END = "<!-- hfpatch:start -->", "<!-- hfpatch:end -->"
+# The evaluations `hfpatch card` adds (hfpatch.evaluate.card): their section, the folder of their plots, and the
+# line in the section naming the model files they are of (dropped with its plots by a save that changes them).
+RESULTS_START, RESULTS_END = "<!-- hfpatch:results:start -->", "<!-- hfpatch:results:end -->"
+PLOTS = "hfpatch-evaluations"
+_RESULTS_MODEL = "<!-- hfpatch:results:model "
 
 
 def write_card(model: PreTrainedModel, path: Path | str) -> None:
     """README.md in `path`: a model card with Hub metadata (front matter) and an hfpatch section saying what the
     patch is and how to load it. A card already there keeps its text and front matter keys: the section between
-    the markers is replaced (or appended) and hfpatch's tags are added. Written whole (a temporary file renamed)."""
+    the markers is replaced (or appended) and hfpatch's tags are added; its evaluations (`hfpatch card`) stay if
+    they are of the model files now in `path`, else they and their plots are removed, with a warning. Written whole
+    (a temporary file renamed)."""
     info = describe(model)
     readme = os.path.join(path, "README.md")
     old = ""
@@ -106,15 +118,74 @@ def write_card(model: PreTrainedModel, path: Path | str) -> None:
     front, body = _split_front_matter(old)
     front.setdefault("library_name", "transformers")
     base = model.config.name_or_path
-    if base and os.path.abspath(base) != os.path.abspath(path):  # where it was loaded from, not this folder
-        front.setdefault("base_model", str(base))
+    base = str(base) if base and os.path.abspath(base) != os.path.abspath(path) else None  # not this folder
+    if base and not is_local(base):  # the Hub's base_model is a hub id; a folder is named in the section only
+        front.setdefault("base_model", base)
     tags = list(front.get("tags") or [])
     front["tags"] = tags + [t for t in ["hfpatch", *_scheme_names(info["applied"])] if t not in tags]
+    stale = RESULTS_START in body and RESULTS_END in body and not results_hold(body, path)
+    if stale:
+        body = without_section(body, RESULTS_START, RESULTS_END)
     meta = yaml.safe_dump(front, sort_keys=False, allow_unicode=True)
-    card = f"---\n{meta}---\n{with_section(body, _section(model, info))}"
+    card = f"---\n{meta}---\n{with_section(body, _section(model, info, base))}"
     with open(readme + ".partial", "w", encoding="utf-8") as f:
         f.write(card)
     os.replace(readme + ".partial", readme)
+    if stale:
+        shutil.rmtree(os.path.join(path, PLOTS), ignore_errors=True)
+        warn_caller("the model card's evaluations (added by hfpatch card) are of other model files than the ones "
+                    "this save wrote: they are removed from the card, with their plots; hfpatch card DIR --results "
+                    "RUN_DIR adds evaluations of this model")
+
+
+def is_local(name: str) -> bool:
+    """Whether a model's name (as loaded: config.name_or_path, the --model of an evaluation) is a path on this
+    machine rather than a hub id: absolute, starting with . or ~, or present here."""
+    return os.path.isabs(os.path.expanduser(name)) or name.startswith((".", "~")) or os.path.exists(name)
+
+
+def public_name(name: str) -> str:
+    """How a card, which is published, names a model: a hub id (or "smollm2") as given; a local folder or file by
+    its own name, never by its path on this machine."""
+    if not is_local(name):
+        return name
+    return os.path.basename(os.path.abspath(os.path.expanduser(name))) or name
+
+
+def results_model_line(fingerprint: dict[str, str]) -> str:
+    """The line of the card's evaluations section that names the model files the evaluations are of ({file: SHA-256},
+    as hfpatch.models.model_fingerprint gives them for a folder): their names and one digest of them all."""
+    record = {"files": sorted(fingerprint), "sha256": _digest(fingerprint)}
+    return f"{_RESULTS_MODEL}{json.dumps(record)} -->"
+
+
+def _digest(fingerprint: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(sorted(fingerprint.items())).encode()).hexdigest()
+
+
+def results_hold(body: str, folder: Path | str) -> bool:
+    """Whether the evaluations section of a card's text is of the model files now in `folder`: the files its model
+    line names, hashed again, give its digest (a section without that line holds for no model)."""
+    section = body.split(RESULTS_START, 1)[1].split(RESULTS_END, 1)[0]
+    line = next((x for x in section.splitlines() if x.startswith(_RESULTS_MODEL) and x.endswith("-->")), None)
+    if line is None:
+        return False
+    try:
+        record = json.loads(line[len(_RESULTS_MODEL):-3])
+        names, digest = record["files"], record["sha256"]
+        files = [os.path.join(folder, n) for n in names]
+    except (ValueError, KeyError, TypeError):  # a line edited out of shape
+        return False
+    if not names or not all(os.path.isfile(f) for f in files):
+        return False
+    return _digest({n: cached_sha256(f) for n, f in zip(names, files, strict=True)}) == digest
+
+
+def without_section(body: str, start: str, end: str) -> str:
+    """`body` without the section between the markers `start` and `end` (markers included)."""
+    before, rest = body.split(start, 1)
+    after = rest.split(end, 1)[1].lstrip("\n")
+    return before.rstrip("\n") + "\n" + ("\n" + after if after else "")
 
 
 def _split_front_matter(text: str) -> tuple[dict, str]:
@@ -141,7 +212,7 @@ def _scheme_names(applied: dict) -> list[str]:
     return [str(req.get("scheme") or req.get("kind")) for req in applied.values() if isinstance(req, dict)]
 
 
-def _section(model: PreTrainedModel, info: dict) -> str:
+def _section(model: PreTrainedModel, info: dict, base: str | None) -> str:
     applied = info["applied"]
     spec = specs.describe_string(applied) if applied else "none"
     native = not unexpressed(model)
@@ -156,8 +227,9 @@ def _section(model: PreTrainedModel, info: dict) -> str:
     else:
         load = ("import hfpatch\n"
                 "model = hfpatch.from_pretrained(\"PATH\")  # plain transformers would build the unpatched model")
-    return (f"## Patched with hfpatch\n\n"
-            f"- Patch: `{spec}`\n"
+    return ("## Patched with hfpatch\n\n"
+            + (f"- Base model: `{public_name(base)}`\n" if base else "")
+            + f"- Patch: `{spec}`\n"
             f"- Trained window: {trained} tokens; extended window: {extended or 'unbounded'}"
             f"{' tokens' if extended else ''}\n"
             f"- Loads patched in plain transformers: {'yes' if native else 'no, use hfpatch.from_pretrained'}\n\n"
