@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from .evaluate import EVALUATIONS
@@ -206,7 +208,9 @@ def _patch_arguments(s) -> None:
                         f"(default {CALIBRATION_TOKENS})")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="load the model in this dtype")
     s.add_argument("--overwrite", action="store_true",
-                   help="with a .gguf --out: replace an existing GGUF file there (never a file of another kind)")
+                   help="with a .gguf --out: replace an existing GGUF file there (never a file of another kind); "
+                        "with an --out folder that holds files and is not a model hfpatch saved: replace the model "
+                        "files there (the other files stay)")
     _loading_flags(s)
 
 
@@ -221,9 +225,10 @@ def _loading(args) -> dict:
     return {"trust_remote_code": args.trust_remote_code, "allow_pickled_weights": args.allow_pickled_weights}
 
 
-def _check_out(out: str, source: str) -> Path:
+def _check_out(out: str, source: str, overwrite: bool = False) -> Path:
     """--out, checked before the model is loaded: a folder that can be created, not the source model's own folder
-    (the patched model would replace it), and not a folder of other things (it would be replaced)."""
+    (the patched model would replace it), and, without --overwrite, not a folder of other things than a model
+    hfpatch saved (its model files would be replaced)."""
     path = Path(out).expanduser()
     for parent in [path, *path.parents]:
         if parent.is_file():
@@ -233,10 +238,65 @@ def _check_out(out: str, source: str) -> Path:
     if source_dir is not None and path.exists() and os.path.samefile(path, source_dir):
         raise ValueError(f"--out {out} is the model's own folder: the patched model would replace the original; "
                          "choose another folder")
-    if path.is_dir() and any(path.iterdir()) and not (path / "config.json").is_file():
-        raise ValueError(f"--out {out} holds files and is not a model folder: give a new or empty folder (a model "
-                         "folder given as --out is replaced whole)")
+    held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if held and not overwrite and not _saved_by_hfpatch(path):
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise ValueError(f"--out {out} holds {shown}, and is not a model hfpatch saved: give a new or empty folder, "
+                         "or --overwrite to replace the model files there (config, weights, tokenizer, model card; "
+                         "the other files stay)")
     return path
+
+
+def _saved_by_hfpatch(folder: Path) -> bool:
+    """Whether a folder holds a model hfpatch saved: its config.json has the hfpatch section, or its README.md
+    hfpatch's card section."""
+    from .interop.io import CARD_START
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        if isinstance(config, dict) and "hfpatch" in config:
+            return True
+    except (OSError, ValueError):
+        pass
+    try:
+        return CARD_START in (folder / "README.md").read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        return False
+
+
+def saved_model_file(name: str) -> bool:
+    """Whether an entry at a model folder's top level is one that saving a model writes, and so one that `hfpatch
+    patch --out` replaces or removes there: the config, the generation defaults, the weights (safetensors or
+    pickles, one file or numbered shards, and their index), the tokenizer's files, the model card and the plots of
+    `hfpatch card`. Anything else (checkpoints, notes, a trainer's state, a .gguf) stays."""
+    import fnmatch
+    import re
+
+    from .interop.io import PLOTS
+    from .models import MODEL_FILE_PATTERNS, MODEL_FILES, VOCAB_FILES
+
+    weights = r"(model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{5}-of-\d{5})?\.bin)(\.index\.json)?"
+    return (name in MODEL_FILES or name in VOCAB_FILES or name in ("README.md", PLOTS)
+            or re.fullmatch(weights, name) is not None
+            or any(fnmatch.fnmatchcase(name, p) for p in MODEL_FILE_PATTERNS))
+
+
+def _save_into(out: Path, model, tok) -> Callable[[Path], None]:
+    """How `hfpatch patch` writes the patched model into OUT.partial: the card already in OUT (and the plots it
+    links) first, so that the save keeps its text and front matter, and its evaluations if they are of the new
+    files (hfpatch.save_pretrained's card rules), then the model."""
+    import hfpatch
+    from hfpatch.interop.io import PLOTS
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        if (out / "README.md").is_file():
+            shutil.copyfile(out / "README.md", tmp / "README.md")
+        if (out / PLOTS).is_dir():
+            shutil.copytree(out / PLOTS, tmp / PLOTS)
+        hfpatch.save_pretrained(model, tmp, tokenizer=tok)
+
+    return write
 
 
 def _locked(out: Path) -> Lock:
@@ -346,11 +406,8 @@ def _patch(args) -> int:
     _check_calibration_flags(args)
     if args.out.endswith(".gguf"):  # GGUF in, GGUF out: llama.cpp's RoPE metadata, the weights as they are
         return _export_gguf(args, kwargs)
-    if args.overwrite:
-        raise UsageError("hfpatch patch: error: --overwrite applies to a .gguf --out; a model folder given as --out "
-                         "is replaced whole")
     hfpatch.spec.request(**kwargs)
-    out = _check_out(args.out, args.model)
+    out = _check_out(args.out, args.model, args.overwrite)
     dtype = None
     if args.dtype:
         import torch
@@ -364,8 +421,13 @@ def _patch(args) -> int:
             hfpatch.patch(model, **kwargs)
         if args.calibrate:
             hfpatch.calibrate(model, calibration_batches(model, tok, args.calibrate, args.calibrate_tokens))
-        # written as OUT.partial and renamed once complete: a full disk leaves OUT as it was, never half a model
-        write_folder(out, lambda tmp: hfpatch.save_pretrained(model, tmp, tokenizer=tok))
+        # written as OUT.partial, then moved into OUT once complete: a full disk leaves OUT as it was, never half a
+        # model; of what OUT held, only the model files are replaced (saved_model_file), the rest stays
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            write_folder(out, _save_into(out, model, tok), saved_model_file)
+    for w in caught:  # what the save says (a patch plain transformers cannot express, a card's evaluations dropped)
+        print(f"hfpatch: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     info = hfpatch.describe(model)
     print(f"saved {info['family']} with {hfpatch.spec.describe_string(info['applied'])} to {args.out}")
     return 0

@@ -156,6 +156,17 @@ def test_a_save_of_another_patch_drops_the_evaluations_of_the_old_one(saved_and_
     assert "## My notes\n\nTrained on my data.\n" in card and not (card_dir / PLOTS).exists()
 
 
+def test_hfpatch_patch_into_a_carded_folder_drops_the_old_patchs_evaluations(saved_and_runs, card_dir, capsys):
+    assert main(["card", str(card_dir), "--results", str(saved_and_runs / "short")]) == 0
+    capsys.readouterr()
+    assert main(["patch", str(saved_and_runs / "base"), "--position", "ntk", "--factor", "4", "--out",
+                 str(card_dir)]) == 0
+    assert "hfpatch: warning: the model card's evaluations" in capsys.readouterr().err
+    card = (card_dir / "README.md").read_text()
+    assert "`ntk:4`" in card and RESULTS_START not in card and not (card_dir / PLOTS).exists()
+    assert "## My notes\n\nTrained on my data.\n" in card  # the card's own text is kept
+
+
 def test_card_leaves_out_another_models_runs_and_says_which(saved_and_runs, card_dir, capsys):
     """A run of the model the folder was patched from is not of the folder's model: left out, in one line naming
     it and why."""

@@ -128,8 +128,89 @@ def test_out_that_is_a_folder_of_other_things_is_refused(model, tmp_path, capsys
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
     code, err = cli(capsys, "patch", str(model), "--position", "ntk", "--factor", "2", "--out", str(out))
-    assert code == 2 and "not a model folder" in err, err
+    assert code == 2 and "holds notes.txt, and is not a model hfpatch saved" in err and "--overwrite" in err, err
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+# Files that are not part of a saved model, put beside one: a trainer's checkpoint, state and arguments, notes, a
+# GGUF export
+EXTRAS = {"checkpoint-500/optimizer.pt": b"optimizer state", "NOTES.txt": b"my notes",
+          "trainer_state.json": b'{"global_step": 500}', "training_args.bin": b"trainer arguments",
+          "model.Q4_K_M.gguf": b"GGUF my own export"}
+
+
+def _put_extras(folder: Path) -> None:
+    for name, content in EXTRAS.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(content)
+
+
+def _extras_in(folder: Path) -> dict:
+    return {name: (folder / name).read_bytes() for name in EXTRAS if (folder / name).is_file()}
+
+
+def _files(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_patch_into_a_model_folder_keeps_the_files_that_are_not_the_model(model, tmp_path, capsys):
+    """hfpatch patch --out onto a model hfpatch saved replaces its model files, never what sits beside them."""
+    out = tmp_path / "patched"
+    assert cli(capsys, "patch", str(model), "--position", "yarn", "--factor", "2", "--out", str(out))[0] == 0
+    _put_extras(out)
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"a shard of an older save")  # a stale model file
+    assert cli(capsys, "patch", str(model), "--position", "ntk", "--factor", "4", "--out", str(out))[0] == 0
+    assert _extras_in(out) == EXTRAS
+    assert not (out / "model-00001-of-00002.safetensors").exists()
+    assert hfpatch.describe(hfpatch.from_pretrained(out))["applied"]["position"]["scheme"] == "ntk"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+def test_a_model_folder_hfpatch_did_not_save_needs_overwrite_and_keeps_its_other_files(model, tmp_path, capsys):
+    """A trainer's output folder (config.json, weights, notes, checkpoints): refused without --overwrite, naming what
+    is there; with it, the model files are replaced and the rest stays."""
+    out = tmp_path / "run"
+    tiny_model("llama").save_pretrained(out)  # transformers' own save: no hfpatch section, no card
+    _put_extras(out)
+    before = _files(out)
+    code, err = cli(capsys, "patch", str(model), "--position", "ntk", "--factor", "2", "--out", str(out))
+    assert code == 2 and "holds NOTES.txt, checkpoint-500" in err and "--overwrite" in err, err
+    assert _files(out) == before
+    assert cli(capsys, "patch", str(model), "--position", "ntk", "--factor", "2", "--out", str(out),
+               "--overwrite")[0] == 0
+    assert _extras_in(out) == EXTRAS
+    assert hfpatch.describe(hfpatch.from_pretrained(out))["applied"]["position"]["scheme"] == "ntk"
+
+
+def test_a_failed_move_into_out_keeps_the_old_model_and_the_other_files(model, tmp_path, capsys, monkeypatch):
+    """The new model's files are moved into OUT one by one: a failure half-way puts back what was moved, so OUT
+    holds the old model and everything else it held, byte for byte."""
+    from hfpatch.utils import files
+
+    out = tmp_path / "patched"
+    assert cli(capsys, "patch", str(model), "--position", "yarn", "--factor", "2", "--out", str(out))[0] == 0
+    _put_extras(out)
+    before = _files(out)
+    real = os.rename
+
+    def failing(src, dst):
+        if Path(src) == tmp_path / "patched.partial" / "model.safetensors":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(files.os, "rename", failing)
+    code, err = cli(capsys, "patch", str(model), "--position", "ntk", "--factor", "4", "--out", str(out))
+    assert code == 2 and f"could not write {out}: no space left on the device" in err, err
+    assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["model", "patched"]
+
+
+def test_save_pretrained_into_a_folder_keeps_the_files_that_are_not_the_model(tmp_path):
+    """hfpatch.save_pretrained from Python writes the model's files into the folder and leaves the rest."""
+    out = tmp_path / "model"
+    hfpatch.save_pretrained(tiny_model("llama"), out)
+    _put_extras(out)
+    hfpatch.save_pretrained(hfpatch.patch(tiny_model("llama"), position="ntk", factor=2.0), out)
+    assert _extras_in(out) == EXTRAS
 
 
 class Payload:

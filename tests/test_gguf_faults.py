@@ -12,8 +12,8 @@ import pytest
 from conftest import tiny_model
 from tiny_gguf import write_llama_gguf
 
-from hfpatch.interop import gguf as hg
 from hfpatch.cli import main
+from hfpatch.interop import gguf as hg
 
 gguf = pytest.importorskip("gguf", reason="GGUF export needs the gguf package (pip install 'hfpatch[gguf]')")
 
@@ -80,11 +80,6 @@ def test_a_file_that_is_not_a_gguf_is_never_overwritten(content, src, folder, ca
     assert cli(src, out, "--overwrite") == 2
     assert "not a GGUF file" in one_line(capsys)
     assert out.read_bytes() == content and snapshot(folder) == {"x.gguf": content}
-
-
-def test_overwrite_is_refused_with_a_folder_output(src, tmp_path, capsys):
-    assert cli(src, tmp_path / "model", "--overwrite") == 2
-    assert "--overwrite applies to a .gguf --out" in one_line(capsys)
 
 
 def fail_after(monkeypatch, method: str, calls: int, error: OSError) -> None:

@@ -189,16 +189,23 @@ def publish(tmp: Path, path: Path) -> None:
     fsync(path.parent)
 
 
-def write_whole(path: Path | str, write: Callable[[Path], Any]) -> Path:
+def write_whole(path: Path | str, write: Callable[[Path], Any], owned: Callable[[str], bool] | None = None) -> Path:
     """Write a folder through `write(tmp)` into `path.partial`, then publish it as `path`. When writing fails or is
     interrupted, the partial folder is removed and what was at `path` before stays as it was; a failure of the disk
-    (a full disk, a read-only place, safetensors' own error for them included) is an OSError naming `path`."""
+    (a full disk, a read-only place, safetensors' own error for them included) is an OSError naming `path`.
+
+    With `owned` (a test on the names at a folder's top level), a folder already at `path` is not replaced whole:
+    only its entries that `write` wrote again, or for which owned(name) holds, are replaced or removed
+    (merge_into); everything else in it stays."""
     path = Path(path)
     tmp = path.with_name(path.name + PARTIAL)
     try:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while writing
         write(tmp)
-        publish(tmp, path)
+        if owned is not None and path.is_dir():
+            merge_into(tmp, path, owned)
+        else:
+            publish(tmp, path)
     except BaseException as e:  # Ctrl-C included: nothing half-written stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         failed = os_error_of(e)
@@ -208,10 +215,46 @@ def write_whole(path: Path | str, write: Callable[[Path], Any]) -> Path:
     return path
 
 
-def write_folder(path: Path | str, write: Callable[[Path], Any]) -> Path:
+def merge_into(tmp: Path, path: Path, owned: Callable[[str], bool]) -> None:
+    """Put the finished folder `tmp`'s entries into the existing folder `path`: the entries of `path` that `tmp`
+    holds too, or for which owned(name) holds, are first moved aside (into `path.old.partial`, deleted at the end),
+    then `tmp`'s entries are moved in; every other entry of `path` stays where it is, untouched. Every move is a
+    rename in one file system; one that fails puts back what was moved, so `path` holds the old entries or the new
+    ones, never a mix (short of the process being killed during the renames)."""
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            fsync(f)
+    fsync(tmp)
+    new = sorted(p.name for p in tmp.iterdir())
+    aside = path.with_name(path.name + ".old" + PARTIAL)
+    shutil.rmtree(aside, ignore_errors=True)  # a killed run's: the old entries it had moved aside, none of the rest
+    leaving = sorted(p.name for p in path.iterdir() if p.name in new or owned(p.name))
+    aside.mkdir()
+    moved_out: list[str] = []
+    moved_in: list[str] = []
+    try:
+        for name in leaving:
+            os.rename(path / name, aside / name)
+            moved_out.append(name)
+        for name in new:
+            os.rename(tmp / name, path / name)
+            moved_in.append(name)
+    except BaseException:
+        for name in reversed(moved_in):
+            os.rename(path / name, tmp / name)
+        for name in reversed(moved_out):
+            os.rename(aside / name, path / name)
+        shutil.rmtree(aside, ignore_errors=True)
+        raise
+    fsync(path)
+    shutil.rmtree(aside)
+    tmp.rmdir()
+
+
+def write_folder(path: Path | str, write: Callable[[Path], Any], owned: Callable[[str], bool] | None = None) -> Path:
     """write_whole, its disk failure a ValueError naming `path` (the commands' one line)."""
     try:
-        return write_whole(path, write)
+        return write_whole(path, write, owned)
     except OSError as e:
         raise ValueError(write_failure(e)) from None
 
