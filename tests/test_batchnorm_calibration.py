@@ -96,3 +96,24 @@ def test_calibrate_refuses_what_is_not_a_batch(batches, error, message):
 def test_calibrate_needs_batchnorms():
     with pytest.raises(ValueError, match="calibrate: the model has no BatchNorm"):
         hfpatch.calibrate(tiny.build_tiny("llama"))
+
+
+@pytest.mark.parametrize(("norm", "batches", "error", "message"), [
+    ("batchnorm", torch.tensor([[1, 2, 10**6]]), ValueError, r"1 id\(s\) outside the vocabulary \(1000000 at "),
+    ("dyt", torch.tensor([[1, -3, 4, -5]]), ValueError, r"2 id\(s\) outside the vocabulary \(-3 at \(0, 1\), -5 at "),
+    ("dyt", {"input_ids": torch.tensor([[0, 1, 2]]) + tiny.VOCAB}, ValueError, r"\(128 at \(0, 0\), 129 at "),
+    ("batchnorm", torch.tensor([[1.0, 2.0, 3.0]]), TypeError, "input_ids hold torch.float32 values"),
+    ("dyt", [torch.tensor([[1, 2]]), torch.tensor([[1, 2]], dtype=torch.int16)], TypeError, "torch.int16 values"),
+])
+def test_calibrate_refuses_token_ids_the_model_cannot_embed(norm, batches, error, message):
+    """Ids outside [0, vocab_size), negative ones, and ids that are not integers: one error naming them and what is
+    accepted (not the embedding's IndexError, or a RuntimeError about its indices), and the model unchanged."""
+    model = tiny.build_tiny("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hfpatch.patch(model, norm=norm)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error, match=message) as refused:
+        hfpatch.calibrate(model, batches)
+    assert f"integer token ids (torch.long or torch.int) in [0, {tiny.VOCAB})" in str(refused.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

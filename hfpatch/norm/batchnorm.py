@@ -159,10 +159,30 @@ def model_batches(model: Any, batches: Any) -> list[dict]:
         if not isinstance(given, torch.Tensor) or given.dim() != 2 or given.shape[0] * given.shape[1] < 2:
             raise ValueError("calibrate: each batch needs input_ids of shape [batch, seq] holding at least 2 tokens, "
                              f"got {tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__}")
+        check_token_ids(given, vocabulary_size(model))
         out.append({k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")})
     if not out:
         raise ValueError("calibrate: no batches given")
     return out
+
+
+def vocabulary_size(model: Any) -> int:
+    """How many token ids the model's input embedding holds."""
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
+def check_token_ids(ids: torch.Tensor, vocabulary: int) -> None:
+    """Token ids the model can embed, or one error naming what is wrong: integer ids (torch.long or torch.int, as
+    the embedding takes them; else a TypeError) in [0, vocabulary) (else a ValueError naming the ids out of it)."""
+    accepted = f"integer token ids (torch.long or torch.int) in [0, {vocabulary}), the model's vocabulary"
+    if ids.dtype not in (torch.long, torch.int):
+        raise TypeError(f"calibrate: input_ids hold {ids.dtype} values; give {accepted}")
+    bad = ((ids < 0) | (ids >= vocabulary)).nonzero()
+    if len(bad):
+        shown = ", ".join(f"{int(ids[tuple(at)])} at {tuple(int(i) for i in at)}" for at in bad[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise ValueError(f"calibrate: input_ids hold {len(bad)} id(s) outside the vocabulary ({shown}{more}); "
+                         f"give {accepted}")
 
 
 @torch.no_grad()
