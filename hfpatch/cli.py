@@ -435,14 +435,16 @@ def _patch(args) -> int:
 
 CALIBRATION_TOKENS = 4096  # hfpatch patch --calibrate: tokens read by default,
 CALIBRATION_SEQ_LEN = 512  # in sequences of this many (or the model's window, if shorter), one batch each
+CALIBRATION_MIN_TOKENS = 2  # the fewest tokens of text a calibration takes (a variance needs two samples)
 
 
 def _check_calibration_flags(args) -> None:
     """--calibrate and --calibrate-tokens, checked before the model is loaded."""
     if args.calibrate_tokens is not None and not args.calibrate:
         raise UsageError("hfpatch patch: error: --calibrate-tokens needs --calibrate TEXT")
-    if args.calibrate_tokens is not None and args.calibrate_tokens < 2:
-        raise UsageError(f"hfpatch patch: error: --calibrate-tokens must be >= 2, got {args.calibrate_tokens}")
+    if args.calibrate_tokens is not None and args.calibrate_tokens < CALIBRATION_MIN_TOKENS:
+        raise UsageError(f"hfpatch patch: error: --calibrate-tokens must be >= {CALIBRATION_MIN_TOKENS}, got "
+                         f"{args.calibrate_tokens}")
     if args.calibrate and args.out.endswith(".gguf"):
         raise UsageError("hfpatch patch: error: --calibrate fits weights, which a .gguf --out does not change (it "
                          "writes RoPE metadata only): save a model folder")
@@ -457,13 +459,15 @@ def calibration_batches(model, tok, paths: list[str], tokens: int | None) -> lis
     import torch
 
     from .introspect import position_limit
-    from .lm.text import documents, joined_ids
+    from .lm.text import documents, joined_text_ids
 
     if tok is None:
         raise ValueError("--calibrate needs the model's tokenizer to read the text, and this model has none")
-    ids = joined_ids(tok, documents(text_files_arg=paths), tokens or CALIBRATION_TOKENS).tolist()
-    if len(ids) < 2:
-        raise ValueError(f"--calibrate: the text holds {len(ids)} tokens; calibrating needs at least 2")
+    joined, own = joined_text_ids(tok, documents(text_files_arg=paths), tokens or CALIBRATION_TOKENS)
+    if own < CALIBRATION_MIN_TOKENS:
+        raise ValueError(f"--calibrate {' '.join(paths)}: the text holds {own} token(s) (the end-of-text tokens "
+                         f"joining the files not counted); calibrating needs at least {CALIBRATION_MIN_TOKENS}")
+    ids = joined.tolist()
     seq = min(CALIBRATION_SEQ_LEN, position_limit(model) or CALIBRATION_SEQ_LEN)
     device = model.get_input_embeddings().weight.device
     rows = [ids[i: i + seq] for i in range(0, len(ids), seq)]

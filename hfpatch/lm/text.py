@@ -244,15 +244,27 @@ def tokenize(tok: Any, doc: Document, use_cache: bool = True) -> Tokens:
 def joined_ids(tok: Any, docs: Iterable[Document], max_tokens: int | None = None) -> np.ndarray:
     """The documents' token ids end to end, the tokenizer's EOS token after each (where it has one), cut to the
     first max_tokens (None: all); documents past those are not read. int64 [n]."""
+    return joined_text_ids(tok, docs, max_tokens)[0]
+
+
+def joined_text_ids(tok: Any, docs: Iterable[Document], max_tokens: int | None = None) -> tuple[np.ndarray, int]:
+    """joined_ids, and how many of its ids are the documents' own (the EOS tokens joining them not counted)."""
     eos = tok.eos_token_id
-    parts, total = [], 0
+    parts: list[tuple[np.ndarray, bool]] = []  # (ids, whether they are a document's own)
+    total = 0
     for doc in docs:
         ids = tokenize(tok, doc).ids
-        parts.append(ids)
+        parts.append((ids, True))
         if eos is not None:
-            parts.append(np.asarray([eos], dtype=np.int64))
+            parts.append((np.asarray([eos], dtype=np.int64), False))
         total += len(ids)
         if max_tokens and total >= max_tokens:
             break
-    ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    return ids[:max_tokens] if max_tokens else ids
+    ids = np.concatenate([p for p, _ in parts]) if parts else np.zeros(0, np.int64)
+    kept = min(max_tokens, len(ids)) if max_tokens else len(ids)
+    own, seen = 0, 0
+    for part, is_own in parts:
+        taken = min(len(part), kept - seen)
+        own += taken if is_own else 0
+        seen += taken
+    return ids[:kept], own
