@@ -320,3 +320,35 @@ def test_patch_spec_file_applies_best_json_and_refuses_bad_files(tmp_path, capsy
                      str(tmp_path / "o4")]) == 2
     assert "expected a non-empty JSON object" in capsys.readouterr().err
     assert not any((tmp_path / d).exists() for d in ("o2", "o3", "o4"))
+
+
+def _transformers_warnings(fn) -> list[str]:
+    """What transformers logs at WARNING or above while fn() runs."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler, logger = Keep(level=logging.WARNING), hf_logging.get_logger("transformers")
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    logger.addHandler(handler)
+    try:
+        fn()
+    finally:
+        logger.removeHandler(handler)
+        hf_logging.set_verbosity(level)
+    return seen
+
+
+def test_the_search_space_makes_transformers_warn_about_nothing(model):
+    """Reading the starting points applies linear, ntk, yarn and llama3 to the model: transformers' check of llama3's
+    parameters must not see the unpatched window as max_position_embeddings (it warned 'original_max_position_
+    embeddings field must be less than max_position_embeddings, got 64 and 64')."""
+    seen = _transformers_warnings(lambda: space.setting_for(model, 64, TARGET, list(space.FAMILIES)))
+    assert not [m for m in seen if "max_position_embeddings" in m], seen

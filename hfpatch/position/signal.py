@@ -134,7 +134,7 @@ def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edi
         new_params[lt] = scheme.rope(base, window, opts, 2 * n_freq)
     rope_parameters = new_params[None] if targets == [None] else {**original, **new_params}
     n_positions = max_positions(scheme, window, opts)
-    native = (scheme.native and config is text_config and native_form_kept(config, rope_parameters)
+    native = (scheme.native and config is text_config and native_form_kept(config, rope_parameters, n_positions)
               and _fits_natively(rotary, config, rope_parameters, targets)
               and (scheme.native_for is None or all(scheme.native_for(params_of(config, lt)) for lt in targets)))
     base = {lt: params_of(config, lt) for lt in targets}
@@ -170,9 +170,11 @@ def _fits_natively(rotary: nn.Module, config: PreTrainedConfig, rope_parameters:
     return True
 
 
-def native_form_kept(config: PreTrainedConfig, rope_parameters: dict) -> bool:
+def native_form_kept(config: PreTrainedConfig, rope_parameters: dict, n_positions: int | None = None) -> bool:
     """Whether `config`'s class keeps these rope_parameters as given when it builds a config from them (Phi3Config
-    rewrites yarn to longrope and rejects other types), i.e. whether config.json can carry them natively."""
+    rewrites yarn to longrope and rejects other types), i.e. whether config.json can carry them natively. The trial
+    config has the max_position_embeddings the patch writes (n_positions), as the patched config will: with the old
+    one, transformers' check of llama3's parameters warns that the original window is not below it."""
     def types(params):
         if "rope_type" in params:
             return params["rope_type"]
@@ -180,6 +182,8 @@ def native_form_kept(config: PreTrainedConfig, rope_parameters: dict) -> bool:
 
     data = {k: v for k, v in config.to_dict().items() if k != "hfpatch"}
     data["rope_parameters"] = copy.deepcopy(rope_parameters)
+    if n_positions:
+        data["max_position_embeddings"] = n_positions
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
