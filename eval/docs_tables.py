@@ -24,7 +24,7 @@ from pathlib import Path
 from statistics import median
 
 from eval import attention_paths_smollm2 as smollm2_paths
-from eval import bench_attention, bench_long_train, bench_self_extend, vllm_saved_keys
+from eval import bench_attention, bench_long_train, bench_self_extend, bench_training_paths, vllm_saved_keys
 from eval import cross_engine as ce
 from eval import gpu_check as gpu
 from eval import memory_breakdown as mb
@@ -316,6 +316,12 @@ def attention_bench():
         d = load(f"attention/{name}")
         parts.append(bench_attention.tables(bench_cells(d), argparse.Namespace(**d["args"])))
     return "\n\n".join(parts)
+
+
+@table("eval/results/training_paths/bench.json")
+def training_paths():
+    d = load("training_paths/bench.json")
+    return bench_training_paths.tables(bench_cells(d), argparse.Namespace(**d["args"]))
 
 
 @table("eval/results/gpu/summary.json", "eval/results/gpu/bench_infer.json", "eval/results/gpu/rerun/run.json",

@@ -43,7 +43,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 MODEL_TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 SCHEME_KW = {"alibi": {}, "t5": {"num_buckets": 8, "max_distance": 20}, "xl": {},
-             "self-extend": {"group_size": 3, "window": 16}}
+             "self-extend": {"group_size": 3, "window": 16}, "dual-chunk": {"chunk_size": 24, "local_window": 4}}
 
 
 @pytest.fixture(autouse=True)
@@ -188,8 +188,10 @@ def test_generate_and_cached_decoding_match_the_written_out_path(scheme, fast, r
 
 def test_describe_and_the_default_choice_on_this_cpu():
     """Inference takes the fast path (XL: the written-out one for short sequences); training the written-out one,
-    except ALiBi and XL, whose sdpa-based paths pass gradients; describe() reports both."""
-    for scheme, fast in (("alibi", "factorised"), ("t5", "pieces"), ("self-extend", "pieces"), ("xl", "written-out")):
+    except ALiBi (its sdpa-based path passes gradients), T5 and Dual Chunk Attention (their piece paths do) and XL
+    (its recomputed path); describe() reports both."""
+    for scheme, fast in (("alibi", "factorised"), ("t5", "pieces"), ("self-extend", "pieces"), ("xl", "written-out"),
+                         ("dual-chunk", "pieces")):
         model = patched(scheme)
         x = tokens(40, batch=2)
         paths.reset(model)
@@ -200,7 +202,8 @@ def test_describe_and_the_default_choice_on_this_cpu():
         assert info["order"][-1] == "written-out"
         model.train()
         model(x, labels=x).loss.backward()
-        training = {"alibi": "factorised", "xl": "widened"}.get(scheme, "written-out")
+        training = {"alibi": "factorised", "xl": "recomputed", "t5": "pieces", "dual-chunk": "pieces"}.get(
+            scheme, "written-out")
         assert paths.ran(model) == dict(Counter({fast: 2}) + Counter({training: 2})), scheme
     assert "attention_path" not in hfpatch.describe(hfpatch.patch(tiny_model("llama"), position="nope"))["position"]
 
@@ -242,16 +245,23 @@ SELECTION = [
     ("alibi", call("cuda", torch.float32, base="flash_attention_2"), "flex"),
     ("t5", call(), "pieces"),
     ("t5", call(mask="bool", q_len=1), "pieces"),
-    ("t5", call(grad=True), "written-out"),
+    ("t5", call(grad=True), "pieces"),
+    ("t5", call(grad=True, causal=False), "written-out"),  # the pieces are causal; flex has no CPU backward
     ("t5", call(causal=False), "flex"),
     ("t5", call("cuda", torch.float16), "flex"),
     ("t5", call("cuda", torch.float16, grad=True), "flex"),
     ("t5", call("cuda", torch.float16, q_len=1), "pieces"),
     ("xl", call(), "widened"),
     ("xl", call(q_len=2048, kv_len=2048), "written-out"),  # faster below about 3k
+    ("xl", call(grad=True), "recomputed"),  # O(block x L) memory, and faster than widened on the CPU
     ("xl", call(grad=True, dropout=True, causal=False, mask="float", q_len=64, kv_len=64), "widened"),  # memory
     ("xl", call(softcap=True), "written-out"),
     ("xl", call("cuda", torch.bfloat16, base="flash_attention_2"), "written-out"),
+    ("xl", call("cuda", torch.bfloat16, grad=True), "recomputed"),  # no [L, L] weights kept for the backward
+    ("xl", call("cuda", torch.bfloat16, grad=True, dropout=True), "written-out"),
+    ("dual-chunk", call(grad=True), "pieces"),
+    ("dual-chunk", call("cuda", torch.bfloat16, grad=True, mask="bool"), "pieces"),
+    ("dual-chunk", call(grad=True, softcap=True), "written-out"),
     ("self-extend", call(), "pieces"),
     ("self-extend", call(grad=True), "written-out"),
     ("self-extend", call(softcap=True), "written-out"),
@@ -279,7 +289,7 @@ def test_without_flash_attn_the_flash_paths_step_aside(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else find(name, *a))
     c = call("cuda", torch.bfloat16, base="flash_attention_2")
     assert paths.choose("alibi", c).name == "flex"
-    flash = paths.table("alibi")[0]
+    flash = next(p for p in paths.table("alibi") if p.name == "flash-attn")
     assert paths.refusal(flash, c) == "the flash-attn package is not installed"
 
 
@@ -433,7 +443,7 @@ def test_a_flex_compilation_failure_falls_back_to_the_next_path(error, monkeypat
     assert paths.ran(model) == {"written-out": 1}
     assert rel(got, run_path("alibi", "written-out", attn, q, k, v, None, softcap=20.0), real) == 0
     assert f"failed to compile in this process ({type(error).__name__}: {error})" in \
-        paths.refusal(paths.table("alibi")[2], call(softcap=True))
+        paths.refusal(next(p for p in paths.table("alibi") if p.name == "flex"), call(softcap=True))
 
 
 def test_a_row_that_sees_no_key_in_a_kernel_call_gets_output_zero_and_lse_minus_infinity():

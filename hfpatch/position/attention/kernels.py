@@ -103,20 +103,25 @@ def _empty_rows(lse: torch.Tensor):
 
 
 def merge(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, part_lse: torch.Tensor):
-    """Fold one part (out [b, H, q, d], part_lse [b, H, q]) into the running float32 (acc, lse); returns the new
-    (acc, lse). A row that sees no key in a part (lse -inf) takes nothing from it. The log-sum-exps are floored at
-    FLOOR first: a row that sees no key at all then averages two empty outputs instead of computing exp(-inf + inf),
-    and its gradients stay finite (0, not NaN)."""
-    a, b = lse.clamp(min=FLOOR), part_lse.float().clamp(min=FLOOR)
+    """Fold one part (out [b, H, q, d], part_lse [b, H, q]) into the running (acc, lse), float32 (float64 for float64
+    inputs); returns the new (acc, lse). A row that sees no key in a part (lse -inf) takes nothing from it. The
+    log-sum-exps are floored at FLOOR first: a row that sees no key at all then averages two empty outputs instead of
+    computing exp(-inf + inf), and its gradients stay finite (0, not NaN)."""
+    a, b = lse.clamp(min=FLOOR), part_lse.to(_wide(part_lse)).clamp(min=FLOOR)
     total = torch.logaddexp(a, b)
-    acc = acc * (a - total).exp().unsqueeze(-1) + out.float() * (b - total).exp().unsqueeze(-1)
+    acc = acc * (a - total).exp().unsqueeze(-1) + out.to(_wide(out)) * (b - total).exp().unsqueeze(-1)
     return acc, total
+
+
+def _wide(t: torch.Tensor) -> torch.dtype:
+    """The dtype merges run in: float32, or float64 for float64 inputs."""
+    return torch.promote_types(t.dtype, torch.float32)
 
 
 def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]):
     """softmax over the union of the parts [(out, lse), ...], as float32 (out, lse)."""
     (acc, lse), rest = parts[0], parts[1:]
-    acc, lse = acc.float(), _empty_rows(lse.float())
+    acc, lse = acc.to(_wide(acc)), _empty_rows(lse.to(_wide(lse)))
     for out, part_lse in rest:
         acc, lse = merge(acc, lse, out, _empty_rows(part_lse))
     return acc, lse

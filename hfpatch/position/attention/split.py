@@ -10,16 +10,18 @@ Distances are in slots: d = (query slot) - (key slot), the queries being the las
 - `near_far_bias`: a bias that depends on the distance up to D and is one constant per head beyond it (T5's
   buckets: every distance from some D <= max_distance on shares the last bucket): the band in blocks of queries,
   one kernel call each with the bias as its additive mask, and the far keys as plain causal kernel calls (the
-  whole sequence at once when there is no padding mask) whose log-sum-exp is shifted by the constant.
+  whole sequence at once when there is no padding mask) whose log-sum-exp is shifted by the constant; pieces.py
+  runs them, gradients included.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from . import flex, kernels
+from . import flex, kernels, pieces
 
 PIECE_ROWS = 1024  # queries per block where a padding mask is made additive: [batch, rows, keys] floats
 BAND_ROWS = 128  # queries per band call of near_far_bias: the call covers rows + D - 1 keys, D of them in the band
@@ -75,31 +77,41 @@ def additive(mask: Any, dtype: Any):
 
 
 def near_far_bias(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-                  scaling: float, near: torch.Tensor, far: torch.Tensor):
+                  scaling: float, near: torch.Tensor, far: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal softmax(q·kᵀ·scaling + bias + mask) v where bias[h, d] = near[h, d] for d < D = near.shape[1] and
     far[h] for d >= D. query [b, H, q, d], key/value [b, KV, kv, d] (grouped as they are); attention_mask None or
-    [b, 1, q, kv] (bool or additive). Returns [b, H, q, d] in value's dtype."""
+    [b, 1, q, kv] (bool or additive). Returns (output [b, H, q, d] in value's dtype, log-sum-exp [b, H, q]).
+    Gradients reach query, key and value (pieces.attention); near and far are constants here (their gradient:
+    distance_bias.with_gradient)."""
+    made = near_far_pieces(query.shape[2], key.shape[2], attention_mask, near.detach(), far.detach(), query.dtype)
+    return pieces.attention([query], key, value, made, scaling)
+
+
+def near_far_pieces(q_len: int, kv_len: int, attention_mask: torch.Tensor | None, near: torch.Tensor,
+                    far: torch.Tensor, dtype: torch.dtype) -> pieces.Pieces:
+    """The pieces of near_far_bias: the band (distances 0 .. D - 1) in blocks of BAND_ROWS queries, each one kernel
+    call whose additive mask is the bias (and the dtype's lowest value off the band); the far keys (distances >= D)
+    as plain kernel calls whose log-sum-exp is shifted by far[h]: query slot p sees keys <= p - D, a top-left causal
+    call and the keys every one of its queries sees; without a padding mask one block for all queries, with one
+    blocks of PIECE_ROWS (so that the additive mask made from the model's bool mask stays a block)."""
+    def made() -> Iterator[pieces.Piece]:
+        yield from _band(q_len, kv_len, attention_mask, near, dtype)
+        yield from _far(q_len, kv_len, attention_mask, near.shape[1], far, dtype)
+    return made
+
+
+def _band(q_len: int, kv_len: int, attention_mask: torch.Tensor | None, near: torch.Tensor,
+          dtype: torch.dtype) -> Iterator[pieces.Piece]:
+    """The keys at distances 0 .. D - 1 with their bias. The bias only depends on the distance, so one [H, rows,
+    rows + D - 1] mask serves every block."""
     D = near.shape[1]
-    band_out, band_lse = _band(query, key, value, attention_mask, scaling, near)
-    far_out, far_lse = _far(query, key, value, attention_mask, scaling, D)
-    out, _ = kernels.merge(band_out, band_lse, far_out, far_lse + far.float()[None, :, None])
-    return out.to(value.dtype)
-
-
-def _band(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-          scaling: float, near: torch.Tensor):
-    """The keys at distances 0 .. D - 1, with their bias: blocks of BAND_ROWS queries, each one kernel call whose
-    additive mask is the bias (and -inf off the band). The bias only depends on the distance, so one [H, rows,
-    rows + D - 1] mask serves every block. Returns float32 (out, lse)."""
-    q_len, kv_len, D = query.shape[2], key.shape[2], near.shape[1]
     first = kv_len - q_len
     rows = min(BAND_ROWS, q_len)
-    lowest = torch.finfo(query.dtype).min
-    r = torch.arange(rows, device=query.device)[:, None]
-    dist = r + D - 1 - torch.arange(rows + D - 1, device=query.device)[None]  # block keys from s - D + 1
+    lowest = torch.finfo(dtype).min
+    r = torch.arange(rows, device=near.device)[:, None]
+    dist = r + D - 1 - torch.arange(rows + D - 1, device=near.device)[None]  # block keys from s - D + 1
     inside = (dist >= 0) & (dist < D)
-    band = near.to(query.dtype)[:, dist.clamp(0, D - 1)].masked_fill(~inside, lowest)[None]
-    outs, lses = [], []
+    band = near.to(dtype)[:, dist.clamp(0, D - 1)].masked_fill(~inside, lowest)[None]
     for s in range(first, kv_len, rows):
         e = min(kv_len, s + rows)
         lo = max(0, s - D + 1)
@@ -107,22 +119,13 @@ def _band(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention
         if attention_mask is not None:
             given = attention_mask[:, :, s - first:e - first, lo:e]
             m = torch.where(given, m, lowest) if given.dtype == torch.bool else (m + given).clamp(min=lowest)
-        o, l_ = kernels.attend(query[:, :, s - first:e - first], key[:, :, lo:e], value[:, :, lo:e], scaling, mask=m)
-        outs.append(o.float())
-        lses.append(l_.float())
-    return torch.cat(outs, 2), torch.cat(lses, 2)
+        yield pieces.Piece(0, slice(s - first, e - first), slice(lo, e), mask=m)
 
 
-def _far(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-         scaling: float, D: int):
-    """Plain attention over the keys at distances >= D (query slot p sees keys <= p - D). Without a mask: at most
-    two kernel calls over the whole sequence; with one: blocks of PIECE_ROWS queries, so that the additive mask
-    made from the model's bool mask stays a block. Rows without such keys get lse = -inf. Returns float32."""
-    b, H, q_len, _ = query.shape
-    kv_len = key.shape[2]
+def _far(q_len: int, kv_len: int, attention_mask: torch.Tensor | None, D: int, far: torch.Tensor,
+         dtype: torch.dtype) -> Iterator[pieces.Piece]:
+    """Plain attention over the keys at distances >= D (query slot p sees keys <= p - D), shifted by far[h]."""
     first = kv_len - q_len
-    out = torch.zeros(b, H, q_len, value.shape[-1], dtype=torch.float32, device=query.device)
-    lse = torch.full((b, H, q_len), float("-inf"), device=query.device)
     step = q_len if attention_mask is None else PIECE_ROWS
     for s in range(first, kv_len, step):
         e = min(kv_len, s + step)
@@ -131,14 +134,10 @@ def _far(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_
             continue
         rows = slice(g - first, e - first)
 
-        def mask(lo: int, hi: int, rows: slice = rows):
-            return None if attention_mask is None else additive(attention_mask[:, :, rows, lo:hi], query.dtype)
+        def mask(lo: int, hi: int, rows: slice = rows) -> torch.Tensor | None:
+            return None if attention_mask is None else additive(attention_mask[:, :, rows, lo:hi], dtype)
 
         # top-left causal over keys g - D .. e - D - 1: query slot p sees keys <= p - D
-        parts = [kernels.attend(query[:, :, rows], key[:, :, g - D:e - D], value[:, :, g - D:e - D], scaling,
-                                mask=mask(g - D, e - D), causal=True)]
+        yield pieces.Piece(0, rows, slice(g - D, e - D), causal=True, mask=mask(g - D, e - D), shift=far)
         if g > D:  # keys every one of these queries sees
-            parts.append(kernels.attend(query[:, :, rows], key[:, :, :g - D], value[:, :, :g - D], scaling,
-                                        mask=mask(0, g - D)))
-        out[:, :, rows], lse[:, :, rows] = kernels.merge_parts(parts)
-    return out, lse
+            yield pieces.Piece(0, rows, slice(0, g - D), mask=mask(0, g - D), shift=far)

@@ -23,7 +23,8 @@ def explicit_attention(scores: Callable[[int, int], tuple[torch.Tensor, torch.Te
                        training: bool = False, block: bool = False):
     """Like transformers' eager attention, with the scores of query rows s:e given by `scores(s, e)` as (logits [b,
     H, e - s, kv], scaled; bias or None): softcapping of the logits, then the bias added, then the mask (bool:
-    True = attend; float: additive; None: causal by q_pos / k_pos when `causal`), softmax in float32, dropout, times
+    True = attend; float: additive; None: causal by q_pos / k_pos when `causal`), softmax in float32 (float64 for
+    float64 inputs), dropout, times
     `value` ([b, H, kv, d], GQA already expanded). With `block`, a block of queries at a time (at most
     BLOCK_ELEMENTS scores exist at once) and no weights are kept. Returns (output [b, q, H, d], weights or None)."""
     b, h, kv_len, _ = value.shape
@@ -42,7 +43,7 @@ def explicit_attention(scores: Callable[[int, int], tuple[torch.Tensor, torch.Te
             x = x.masked_fill(~m, torch.finfo(x.dtype).min) if m.dtype == torch.bool else x + m
         elif causal and q_len > 1:  # transformers skipped the mask, counting on sdpa's is_causal
             x = x.masked_fill(k_pos[None, :] > q_pos[s:e, None], torch.finfo(x.dtype).min)
-        w = torch.softmax(x, dim=-1, dtype=torch.float32).to(value.dtype)
+        w = torch.softmax(x, dim=-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(value.dtype)
         w = torch.nn.functional.dropout(w, p=dropout, training=training)
         outs.append(torch.matmul(w, value))
         if not block:

@@ -20,12 +20,13 @@ Queries and keys are rotated by the attention function itself (rotated.py), the 
 Attention functions registered with transformers (each with its mask function):
 - "hfpatch_dual_chunk" (models on sdpa or any other implementation): the path table `PATHS` (paths.py) picks per
   call the first of
-  - "pieces" (inference without dropout or softcapping): per chunk of queries up to four flash-attention kernel
+  - "pieces" (no dropout or softcapping; training too): per chunk of queries up to four flash-attention kernel
     calls (torch's CPU kernel, or CUDA's flash / memory-efficient kernels), each returning the log-sum-exp of its
     scores — the chunk's own keys (causal, plus in full those cached before the first query), the previous chunk's
-    keys, the keys before that — merged into one softmax. Memory is O(L), the work about that of causal attention;
-  - "written-out" (everything else: gradients on the CPU, dropout, softcapping): the scores at the three query
-    positions written out, a block of queries at a time.
+    keys, the keys before that — merged into one softmax (attention/pieces.py). Memory is O(L), the work about that
+    of causal attention; the backward runs each call's kernel backward with the merged output and log-sum-exp;
+  - "written-out" (everything else: dropout, softcapping): the scores at the three query positions written out, a
+    block of queries at a time.
 - "hfpatch_dual_chunk_eager" (models loaded with attn_implementation="eager"): the written-out path on all queries at
   once, returning the attention weights like eager attention does.
 """
@@ -33,6 +34,7 @@ Attention functions registered with transformers (each with its mask function):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +43,7 @@ from torch import nn
 
 from ...adapters import Adapter
 from ...edits import Edits
-from ..attention import kernels, paths, split
+from ..attention import paths, pieces, split
 from ..attention.written import explicit_attention
 from . import rotated
 
@@ -90,11 +92,6 @@ class Maps:
     q_chunk: torch.Tensor
     k_chunk: torch.Tensor
 
-    def rows(self, i: slice) -> Maps:
-        """The maps of batch rows i."""
-        return Maps(self.intra[i], None if self.successive is None else self.successive[i],
-                    None if self.inter is None else self.inter[i], self.key[i], self.q_chunk[i], self.k_chunk[i])
-
 
 @dataclass(frozen=True)
 class Chunks:
@@ -128,34 +125,48 @@ def _same_rows(t: torch.Tensor) -> bool:
     return bool((t == t[:1]).all().item())
 
 
-def _pieces(m: Maps, value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """Dual chunk attention, [b, H, q, d], for a batch whose rows share their chunks (m.q_chunk / m.k_chunk rows
-    equal): per chunk n of the queries (slots [t0, t1), the last q_len of the key slots), up to four kernel calls
-    merged by log-sum-exp — keys of chunk n: [t0, t1) causal and [a, t0) in full; chunk n - 1: [p, a); earlier
-    chunks: [0, p)."""
+INTRA, SUCCESSIVE, INTER = 0, 1, 2  # the query tensors of the pieces
+
+
+def _chunk_pieces(m: Maps, attention_mask: torch.Tensor | None, batch: slice,
+                  dtype: torch.dtype) -> Iterator[pieces.Piece]:
+    """Dual chunk attention's pieces for the batch rows `batch`, whose chunks agree (m.q_chunk / m.k_chunk rows
+    equal): per chunk n of the queries (slots [t0, t1), the last q_len of the key slots), up to four kernel calls —
+    keys of chunk n: [t0, t1) causal and [a, t0) in full; chunk n - 1: [p, a); earlier chunks: [0, p)."""
     q_len, kv_len = m.intra.shape[2], m.key.shape[2]
     first = kv_len - q_len
-    q_chunk, k_chunk = m.q_chunk[0].contiguous(), m.k_chunk[0].contiguous()
-    outs = []
+    q_chunk, k_chunk = m.q_chunk[batch][0].contiguous(), m.k_chunk[batch][0].contiguous()
     for n in torch.unique_consecutive(q_chunk).tolist():
         r0, r1 = (int(torch.searchsorted(q_chunk, v)) for v in (n, n + 1))
         t0, t1 = first + r0, first + r1
         a, p = (int(torch.searchsorted(k_chunk, v)) for v in (n, n - 1))
 
-        def piece(q: Any, lo: int, hi: int, causal: bool = False, r0: int = r0, r1: int = r1):
-            mask = None if attention_mask is None else split.additive(attention_mask[:, :, r0:r1, lo:hi], q.dtype)
-            return kernels.attend(q[:, :, r0:r1], m.key[:, :, lo:hi], value[:, :, lo:hi], scaling, mask=mask,
-                                  causal=causal)
+        def piece(query: int, lo: int, hi: int, causal: bool = False, r0: int = r0, r1: int = r1) -> pieces.Piece:
+            mask = None if attention_mask is None else split.additive(attention_mask[batch, :, r0:r1, lo:hi], dtype)
+            return pieces.Piece(query, slice(r0, r1), slice(lo, hi), causal, mask, batch)
 
-        parts = [piece(m.intra, t0, t1, causal=True)]
+        yield piece(INTRA, t0, t1, causal=True)
         if a < t0:  # cached keys of this chunk, before its first query
-            parts.append(piece(m.intra, a, t0))
+            yield piece(INTRA, a, t0)
         if p < a:
-            parts.append(piece(m.successive, p, a))
+            yield piece(SUCCESSIVE, p, a)
         if p > 0:
-            parts.append(piece(m.inter, 0, p))
-        outs.append(kernels.merge_parts(parts)[0])
-    return torch.cat(outs, dim=2).to(value.dtype)
+            yield piece(INTER, 0, p)
+
+
+def _pieces(m: Maps, value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Dual chunk attention [b, H, q, d] in value's dtype by its pieces (pieces.attention: gradients included): the
+    whole batch at once where its rows share their chunks, else one row at a time (padding with positions that
+    count real tokens)."""
+    shared = _same_rows(m.q_chunk) and _same_rows(m.k_chunk)
+    rows = [slice(None)] if shared else [slice(i, i + 1) for i in range(value.shape[0])]
+    queries = [t for t in (m.intra, m.successive, m.inter) if t is not None]  # both or neither of the last two
+
+    def made() -> Iterator[pieces.Piece]:
+        for batch in rows:
+            yield from _chunk_pieces(m, attention_mask, batch, m.intra.dtype)
+
+    return pieces.attention(queries, m.key, value, made, scaling)[0]
 
 
 def _monotonic(m: Maps) -> bool:
@@ -197,13 +208,7 @@ def _run_pieces(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
     m = _maps(module, query, key, attention_mask, kwargs)
     if not _monotonic(m):
         raise paths.PathUnavailable("position ids that go back: the written-out path takes this call")
-    if _same_rows(m.q_chunk) and _same_rows(m.k_chunk):
-        out = _pieces(m, value, attention_mask, scaling)
-    else:  # rows whose chunks differ (padding with positions that count real tokens): one row at a time
-        out = torch.cat([_pieces(m.rows(slice(i, i + 1)), value[i:i + 1],
-                                 None if attention_mask is None else attention_mask[i:i + 1], scaling)
-                         for i in range(value.shape[0])])
-    return out.transpose(1, 2).contiguous()
+    return _pieces(m, value, attention_mask, scaling).transpose(1, 2).contiguous()
 
 
 def _run_written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -215,7 +220,7 @@ def _run_written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 PATHS = (
     paths.Path("pieces", _run_pieces, "per chunk of queries a few flash-attention kernel calls (own chunk, "
-               "previous chunk, earlier chunks) merged by log-sum-exp", grad_devices=frozenset()),
+               "previous chunk, earlier chunks) merged by log-sum-exp; gradients by each call's kernel backward"),
     paths.Path("written-out", _run_written_out, "scores written out at the three query positions, a block of "
                "queries at a time", dropout=True, softcap=True),
 )

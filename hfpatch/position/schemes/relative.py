@@ -7,10 +7,14 @@ transformers' AttentionInterface (with its mask function in AttentionMaskInterfa
 picks per call: for T5, compiled flex_attention with a score_mod reading the bias by distance (CUDA; the CPU for
 bidirectional or softcapped inference), the piece path (split.near_far_bias: every distance from some D <=
 max_distance on falls in the last bucket, so beyond D the bias is one constant per head and plain kernels do the
-far keys; inference), else the written-out path (attention.biased_attention: a block of queries at a time, so
-memory stays bounded). Transformer-XL's table (XL_PATHS) has, before the written-out path, one sdpa call on
-queries and keys widened by the position term's sinusoid features (XLPositions.widened: exact by the addition
-formulas), on the CPU, gradients included. The eager variants write all scores out at once and return the weights.
+far keys; training too), else the written-out path (attention.biased_attention: a block of queries at a time, so
+memory stays bounded). In causal training both flex and the pieces hold the bias constant and take the table's
+gradient from the band of the D nearest keys (attention/distance_bias.py), not from an atomic add per score.
+Transformer-XL's table (XL_PATHS) has, before the written-out path, one sdpa call on queries and keys widened by
+the position term's sinusoid features (XLPositions.widened: exact by the addition formulas), on the CPU, gradients
+included, and for training elsewhere the recomputed path (attention/recompute.py: the written-out scores computed
+again in the backward pass instead of kept). The eager variants write all scores out at once and return the
+weights.
 
 T5 (Raffel et al. 2020, §2.1): each head adds a learned scalar to score(i, j), looked up by a bucket of the relative
 position j − i. Half of the buckets hold the exact distances 0 .. n/2 − 1, the other half logarithmically wider
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,7 +46,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from ...adapters import Adapter
 from ...edits import Edits
-from ..attention import flex, paths, split
+from ..attention import distance_bias, flex, paths, recompute, split
 from ..attention.written import biased_attention, causal_of
 from ..signal import attention_modules, remove_positions, use_attention
 from .absolute import sinusoidal_table
@@ -111,17 +115,7 @@ class XLPositions(nn.Module):
         if q.shape[1] != heads or q.shape[-1] != d:
             raise ValueError(f"position='xl' was set up for {heads} heads of {d} channels, but the attention gets "
                              f"queries {tuple(q.shape)} [batch, heads, length, head_dim]")
-        content = torch.matmul(q + self.u[:, None].to(q.dtype), k.transpose(2, 3))  # (a) + (c)
-        lo = int(q_pos[0]) - int(k_pos[-1])
-        lo = max(lo, 0) if causal else lo  # keys after the query are masked: their distances are not needed
-        hi = int(q_pos[-1]) - int(k_pos[0])
-        distances = torch.arange(lo, hi + 1, device=q.device)
-        r = self.r_net(sinusoidal_table(distances, self.d_model).to(self.r_net.weight.dtype))
-        r = r.view(-1, heads, d).transpose(0, 1)  # [H, distances, d]
-        by_distance = torch.matmul(q + self.v[:, None].to(q.dtype), r.transpose(1, 2).to(q.dtype))  # (b) + (d)
-        index = (q_pos[:, None] - k_pos[None, :] - lo).clamp(0, hi - lo)  # clamped entries are masked
-        position = torch.gather(by_distance, -1, index.expand(*by_distance.shape[:2], *index.shape))
-        return (content + position) * scaling
+        return xl_scores(q, k, q_pos, k_pos, scaling, causal, self.u, self.v, self.r_net.weight, self.d_model)
 
     def widened(self, query: Tensor, key: Tensor, value: Tensor, q_pos: Tensor,
                 k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -147,6 +141,24 @@ class XLPositions(nn.Module):
         k_wide = torch.cat([key, j.expand(*key.shape[:2], *j.shape)], -1)
         v_wide = torch.nn.functional.pad(value, (0, q_wide.shape[-1] - value.shape[-1]))
         return q_wide, k_wide, v_wide
+
+
+def xl_scores(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scaling: float, causal: bool, u: Tensor, v: Tensor,
+              r_weight: Tensor, d_model: int) -> Tensor:
+    """XLPositions.scores with the parameters given (u, v [H, d]; r_weight, W_R's weight [H * d, d_model]): the
+    four terms, the position terms computed once per distance and gathered into [query, key]."""
+    heads, d = u.shape
+    content = torch.matmul(q + u[:, None].to(q.dtype), k.transpose(2, 3))  # (a) + (c)
+    lo = int(q_pos[0]) - int(k_pos[-1])
+    lo = max(lo, 0) if causal else lo  # keys after the query are masked: their distances are not needed
+    hi = int(q_pos[-1]) - int(k_pos[0])
+    distances = torch.arange(lo, hi + 1, device=q.device)
+    r = torch.nn.functional.linear(sinusoidal_table(distances, d_model).to(r_weight.dtype), r_weight)
+    r = r.view(-1, heads, d).transpose(0, 1)  # [H, distances, d]
+    by_distance = torch.matmul(q + v[:, None].to(q.dtype), r.transpose(1, 2).to(q.dtype))  # (b) + (d)
+    index = (q_pos[:, None] - k_pos[None, :] - lo).clamp(0, hi - lo)  # clamped entries are masked
+    position = torch.gather(by_distance, -1, index.expand(*by_distance.shape[:2], *index.shape))
+    return (content + position) * scaling
 
 
 # ------------------------------------------------------------------------------------------ attention functions
@@ -210,25 +222,39 @@ def t5_band(bias: T5Bias, bidirectional: bool = False) -> int:
     return D
 
 
+def t5_near_far(bias: T5Bias, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Causal T5's bias by distance: (near [H, D], the bias of distances 0 .. D - 1; far [H], of every distance from
+    D on), differentiable in the table."""
+    distances = torch.arange(t5_band(bias), device=device)
+    near = bias.table(t5_buckets(-distances, False, bias.num_buckets, bias.max_distance)).T  # [H, D]
+    return near, bias.table.weight[bias.num_buckets - 1]
+
+
+def _learns_t5(bias: T5Bias, causal: bool) -> bool:
+    """Whether this call must pass a gradient to the T5 table through distance_bias (causal calls only: its
+    band-and-rest form needs the keys after the query masked)."""
+    return causal and torch.is_grad_enabled() and bias.table.weight.requires_grad
+
+
 def _t5_pieces(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
                scaling: float, dropout: float, causal: bool, softcap: float | None, kwargs: dict[str, Any]) -> Tensor:
-    bias = getattr(module, T5_ATTR)
-    D = t5_band(bias)
-    distances = torch.arange(D, device=query.device)
-    near = bias.table(t5_buckets(-distances, False, bias.num_buckets, bias.max_distance)).T  # [H, D]
-    far = bias.table.weight[bias.num_buckets - 1]
-    out = split.near_far_bias(query, key, value, attention_mask, scaling, near, far)
+    near, far = t5_near_far(getattr(module, T5_ATTR), query.device)
+    out, lse = split.near_far_bias(query, key, value, attention_mask, scaling, near, far)
+    out = distance_bias.with_gradient(out, lse, near, far, query, key, value, attention_mask, scaling)
     return out.transpose(1, 2).contiguous()
 
 
-def t5_score_mod(bias: T5Bias, q_len: int, kv_len: int, bidirectional: bool, device: torch.device) -> flex.ScoreMod:
+def t5_score_mod(bias: T5Bias, q_len: int, kv_len: int, bidirectional: bool, device: torch.device,
+                 constant: bool = False) -> flex.ScoreMod:
     """T5's bias as a flex_attention score_mod: a lookup by distance d = query slot - key slot in the bias of the
     distances -D .. D ([heads, 2D + 1]; every farther distance shares the bucket of ±D). The table does not depend
     on the sequence length (a buffer sized by the length did not compile with dynamic shapes on the CPU). Gradients
-    reach the T5 table through it."""
+    reach the T5 table through it, unless `constant` (the gradient then comes from distance_bias)."""
     D = t5_band(bias, bidirectional)
     dist = torch.arange(-D, D + 1, device=device)
     by_distance = bias.table(t5_buckets(-dist, bidirectional, bias.num_buckets, bias.max_distance)).T.contiguous()
+    if constant:
+        by_distance = by_distance.detach()
     shift = torch.tensor(kv_len - q_len, device=device)  # queries are the last q_len key slots
     # captured as tensors: with dynamic shapes a captured Python int becomes a symbol the CPU kernel cannot lower
     top, bottom = torch.tensor(D, device=device), torch.tensor(-D, device=device)
@@ -241,10 +267,17 @@ def t5_score_mod(bias: T5Bias, q_len: int, kv_len: int, bidirectional: bool, dev
 def _t5_flex(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
              scaling: float, dropout: float, causal: bool, softcap: float | None, kwargs: dict[str, Any]) -> Tensor:
     q_len, kv_len = query.shape[2], key.shape[2]
-    mods = flex.softcapped(t5_score_mod(getattr(module, T5_ATTR), q_len, kv_len, not causal, query.device),
-                           softcap, query.device)
+    bias = getattr(module, T5_ATTR)
+    learns = _learns_t5(bias, causal)
+    mods = flex.softcapped(t5_score_mod(bias, q_len, kv_len, not causal, query.device, constant=learns), softcap,
+                           query.device)
     mask = flex.block_mask(flex.CAUSAL if causal else flex.EVERYTHING, q_len, kv_len, query.device, attention_mask)
-    return flex.attention(query, key, value, scaling, mods, mask).transpose(1, 2).contiguous()
+    if not learns:
+        return flex.attention(query, key, value, scaling, mods, mask).transpose(1, 2).contiguous()
+    out, lse = flex.attention(query, key, value, scaling, mods, mask, lse=True)
+    near, far = t5_near_far(bias, query.device)
+    out = distance_bias.with_gradient(out, lse, near, far, query, key, value, attention_mask, scaling, softcap)
+    return out.transpose(1, 2).contiguous()
 
 
 _T5_FLEX = paths.Path("flex", _t5_flex, "compiled flex_attention with a score_mod reading the bias of each "
@@ -253,7 +286,8 @@ _T5_FLEX = paths.Path("flex", _t5_flex, "compiled flex_attention with a score_mo
 T5_PATHS = (
     _T5_FLEX,
     paths.Path("pieces", _t5_pieces, "kernel calls merged by log-sum-exp: the bias band (distances < D) as an "
-               "additive mask, the farther keys plain causal with T5's last-bucket bias", grad_devices=frozenset()),
+               "additive mask, the farther keys plain causal with T5's last-bucket bias; gradients by each call's "
+               "kernel backward, the table's from the band alone"),
     dataclasses.replace(_T5_FLEX, devices=frozenset({"cpu"}), grad_devices=frozenset()),  # after pieces on the CPU
     paths.Path("written-out", _written_out(_t5_terms), "scores and bias written out, a block of queries at a time",
                dropout=True, softcap=True, bidirectional=True),
@@ -262,8 +296,8 @@ XL_WIDE_MIN_SCORES = 3072 * 3072  # inference: below this the written-out path i
 
 
 def _xl_worth(call: paths.Call) -> str | None:
-    """Training always takes the widened path (its memory is O(L), the written-out path's O(L²)); inference from
-    XL_WIDE_MIN_SCORES query x key pairs up."""
+    """Training (with dropout: the recomputed path takes the rest) always takes the widened path (its memory is
+    O(L), the written-out path's O(L²)); inference from XL_WIDE_MIN_SCORES query x key pairs up."""
     if call.grad or call.q_len * call.kv_len >= XL_WIDE_MIN_SCORES:
         return None
     return f"{call.q_len} x {call.kv_len} scores: below {XL_WIDE_MIN_SCORES:,} the written-out path is faster"
@@ -280,15 +314,48 @@ def _xl_widened(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, at
     return out[..., :d].contiguous()
 
 
+def _xl_recomputed(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
+                   scaling: float, dropout: float, causal: bool, softcap: float | None,
+                   kwargs: dict[str, Any]) -> Tensor:
+    xl: XLPositions = getattr(module, XL_ATTR)
+    heads, d = xl.u.shape
+    if query.shape[1] != heads or query.shape[-1] != d:
+        raise ValueError(f"position='xl' was set up for {heads} heads of {d} channels, but the attention gets "
+                         f"queries {tuple(query.shape)} [batch, heads, length, head_dim]")
+    groups = heads // key.shape[1]
+    key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (key, value))
+    kv_len, q_len = key.shape[2], query.shape[2]
+    k_pos = torch.arange(kv_len, device=query.device)
+    q_pos = k_pos[kv_len - q_len:]
+
+    def scores(q: Tensor, s: int, e: int, hi: int, others: Sequence[Tensor]) -> Tensor:
+        k, u, v, r_weight = others
+        x = xl_scores(q, k[:, :, :hi], q_pos[s:e], k_pos[:hi], scaling, causal, u, v, r_weight, xl.d_model)
+        return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+    out = recompute.attention(scores, query, (key, xl.u, xl.v, xl.r_net.weight), value, attention_mask, causal)
+    return out.transpose(1, 2).contiguous()
+
+
+def _grad_only(call: paths.Call) -> str | None:
+    return None if call.grad else "inference: the written-out path computes the same without a backward to prepare"
+
+
 # Transformer-XL's position term (q_i + v)·W_R R_{i-j} depends on the query vector and the distance together, so
 # it is no score_mod of (head, i, j). By the sinusoids' addition formulas it is still one dot product, of queries
 # and keys widened to head_dim + d_model channels (XLPositions.widened): one sdpa call, O(L) memory, gradients too,
 # at the cost of the wider kernel (SmolLM2's shape: 64 -> 640 channels). Measured on the CPU (one thread, one
 # layer, 9 heads): inference 0.93 vs 0.82 s written out at 2k, 2.9 vs 3.3 s at 4k, 14.4 vs 19 s at 8k; training at
 # 4k 9 s and 1.25 GB vs 6.3 s and 2.05 GB, the written-out path keeping every block's weights for the backward pass
-# ([L, L] per layer). So: inference from about 3k tokens, training always (for that memory). On CUDA the kernels'
-# head-size limits (256 for flash) rule it out.
+# ([L, L] per layer). So: inference from about 3k tokens. On CUDA the kernels' head-size limits (256 for flash) rule
+# it out. Training takes the recomputed path first, everywhere: the written-out scores, a block of queries at a
+# time, computed again in the backward pass instead of kept (recompute.py), O(block x L) memory. Measured on the CPU
+# (eval/bench_training_paths.py: 2 layers, 4k tokens, one thread), a training step took 18.7 s and 1.26 GB peak
+# against 19.8 s and 2.14 GB widened and 25.0 s and 3.51 GB written out; the widened path keeps training with
+# attention dropout, which the recomputed one does not do.
 XL_PATHS = (
+    paths.Path("recomputed", _xl_recomputed, "scores written out a block of queries at a time, and again in the "
+               "backward pass instead of kept", softcap=True, bidirectional=True, worth=_grad_only),
     paths.Path("widened", _xl_widened, "one sdpa call on queries and keys widened by the position term's "
                "sinusoid features", devices=frozenset({"cpu"}), dropout=True, bidirectional=True, worth=_xl_worth),
     paths.Path("written-out", _written_out(_xl_terms), "content and position scores written out, a block of "
