@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from . import patch_options
 from .evaluate import EVALUATIONS
 from .utils.command import Parser, UsageError, run_main
 from .utils.files import Lock, describe_os_error, write_folder
@@ -67,7 +68,7 @@ def _boolean(text: str) -> bool:
 def _scheme_name(text: str) -> str:
     """As patch(position=...) reads a scheme's name (any case, "_" for "-"), refused with the registry's own message
     (the valid names, and the hint for a spec string such as "yarn:4")."""
-    from .position.registry import request  # the registries import torch: only when `hfpatch patch` is parsed
+    from .position.registry import request  # the registries import torch: only when a --position is parsed
 
     try:
         request(text, {})
@@ -102,8 +103,9 @@ def _layer_group(text: str):
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; with `command`, only that subcommand's arguments are defined (the patch command's come from the
-    registries, which import torch: `hfpatch --help` would take seconds). Each subcommand names its handler."""
+    """The parser; with `command`, only that subcommand's arguments are defined (the patch command's dozens of flags
+    are built only for it). No subcommand's --help imports torch: the patch flags come from hfpatch.patch_options,
+    the registries' light declaration. Each subcommand names its handler."""
     description, _, examples = __doc__.partition("\n\n")
     p = Parser(prog="hfpatch", description=description, epilog="examples:\n" + examples,
                formatter_class=argparse.RawDescriptionHelpFormatter)  # the examples keep their lines
@@ -162,36 +164,32 @@ def scheme_options() -> dict[str, tuple]:
 
 
 def _patch_arguments(s) -> None:
-    from .norm.kinds import NORMS
-    from .norm.placement import PLACEMENTS
-    from .position import SCHEMES
-    from .position.attention.temperature import TEMPERATURES
-
+    offered = patch_options.offered()  # the registries' names, options and help, without importing torch
+    schemes, placements = offered["SCHEMES"], offered["PLACEMENTS"]
     s.add_argument("model")
     s.add_argument("--out", required=True, help="folder to save the patched model (and tokenizer) to; a .gguf path "
                                                 "with a .gguf model: a copy with llama.cpp's RoPE metadata")
     s.add_argument("--position", metavar="SCHEME", type=_scheme_name,
-                   help="the position scheme: " + ", ".join(SCHEMES) + " (what each does and takes: hfpatch docs, "
+                   help="the position scheme: " + ", ".join(schemes) + " (what each does and takes: hfpatch docs, "
                         "Patch options)")
     s.add_argument("--factor", type=float, help="context extension ratio (> 1), for the schemes that take one: "
-                   + ", ".join(n for n, rec in SCHEMES.items() if rec.factor != "none"))
-    for name, (option, owners) in scheme_options().items():
-        if option.kind == "layers":  # a repeatable SCHEME@LAYERS flag of its own, below
+                   + ", ".join(n for n, factor in schemes.items() if factor != "none"))
+    for name, (kind, text, owners) in offered["SCHEME_OPTIONS"].items():
+        if kind == "layers":  # a repeatable SCHEME@LAYERS flag of its own, below
             continue
-        s.add_argument("--" + name.replace("_", "-"), dest=name, **_FORMS[option.kind],
-                       help=f"{option.help} [{', '.join(owners)}]")
+        s.add_argument("--" + name.replace("_", "-"), dest=name, **_FORMS[kind], help=f"{text} [{', '.join(owners)}]")
     s.add_argument("--layers", action="append", type=_layer_group, default=[], metavar="SCHEME@LAYERS",
                    help="with a RoPE --position: another scheme (nope, p-rope) in some layers, e.g. nope@every4 "
                         "(layers 3, 7, 11, ...), nope@[3,7,11], p-rope@every2from0:keep=0.5; repeatable")
-    s.add_argument("--norm", choices=list(NORMS), help="the kind every norm becomes")
+    s.add_argument("--norm", choices=list(offered["NORMS"]), help="the kind every norm becomes")
     s.add_argument("--no-exact", dest="exact", action="store_false", default=None,
                    help="with --norm rmsnorm: plain swap instead of the exact (weight-folding) conversion")
-    s.add_argument("--placement", choices=list(PLACEMENTS), help="where the norms sit in each block")
-    for name in sorted({k for rec in PLACEMENTS.values() for k in rec.options}):  # --post-fraction (mix)
-        owners = ", ".join(k for k, rec in PLACEMENTS.items() if name in rec.options)
+    s.add_argument("--placement", choices=list(placements), help="where the norms sit in each block")
+    for name in sorted({k for options in placements.values() for k in options}):  # --post-fraction (mix)
+        owners = ", ".join(k for k, options in placements.items() if name in options)
         s.add_argument("--" + name.replace("_", "-"), type=float, dest=name, help=f"with --placement {owners}")
     s.add_argument("--attention-temperature", type=_temperature, dest="attention_temperature", metavar="KIND",
-                   help="a query scale that grows past the trained window: " + ", ".join(TEMPERATURES)
+                   help="a query scale that grows past the trained window: " + ", ".join(offered["TEMPERATURES"])
                         + "; options after colons, e.g. logn:window=4096, llama4:attn_scale=0.1:floor_scale=8192")
     s.add_argument("--opt", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
                    help="any option as KEY=VALUE, the value as JSON (e.g. --opt 'short_factor=[1,1,1,1]')")
@@ -316,9 +314,9 @@ def main(argv=None) -> int:
 
         return search_main(argv[1:])
     if argv[:1] == ["lm-eval"]:  # every following argument is lm_eval's own, --help included
-        from hfpatch.evaluate import harness
+        from hfpatch.evaluate import lm_eval_command
 
-        return harness.main(argv[1:])
+        return lm_eval_command.main(argv[1:])
     return run_main(lambda a: _run(build_parser(a[0] if a else None).parse_args(a)), argv, "hfpatch")
 
 

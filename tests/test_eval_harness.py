@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -18,7 +20,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
 from hfpatch.cli import main as cli_main  # noqa: E402
-from hfpatch.evaluate import harness  # noqa: E402
+from hfpatch.evaluate import harness  # noqa: E402, F401 (registers "hfpatch" for lm_eval.simple_evaluate)
 from hfpatch.lm.causal import windows  # noqa: E402
 from hfpatch.tiny import save_sized as save_tiny  # noqa: E402
 from hfpatch.tiny import char_text as text_of  # noqa: E402
@@ -121,9 +123,28 @@ def test_hfpatch_lm_eval_command(local, tmp_path, capsys):
     assert err.startswith("hfpatch lm-eval: error:") and "unknown position scheme 'yarm'" in err
 
 
+# In a fresh process: the `hfpatch lm-eval` command registers the model by name, and lm-eval's first request for it
+# imports the bridge (with torch), which takes the name over with its class.
+REGISTERED_BY_NAME = r"""
+import sys
+from hfpatch.evaluate import lm_eval_command
+lm_eval_command.register()
+before = "torch" in sys.modules
+from lm_eval.api.registry import get_model
+found = get_model("hfpatch")
+print(before, f"{found.__module__}:{found.__name__}")
+"""
+
+
+def test_the_command_registers_the_bridge_by_name_and_lm_eval_imports_it_when_asked():
+    done = subprocess.run([sys.executable, "-c", REGISTERED_BY_NAME], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "hfpatch.evaluate.harness:HFPatchLM"]
+
+
 def test_without_lm_eval_says_how_to_install(monkeypatch, capsys):
-    monkeypatch.setattr(harness, "HFLM", None)
-    assert harness.main(["--model", "hfpatch"]) == 2
+    monkeypatch.setitem(sys.modules, "lm_eval.__main__", None)  # as where the extra is not installed: ImportError
+    assert cli_main(["lm-eval", "--model", "hfpatch"]) == 2
     assert "pip install 'hfpatch[lm-eval]'" in capsys.readouterr().err
 
 

@@ -12,13 +12,13 @@ is applied once the model is loaded. lm-eval then reads the patched model's max_
 max_length (yarn:2 on an 8k model: 16k); pass max_length=... to choose another.
 
 lm-eval 0.4 finds models only in its own registry (no plugin entry points), so the `lm_eval` command cannot see
-`hfpatch` unless this module is imported first: `hfpatch lm-eval ARGS` is the `lm_eval` command with it imported,
-and takes every lm_eval argument. Needs the optional extra: pip install 'hfpatch[lm-eval]'.
+`hfpatch` unless it is registered first: `hfpatch lm-eval ARGS` is the `lm_eval` command with it registered by name
+(lm_eval_command.py: this module is imported when lm-eval first asks for the model), and takes every lm_eval
+argument. Needs the optional extra: pip install 'hfpatch[lm-eval]'.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ import hfpatch
 
 from .. import spec
 from ..models import resolve
-from ..utils import command
+from .lm_eval_command import INSTALL, main  # noqa: F401 (the command, importable from here too)
 
 try:
     import lm_eval.models  # noqa: F401 (lm-eval's own models first: its registry imports them only while empty)
@@ -35,8 +35,6 @@ try:
     from lm_eval.models.huggingface import HFLM
 except ImportError:  # the optional extra is not installed
     HFLM = None
-
-INSTALL = "the lm-eval bridge needs lm-evaluation-harness: pip install 'hfpatch[lm-eval]'"
 
 
 def parse_patch(text: str) -> dict:
@@ -88,24 +86,3 @@ if HFLM is not None:
             info["hfpatch"] = {"patch": self.patch_spec, "version": hfpatch.__version__,
                                "position": hfpatch.describe(self._model)["position"]}
             return info
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`hfpatch lm-eval ARGS`: lm-eval's command line, with the hfpatch model registered."""
-    return command.run_main(_main, list(sys.argv[1:] if argv is None else argv), "hfpatch lm-eval")
-
-
-def _main(argv: list[str]) -> int:
-    if HFLM is None:
-        raise ImportError(INSTALL)
-    from lm_eval.__main__ import cli_evaluate  # the optional extra, there when HFLM is (checked above)
-
-    saved = sys.argv
-    sys.argv = ["lm-eval", *argv]  # lm-eval's parser reads sys.argv
-    try:
-        cli_evaluate()
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = saved
-    return 0
