@@ -352,3 +352,249 @@ def test_the_search_space_makes_transformers_warn_about_nothing(model):
     embeddings field must be less than max_position_embeddings, got 64 and 64')."""
     seen = _transformers_warnings(lambda: space.setting_for(model, 64, TARGET, list(space.FAMILIES)))
     assert not [m for m in seen if "max_position_embeddings" in m], seen
+
+
+# ------------------------------------------------------------------------------------------------- proxy samples
+
+PROXY_TARGET, PROXY_TOKENS = 2048, 512
+
+
+@pytest.fixture(scope="module")
+def long_docs():
+    return [Document(f"long{i}", char_text(5000, i)) for i in range(2)]
+
+
+def test_proxy_samples_span_the_target_with_the_needles_beyond_the_window(tok, long_docs):
+    text = objective.calibration_ids(tok, long_docs)
+    samples = objective.build_proxy(tok, text, PROXY_TARGET, 64, PROXY_TOKENS, 2, 16, seed=3)
+    for s in samples:
+        assert len(s.ids) == len(s.positions) == PROXY_TOKENS
+        assert s.positions[0] == 0 and s.positions[-1] == PROXY_TARGET - 1
+        assert all(a < b for a, b in zip(s.positions, s.positions[1:]))  # increasing, with jumps
+        jumps = [i for i in range(1, len(s.positions)) if s.positions[i] != s.positions[i - 1] + 1]
+        assert tuple(jumps) == s.unscored and len(jumps) == objective.PROXY_SEGMENTS - 1
+        (c0, c1), (a0, a1) = s.needle
+        key = tok.decode(s.ids[a0:a1]).strip()
+        needle = tok.encode(objective.NEEDLE.format(key=key), add_special_tokens=False)
+        at = next(i for i in range(len(s.ids)) if s.ids[i:i + len(needle)] == needle)
+        assert s.positions[a0] - s.positions[at + len(needle) - 1] > 64  # further back than the window, in positions
+        copy = s.ids[c0 - 1:c1]
+        src = next(i for i in range(c0 - 1 - len(copy)) if s.ids[i:i + len(copy)] == copy)
+        assert s.positions[c0 - 1] - s.positions[src + len(copy) - 1] > 64
+        assert copy != needle[:len(copy)]  # the span is text, not the passkey
+    assert samples[0].ids != samples[1].ids
+
+
+def test_a_proxy_that_would_not_be_cheaper_or_cannot_hold_the_needles_is_named(tok):
+    assert "not cheaper" in objective.proxy_misfit(tok, 1024, 64, 600, 16)
+    assert "cannot hold" in objective.proxy_misfit(tok, 2048, 64, 128, 16)
+    assert objective.proxy_misfit(tok, PROXY_TARGET, 64, PROXY_TOKENS, 16) is None
+
+
+@pytest.mark.parametrize("family", list(space.FAMILIES))
+def test_every_family_reads_a_proxy_sample_by_its_positions(tok, long_docs, family):
+    """Each family's starting point on a proxy sample (position ids that skip): the model's own attention path
+    (pieces, sdpa) gives what the eager path, which writes every score out at the given positions, gives."""
+    text = objective.calibration_ids(tok, long_docs)
+    sample = objective.build_proxy(tok, text, PROXY_TARGET, 64, PROXY_TOKENS, 1, 16, seed=0)[0]
+    fast = tiny_model("llama").eval()
+    eager = tiny_model("llama", attn_implementation="eager").eval()
+    eager.load_state_dict(fast.state_dict())
+    setting = _setting(fast, [family])
+    spec = space.spec(family, space.FAMILIES[family].start(setting)[0], setting)
+    from hfpatch.lm.causal import causal_lm_parts
+
+    got = []
+    for m in (fast, eager):
+        hfpatch.patch(m, **spec)
+        got.append(objective.score_sample(causal_lm_parts(m), sample))
+    assert got[0]["needle_tokens"] == 21 and got[0]["plain_tokens"] == PROXY_TOKENS - 1 - 21 - 3
+    for k in ("needle_nll", "plain_nll"):
+        assert got[0][k] == pytest.approx(got[1][k], rel=1e-5), k
+
+
+# ---------------------------------------------------------------------------------------------------- the guard
+
+
+@pytest.mark.parametrize("family", list(space.FAMILIES))
+def test_the_guard_is_the_same_for_candidates_that_agree_on_the_short_context_settings(model, tok, docs, family):
+    """What space.Family.short leaves out (for longrope its factors, for every family the attention temperature)
+    does not change a read of the trained window, so the search may read the guard's text once for them."""
+    setting = _setting(model, [family])
+    fam = space.FAMILIES[family]
+    start = fam.start(setting)[0]
+    rng = random.Random(1)
+    other = dict(start)
+    while fam.short_key(other) != fam.short_key(start) or other == start:  # same short settings, others moved
+        other = {**fam.mutate(rng, start, setting), **fam.short_key(start)}
+    other["temperature"] = "llama4"
+    assert fam.why_not(other, setting) is None
+    ids = objective.guard_ids(tok, objective.calibration_ids(tok, docs), 64)
+    from hfpatch.lm.causal import causal_lm_parts
+
+    got = []
+    for params in (start, other):
+        hfpatch.patch(model, **space.spec(family, params, setting))
+        got.append(objective.score_guard(causal_lm_parts(model), ids))
+        hfpatch.unpatch(model)
+    assert got[0] == got[1]
+
+
+def test_candidates_share_guard_reads(model, tok, docs, tmp_path):
+    run_search(model, tok, TARGET, out=tmp_path, budget="12", documents=docs, **SMALL)
+    cells = _scored(_results(tmp_path))
+    reads = [r for c in cells for r in c["samples"] if r.get("guard")]
+    shared = [r for c in cells for r in c["samples"] if "from" in r]
+    assert len(reads) + len(shared) == len(cells) and shared  # one guard record each, some of them shared
+    by_name = {c["patch"]: c for c in cells}
+    for c in cells:
+        record = next(r for r in c["samples"] if "short_nll" in r)
+        if "from" in record:
+            source = by_name[record["from"]]
+            assert space.FAMILIES[c["family"]].short_key(c["params"]) == \
+                space.FAMILIES[source["family"]].short_key(source["params"])
+            assert record["short_nll"] == next(r for r in source["samples"] if r.get("guard"))["short_nll"]
+
+
+# ----------------------------------------------------------------------------------------------- the two stages
+
+
+def test_two_stages_rank_on_proxies_and_decide_at_full_length(model, tok, long_docs, tmp_path):
+    found = run_search(model, tok, PROXY_TARGET, out=tmp_path, budget="10", documents=long_docs,
+                       proxy_tokens=PROXY_TOKENS, finalists=2, **SMALL)
+    data = _results(tmp_path)
+    assert data["identity"]["proxy"] == PROXY_TOKENS
+    ranked = [c for c in data["cells"] if not c["patch"].endswith("/full")]
+    full = [c for c in data["cells"] if c["patch"].endswith("/full")]
+    assert len(_scored({"cells": ranked})) == 10
+    assert [c["patch"] for c in full][0] == "g0c0/full" and len(full) == 3  # the reference and two finalists
+    assert all(len([r for r in c["samples"] if "sample" in r]) == 1 for c in full)
+    finalists = [c["patch"].removesuffix("/full") for c in full[1:]]
+    base = next(c for c in ranked if c["patch"] == "g0c0")["short_ppl"]
+    best_two = sorted((c for c in ranked if c["family"] != "none" and objective.feasible(c, base, 0.01)),
+                      key=lambda c: c["score"])[:2]
+    assert finalists == [c["patch"] for c in best_two]
+    if found["best"] is not None:
+        by = {c["patch"]: c for c in full}
+        assert by[found["best"] + "/full"]["score"] == min(by[f + "/full"]["score"] for f in finalists)
+        assert by[found["best"] + "/full"]["score"] < by["g0c0/full"]["score"]
+
+
+def test_when_no_patch_beats_the_unpatched_model_best_json_is_the_model_as_it_is(model, tok, docs, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """Every patch scored worse than the unpatched model (a stand-in objective that adds 1 nat to a patched model's
+    NLL): the search says so, and best.json is {} (no patch)."""
+    real = objective.score_sample
+
+    def worse_when_patched(parts, sample):
+        record = real(parts, sample)
+        if hfpatch.describe(model)["applied"]:
+            record["needle_nll"] += record["needle_tokens"]
+            record["plain_nll"] += record["plain_tokens"]
+        return record
+
+    monkeypatch.setattr(objective, "score_sample", worse_when_patched)
+    found = run_search(model, tok, TARGET, out=tmp_path, budget="9", documents=docs, **SMALL)
+    assert found["best"] is None and found["spec"] == {}
+    assert json.loads((tmp_path / "best.json").read_text()) == {}
+    assert "no patch beats the unpatched model" in capsys.readouterr().err
+
+
+def test_a_model_in_train_mode_is_searched_in_eval_mode_and_left_in_train_mode(tok, docs, tmp_path):
+    """Dropout on would make every score random: the search runs in eval mode, and gives the model its modes
+    back."""
+    model = tiny_model("llama", attention_dropout=0.5).eval()
+    run_search(model, tok, TARGET, out=tmp_path / "eval", budget="6", documents=docs, **SMALL)
+    model.train()
+    run_search(model, tok, TARGET, out=tmp_path / "train", budget="6", documents=docs,
+               identity={"model": "the same weights"}, **SMALL)
+    assert model.training and all(m.training for m in model.modules())
+    scores = [[c["score"] for c in _scored(_results(tmp_path / d))] for d in ("eval", "train")]
+    assert scores[0] == scores[1]
+
+
+# ------------------------------------------------------------------------------------------------------ budgets
+
+
+def test_a_budget_given_twice_is_refused():
+    with pytest.raises(ValueError, match="number of candidates twice"):
+        parse_budget("3,50")
+    with pytest.raises(ValueError, match="wall time twice"):
+        parse_budget("1h,30m")
+
+
+def test_a_wall_time_budget_too_small_for_one_candidate_says_what_it_needs(model, tok, docs, tmp_path):
+    with pytest.raises(ValueError, match=r"cannot score one candidate here.*give --budget \d+m or more"):
+        run_search(model, tok, TARGET, out=tmp_path, budget="0.001s", documents=docs, **{**SMALL, "plot": True})
+    assert not (tmp_path / "table.md").exists() and not (tmp_path / "convergence.png").exists()
+
+
+def test_the_cli_refuses_a_too_small_budget_in_one_line(tmp_path, capsys):
+    folder = save_sized(tmp_path / "model")
+    (tmp_path / "t.txt").write_text(char_text(1500, 0) + char_text(1500, 1), encoding="utf-8")
+    code = cli_main(["search", "--model", str(folder), "--target-length", str(TARGET), "--text-files",
+                     str(tmp_path / "t.txt"), "--budget", "0.01s", "--samples", "1", "--out", str(tmp_path / "s"),
+                     "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "cannot score one candidate" in err[-1] and err[-1].startswith("hfpatch search: error:")
+    assert not (tmp_path / "s" / "table.md").exists()
+
+
+@pytest.mark.parametrize("ratio", [1.0001, 1.005, 1.5, 100.0, 25000.0, 1e6])
+def test_starting_points_and_their_children_keep_the_constraints_at_any_ratio(ratio):
+    """The ranges are the setting's: YaRN's factor range holds the ratio itself however close to 1, and the
+    attention factor's range holds YaRN's default 0.1 ln s + 1 however far the target."""
+    window = 1024
+    setting = space.Setting(window, math.ceil(window * ratio))
+    rng = random.Random(0)
+    for name in ("yarn", "self-extend", "dual-chunk"):
+        fam = space.FAMILIES[name]
+        for params in fam.start(setting):
+            assert fam.why_not(params, setting) is None, (name, params)
+            child = params
+            for _ in range(50):
+                child = fam.mutate(rng, child, setting)
+                assert fam.why_not(child, setting) is None, (name, child)
+
+
+def test_longrope_starting_points_keep_the_constraints_far_past_the_window(model):
+    setting, _ = space.setting_for(model, 64, 64 * 25000, ["longrope"])
+    fam = space.FAMILIES["longrope"]
+    for params in fam.start(setting):
+        assert fam.why_not(params, setting) is None, params["from"]
+
+
+# ----------------------------------------------------------------------------------------- declared options
+
+
+def test_the_options_are_declared_once_for_the_parser_the_call_and_the_identity():
+    import dataclasses
+
+    from hfpatch.search import options
+
+    fields = {f.name: f for f in dataclasses.fields(options.SearchOptions)}
+    parser = options.build_parser()
+    dests = {a.dest for a in parser._actions if a.dest != "help"}
+    assert dests == {n for n, f in fields.items() if f.metadata["declared"].cli}
+    args = parser.parse_args(["--target-length", "16k", "--budget", "1h", "--families", "yarn,longrope"])
+    opts = options.SearchOptions.from_args(args)
+    assert opts.target_length == 16384 and opts.the_budget.seconds == 3600 and opts.families == ["yarn", "longrope"]
+    assert opts == options.SearchOptions(target_length=16384, budget="1h", families="yarn,longrope")
+    identity = opts.identity()
+    assert set(identity) == {n for n, f in fields.items() if f.metadata["declared"].identity}
+    with pytest.raises(TypeError, match="unknown option.*nope.*accepted: target_length"):
+        options.SearchOptions.from_python(target_length=100, budget="3", nope=1)
+    with pytest.raises(TypeError, match="unknown option.*dtype"):  # the command line's own: a model is given
+        options.SearchOptions.from_python(target_length=100, budget="3", dtype="bf16")
+    assert tuple(space.FAMILIES) == options.FAMILY_NAMES
+
+
+@pytest.mark.parametrize("bad", [{"population": 0}, {"seed": -1}, {"needle_weight": 1.5}, {"guard": float("nan")},
+                                 {"proxy_tokens": -1}, {"finalists": 2.5}, {"samples": True},
+                                 {"families": "yarn,nope"}, {"budget": 3}, {"out": 5}])
+def test_bad_options_are_one_clear_error(bad):
+    from hfpatch.search.options import SearchOptions
+
+    with pytest.raises((ValueError, TypeError)) as e:
+        SearchOptions(**{"target_length": 100, "budget": "3", **bad})
+    assert next(iter(bad)) in str(e.value) and "\n" not in str(e.value)

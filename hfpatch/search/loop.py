@@ -202,8 +202,8 @@ class Search:
             if other is cell or other.get("error"):
                 continue
             record = next((r for r in other["samples"] if "short_nll" in r), None)
-            if record is not None and _guard_key(other) == key:
-                return {**record, "from": record.get("from", other["patch"])}
+            if record is not None and _guard_key(other) == key:  # "guard": read here; "from": whose read it is
+                return {k: v for k, v in record.items() if k != "guard"} | {"from": record.get("from", other["patch"])}
         return None
 
     def evaluate(self, cell: dict, samples: list[objective.Sample], timings: list[float]) -> None:
