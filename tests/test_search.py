@@ -366,13 +366,13 @@ def long_docs():
 
 def test_proxy_samples_span_the_target_with_the_needles_beyond_the_window(tok, long_docs):
     text = objective.calibration_ids(tok, long_docs)
-    samples = objective.build_proxy(tok, text, PROXY_TARGET, 64, PROXY_TOKENS, 2, 16, seed=3)
+    samples = objective.build_proxy(tok, text, PROXY_TARGET, 64, PROXY_TOKENS, 4, 2, 16, seed=3)
     for s in samples:
         assert len(s.ids) == len(s.positions) == PROXY_TOKENS
         assert s.positions[0] == 0 and s.positions[-1] == PROXY_TARGET - 1
         assert all(a < b for a, b in zip(s.positions, s.positions[1:]))  # increasing, with jumps
         jumps = [i for i in range(1, len(s.positions)) if s.positions[i] != s.positions[i - 1] + 1]
-        assert tuple(jumps) == s.unscored and len(jumps) == objective.PROXY_SEGMENTS - 1
+        assert tuple(jumps) == s.unscored and len(jumps) == 4 - 1
         (c0, c1), (a0, a1) = s.needle
         key = tok.decode(s.ids[a0:a1]).strip()
         needle = tok.encode(objective.NEEDLE.format(key=key), add_special_tokens=False)
@@ -386,9 +386,9 @@ def test_proxy_samples_span_the_target_with_the_needles_beyond_the_window(tok, l
 
 
 def test_a_proxy_that_would_not_be_cheaper_or_cannot_hold_the_needles_is_named(tok):
-    assert "not cheaper" in objective.proxy_misfit(tok, 1024, 64, 600, 16)
-    assert "cannot hold" in objective.proxy_misfit(tok, 2048, 64, 128, 16)
-    assert objective.proxy_misfit(tok, PROXY_TARGET, 64, PROXY_TOKENS, 16) is None
+    assert "not cheaper" in objective.proxy_misfit(tok, 1024, 64, 600, 4, 16)
+    assert "cannot hold" in objective.proxy_misfit(tok, 2048, 64, 128, 4, 16)
+    assert objective.proxy_misfit(tok, PROXY_TARGET, 64, PROXY_TOKENS, 4, 16) is None
 
 
 @pytest.mark.parametrize("family", list(space.FAMILIES))
@@ -396,7 +396,7 @@ def test_every_family_reads_a_proxy_sample_by_its_positions(tok, long_docs, fami
     """Each family's starting point on a proxy sample (position ids that skip): the model's own attention path
     (pieces, sdpa) gives what the eager path, which writes every score out at the given positions, gives."""
     text = objective.calibration_ids(tok, long_docs)
-    sample = objective.build_proxy(tok, text, PROXY_TARGET, 64, PROXY_TOKENS, 1, 16, seed=0)[0]
+    sample = objective.build_proxy(tok, text, PROXY_TARGET, 64, PROXY_TOKENS, 4, 1, 16, seed=0)[0]
     fast = tiny_model("llama").eval()
     eager = tiny_model("llama", attn_implementation="eager").eval()
     eager.load_state_dict(fast.state_dict())

@@ -45,7 +45,7 @@ def _load(opts: SearchOptions) -> Any:
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = opts.dtype if opts.dtype != "fast" else ("bf16" if native_bf16(device) else "fp32")
     model, _ = load(opts.model, dtype=torch_dtype(name), device_map=None, tokenizer=False)
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # (mypy reads transformers' @wraps(Module.to) as unbound)
 
 
 def native_bf16(device: str) -> bool:

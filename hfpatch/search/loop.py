@@ -381,8 +381,7 @@ class Search:
         for ranked in chosen:
             if ranked is None or ranked.get("error"):
                 continue
-            name = ranked["patch"] + FULL
-            cell = self._cell(name, ranked["generation"], ranked["family"], ranked["params"], ranked["spec"])
+            cell = self.full_cell_of(ranked)
             if cell.get("complete"):
                 continue
             left = len(self.plan.samples) - sum("sample" in r for r in cell["samples"])
@@ -390,8 +389,12 @@ class Search:
                 return (f"the wall-time budget ({duration_text(budget.seconds or 0)}) would be passed before "
                         f"{ranked['patch']} is scored at full length")
             self.evaluate(cell, self.plan.samples, self.clock.full_samples)
-            self.results.save()
         return None
+
+    def full_cell_of(self, ranked: dict) -> dict:
+        """The full-length cell of a ranked candidate (proxy stage), created if absent."""
+        return self._cell(ranked["patch"] + FULL, ranked["generation"], ranked["family"], ranked["params"],
+                          ranked["spec"])
 
     def measured(self) -> dict:
         """What this run measured, next to the estimate (seconds)."""
@@ -442,28 +445,11 @@ def search(model: PreTrainedModel, tokenizer: Any, options: SearchOptions | int 
     started = time.perf_counter() if started is None else started
     opts = _options(options, settings)
     budget = opts.the_budget
-    window = _window(model, opts)
-    span = opts.span or max(2, min(32, window // 4))
-    setting, families, left_out = _applicable_families(model, opts, window)
-    docs = documents if documents is not None else (texts.text_files(opts.text_files) if opts.text_files
-                                                    else texts.default_corpus())
-    plan = _plan(tokenizer, docs, opts, window, span)
-    ident = {**opts.identity(), "window": window, "span": span, "families": families,
-             "proxy": len(plan.proxy[0].ids) if plan.proxy else 0,
-             "model": identity or model_identity(model), "tokenizer": tokenizer_fingerprint(tokenizer),
-             "text_sha256": hashlib.sha256("\0".join(d.sha256 for d in docs).encode()).hexdigest(),
-             "dtype": str(next(unwrap(model).parameters()).dtype)}
-    _check_memory(model, opts)
-    out = Path(opts.out)
-    results = Results(out / RESULTS, KIND, ident, "samples", lambda r: objective.summarize(r, opts.needle_weight),
-                      opts.overwrite)
+    s = prepare(model, tokenizer, opts, documents, identity)
+    results, out = s.results, Path(opts.out)
     try:
-        if results.resumed:
-            print(f"hfpatch search: resuming from {out / RESULTS}", file=sys.stderr)
-        results.data.update(versions=versions(), settings={"families_left_out": left_out})
         results.data.setdefault("runs", []).append({"started": now(), "budget": str(budget)})
         with evaluating(model):
-            s = Search(model, tokenizer, opts, setting, families, plan, results)
             s.clock.started = started
             s.measure()
             results.data["runs"][-1]["estimate"] = s.clock.estimate
@@ -483,6 +469,31 @@ def search(model: PreTrainedModel, tokenizer: Any, options: SearchOptions | int 
         return _outputs(results.data, out, best, why, opts.plot)
     finally:
         results.close()
+
+
+def prepare(model: PreTrainedModel, tokenizer: Any, opts: SearchOptions, documents: list[Document] | None = None,
+            identity: dict | None = None) -> Search:
+    """A search ready to run: its setting, samples and results file (opened and locked: close it with
+    `search.results.close()`). Everything is checked before the file is opened."""
+    window = _window(model, opts)
+    span = opts.span or max(2, min(32, window // 4))
+    setting, families, left_out = _applicable_families(model, opts, window)
+    docs = documents if documents is not None else (texts.text_files(opts.text_files) if opts.text_files
+                                                    else texts.default_corpus())
+    plan = _plan(tokenizer, docs, opts, window, span)
+    ident = {**opts.identity(), "window": window, "span": span, "families": families,
+             "proxy": len(plan.proxy[0].ids) if plan.proxy else 0,
+             "model": identity or model_identity(model), "tokenizer": tokenizer_fingerprint(tokenizer),
+             "text_sha256": hashlib.sha256("\0".join(d.sha256 for d in docs).encode()).hexdigest(),
+             "dtype": str(next(unwrap(model).parameters()).dtype)}
+    _check_memory(model, opts)
+    out = Path(opts.out)
+    results = Results(out / RESULTS, KIND, ident, "samples", lambda r: objective.summarize(r, opts.needle_weight),
+                      opts.overwrite)
+    if results.resumed:
+        print(f"hfpatch search: resuming from {out / RESULTS}", file=sys.stderr)
+    results.data.update(versions=versions(), settings={"families_left_out": left_out})
+    return Search(model, tokenizer, opts, setting, families, plan, results)
 
 
 def _options(options: SearchOptions | int | None, settings: dict) -> SearchOptions:
@@ -515,13 +526,13 @@ def _plan(tok: Any, docs: list[Document], opts: SearchOptions, window: int, span
     samples = objective.build(tok, text, opts.target_length, window, opts.samples, span, opts.seed)
     proxy = None
     if opts.proxy_tokens:
-        why = objective.proxy_misfit(tok, opts.target_length, window, opts.proxy_tokens, span)
+        why = objective.proxy_misfit(tok, opts.target_length, window, opts.proxy_tokens, opts.proxy_segments, span)
         if why:
             print(f"hfpatch search: no proxy stage ({why}): every candidate is scored at full length",
                   file=sys.stderr)
         else:
             proxy = objective.build_proxy(tok, text, opts.target_length, window, opts.proxy_tokens,
-                                          opts.proxy_samples, span, opts.seed)
+                                          opts.proxy_segments, opts.proxy_samples, span, opts.seed)
     return Plan(window, samples, proxy, objective.guard_ids(tok, text, window))
 
 

@@ -43,7 +43,6 @@ from ..lm.text import Document, tokenize
 
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
-PROXY_SEGMENTS = 4  # segments of a proxy sample, spread evenly over the target length
 
 
 @dataclass
@@ -121,11 +120,12 @@ def build(tok: Any, text: np.ndarray, target: int, window: int, samples: int, sp
     return out
 
 
-def proxy_misfit(tok: Any, target: int, window: int, tokens: int, span: int) -> str | None:
-    """Why proxy samples of `tokens` tokens cannot stand for samples of `target` tokens (None: they can)."""
+def proxy_misfit(tok: Any, target: int, window: int, tokens: int, segments: int, span: int) -> str | None:
+    """Why proxy samples of `tokens` tokens in `segments` segments cannot stand for samples of `target` tokens
+    (None: they can)."""
     if tokens * 2 > target:
         return f"{tokens} proxy tokens are more than half the target length ({target}): not cheaper"
-    seg = tokens // PROXY_SEGMENTS
+    seg = tokens // segments
     needle = len(_piece(tok, NEEDLE.format(key="99999")))
     question = len(_piece(tok, QUESTION + " 99999"))
     if seg < needle + span + 2 + 1:
@@ -136,24 +136,24 @@ def proxy_misfit(tok: Any, target: int, window: int, tokens: int, span: int) -> 
     return None
 
 
-def build_proxy(tok: Any, text: np.ndarray, target: int, window: int, tokens: int, samples: int, span: int,
-                seed: int) -> list[Sample]:
-    """`samples` proxy samples of `tokens` tokens whose position ids span `target` (the module's docstring): sample
-    k reads the text of full sample k at the positions its segments stand for."""
-    why = proxy_misfit(tok, target, window, tokens, span)
+def build_proxy(tok: Any, text: np.ndarray, target: int, window: int, tokens: int, segments: int, samples: int,
+                span: int, seed: int) -> list[Sample]:
+    """`samples` proxy samples of `tokens` tokens in `segments` segments whose position ids span `target` (the
+    module's docstring): sample k reads the text of full sample k at the positions its segments stand for."""
+    why = proxy_misfit(tok, target, window, tokens, segments, span)
     if why:
         raise ValueError(f"proxy samples do not fit: {why}")
     if len(text) < samples * target:
         raise ValueError(f"the calibration text has {len(text)} tokens; {samples} proxy sample(s) spanning {target} "
                          f"positions need {samples * target}: give more text or fewer proxy samples")
-    seg = tokens // PROXY_SEGMENTS
+    seg = tokens // segments
     out = []
     for k in range(samples):
         rng, key = _key_rng("search-proxy", seed, k)
         p = _pieces(tok, key)
         body = [int(t) for t in text[k * target:(k + 1) * target]]
-        last = tokens - seg * (PROXY_SEGMENTS - 1)
-        starts = [round(j * (target - last) / (PROXY_SEGMENTS - 1)) for j in range(PROXY_SEGMENTS)]
+        last = tokens - seg * (segments - 1)
+        starts = [round(j * (target - last) / (segments - 1)) for j in range(segments)]
         ids: list[int] = []
         positions: list[int] = []
         unscored: list[int] = []
@@ -167,10 +167,10 @@ def build_proxy(tok: Any, text: np.ndarray, target: int, window: int, tokens: in
         source = part[src:src + span]
         ids += p.bos + part
         positions += list(range(len(ids)))
-        for j in range(1, PROXY_SEGMENTS):
+        for j in range(1, segments):
             unscored.append(len(ids))
             s = starts[j]
-            if j < PROXY_SEGMENTS - 1:
+            if j < segments - 1:
                 ids += body[s:s + seg]
                 positions += list(range(s, s + seg))
             else:

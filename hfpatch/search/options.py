@@ -157,6 +157,7 @@ class SearchOptions:
     proxy_tokens: int = option(4096, "tokens of a proxy sample: real text whose position ids skip so that it spans "
                                "the target length; candidates are ranked on such samples and the best --finalists "
                                "scored at full length (0: every candidate at full length)", parse=int)
+    proxy_segments: int = option(4, "segments of a proxy sample, spread evenly over the target length", parse=int)
     proxy_samples: int = option(2, "proxy samples per candidate", parse=int)
     finalists: int = option(4, "candidates scored at full length after the proxy ranking", parse=int)
     span: int | None = option(None, "tokens of the repeated span (default min(32, window / 4))", parse=int)
@@ -190,6 +191,7 @@ class SearchOptions:
         _count("target_length", self.target_length, 2)
         for name in ("population", "parents", "samples", "proxy_samples", "finalists"):
             _count(name, getattr(self, name), 1)
+        _count("proxy_segments", self.proxy_segments, 2)
         _count("seed", self.seed, 0)
         _count("proxy_tokens", self.proxy_tokens, 0)
         for name in ("span", "window"):
