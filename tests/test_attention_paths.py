@@ -218,10 +218,12 @@ def call(device="cpu", dtype=torch.float32, grad=False, dropout=False, softcap=F
 @contextlib.contextmanager
 def flash_attn_present(monkeypatch):
     """As on a CUDA machine with flash-attn installed (for the selection logic only)."""
+    import importlib.machinery
     import importlib.util
 
     find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else
+    installed = importlib.machinery.ModuleSpec("flash_attn", None, origin="/site/flash_attn/__init__.py")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: installed if name == "flash_attn" else
                         find(name, *a))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     yield
@@ -293,6 +295,23 @@ def test_without_flash_attn_the_flash_paths_step_aside(monkeypatch):
     assert paths.refusal(flash, c) == "the flash-attn package is not installed"
 
 
+def test_flash_attn_4_alone_is_not_flash_attn(monkeypatch):
+    """flash-attn-4 installs `flash_attn` as a namespace package (flash_attn/cute only): the flash-attn 2 paths must
+    not take it for flash-attn and then fail to import flash_attn_func."""
+    import importlib.machinery
+    import importlib.util
+
+    find = importlib.util.find_spec
+    namespace = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)  # origin None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: namespace if name == "flash_attn" else
+                        find(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    c = call("cuda", torch.bfloat16, base="flash_attention_2")
+    flash = next(p for p in paths.table("alibi") if p.name == "flash-attn")
+    assert "flash_attn holds only flash-attn-4's" in paths.refusal(flash, c)
+    assert paths.choose("alibi", c).name == "flex"
+
+
 def test_compiling_needs_a_big_call_until_it_is_compiled(monkeypatch):
     monkeypatch.setattr(flex, "_timings", {})
     big, medium = call(softcap=True), call(softcap=True, q_len=1024, kv_len=1024)
@@ -309,7 +328,7 @@ def test_forcing_a_path_that_cannot_take_the_call_says_why():
     q, k, v, mask, _ = inputs(10, 10, torch.float32)
     with pytest.raises(ValueError, match="'flash-attn' of position='alibi' cannot take this call: runs on cuda"):
         run_path("alibi", "flash-attn", attn, q, k, v, mask)
-    with pytest.raises(ValueError, match="has no attention path 'fast'; it has flash-attn, factorised, flex"), \
+    with pytest.raises(ValueError, match="has no attention path 'fast'; it has fa4, flash-attn, factorised, flex"), \
             paths.forcing("alibi", "fast"):
         pass
 

@@ -160,7 +160,7 @@ def test_defaults_describe_unpatch_and_limits():
     # the defaults: 3/4 and 1/16 of the trained window
     assert info["position"] == {"scheme": "dual-chunk", "chunk_size": WINDOW * 3 // 4, "local_window": WINDOW // 16,
                                 "native": False}
-    assert path["order"] == ["pieces", "written-out"]
+    assert path["order"] == ["fa4", "pieces", "written-out"]
     assert info["position_limit"] is None and info["max_position_embeddings"] == WINDOW
     assert "dual-chunk" in info["patches"]["position"]
     hfpatch.patch(model, position="yarn", factor=2.0)  # replaces it

@@ -208,7 +208,7 @@ def test_describe_unpatch_and_limits():
     info = hfpatch.describe(model)
     path = info["position"].pop("attention_path")
     assert info["position"] == {"scheme": "self-extend", "group_size": 4, "window": 16, "native": False}
-    assert path["order"] == ["flash-attn", "flex", "pieces", "written-out"]
+    assert path["order"] == ["fa4", "flash-attn", "flex", "pieces", "written-out"]
     assert path["ran"] == {}  # counted from the patch on: its own check's forward is not
     with torch.no_grad():
         model(tokens(20))

@@ -37,7 +37,7 @@ def model_gradients(model, scheme, path, pad):
     """Every parameter's gradient of a loss on 60 tokens x 2 rows, the second left-padded by `pad` with positions
     counting real tokens; predictions made at padded positions are left out of the loss (paths may differ on rows
     that see no key)."""
-    ids = tokens(60, batch=2)
+    ids = tokens(60, batch=2).to(next(model.parameters()).device)
     keep = torch.ones_like(ids)
     keep[1, :pad] = 0
     labels = ids.masked_fill(keep == 0, -100)
@@ -171,3 +171,26 @@ def test_no_length_squared_tensor_is_kept_for_the_backward(scheme, path, options
     unpatched = largest_saved(tiny_model("llama").double().train(), L)
     assert largest_saved(model, L, (scheme, "written-out")) >= 4 * L * L > unpatched
     assert largest_saved(model, L, (scheme, path)) <= unpatched
+
+
+def CUDA(test):
+    """A test of the CUDA side of these paths (the pieces' CUDA kernels and torch-ops backward, T5's compiled flex
+    with the band gradient): marked `cuda` (pytest -m cuda: eval/gpu_check.sh), skipped here."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return pytest.mark.cuda(skip(test))
+
+
+@CUDA
+@pytest.mark.parametrize("pad", [0, 13])
+@pytest.mark.parametrize("scheme,path,options", [*NEW, ("t5", "flex", {"num_buckets": 8, "max_distance": 20})])
+def test_training_gradients_equal_the_written_out_paths_on_the_gpu(scheme, path, options, pad):
+    """float32 on CUDA (TF32 off): every parameter's gradient within 1e-4 of the written-out path's."""
+    model = patched(scheme, **options).float().cuda()
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        got = model_gradients(model, scheme, path, pad)
+        want = model_gradients(model, scheme, "written-out", pad)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert worst(got, want) <= 1e-4

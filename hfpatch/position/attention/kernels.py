@@ -130,9 +130,13 @@ def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]):
 # ------------------------------------------------------------------------------------------------------ flash-attn
 
 def flash_attn_missing() -> str | None:
-    """Why the flash-attn package cannot run here, or None."""
-    if importlib.util.find_spec("flash_attn") is None:
+    """Why the flash-attn package (FlashAttention-2) cannot run here, or None. flash-attn-4 installs `flash_attn`
+    as a namespace package holding only `flash_attn.cute` (no origin): that is not flash-attn."""
+    spec = importlib.util.find_spec("flash_attn")
+    if spec is None:
         return "the flash-attn package is not installed"
+    if spec.origin is None:
+        return "the flash-attn package is not installed (flash_attn holds only flash-attn-4's flash_attn.cute)"
     if not torch.cuda.is_available():
         return "flash-attn needs a CUDA device"
     return None

@@ -188,24 +188,28 @@ def run(scheme: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if dropout and not module.training:
         dropout = 0.0
     call = call_of(module, query, key, value, attention_mask, dropout, causal, softcap)
-    skip: frozenset[Path] = frozenset()
+    skip: dict[Path, str] = {}  # paths that raised PathUnavailable for this call, and why
     while True:
-        path = choose(scheme, call, skip)
+        path = choose(scheme, call, frozenset(skip))
         try:
             out = path.run(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                            causal=causal, softcap=softcap, kwargs=kwargs)
-        except PathUnavailable:
+        except PathUnavailable as e:
             if scheme in _FORCED or path is _TABLES[scheme][-1]:
                 raise
-            skip = skip | {path}
+            skip[path] = str(e)
             continue
         record(module, path.name)
+        if scheme not in _FORCED:
+            record_passed_over(module, scheme, call, path, skip)
         return out, None
 
 
 # ---------------------------------------------------------------------------------------------------- reporting
 
 _RAN: weakref.WeakKeyDictionary[nn.Module, Counter[str]] = weakref.WeakKeyDictionary()
+# per attention module: why each path before the one that ran did not take the module's latest call
+_PASSED: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 BASE_ATTRIBUTE = "_hfpatch_loaded_attention"  # on each module that holds the model's config: the implementation it
 # was loaded with. A plain module attribute, so that torch.compile reads it as a constant of the module it guards
 # already, where a global table keyed by id(config) would be traced into the graph's guards.
@@ -220,6 +224,30 @@ def record(module: nn.Module, path: str) -> None:
     _RAN.setdefault(module, Counter())[path] += 1
 
 
+def record_passed_over(module: nn.Module, scheme: str, call: Call, chosen: Path, raised: dict[Path, str]) -> None:
+    """Keep why each path before `chosen` did not take this call (its refusal, or what it raised), for describe()."""
+    if torch.compiler.is_compiling():
+        return
+    why: dict[str, str] = {}
+    for path in _TABLES[scheme]:
+        if path is chosen:
+            break
+        reason = raised.get(path) or refusal(path, call)
+        if reason:
+            why.setdefault(path.name, reason)
+    _PASSED[module] = why
+
+
+def passed_over(model: nn.Module) -> dict[str, str]:
+    """{path: why it did not take the latest call} over the model's attention modules (the paths tried before the
+    one that ran)."""
+    why: dict[str, str] = {}
+    for m in model.modules():
+        for name, reason in _PASSED.get(m, {}).items():
+            why.setdefault(name, reason)
+    return why
+
+
 def ran(model: nn.Module) -> dict[str, int]:
     """Calls per path, summed over the model's attention modules, since the model was loaded or last reset (calls
     made inside a torch.compile'd model are not counted)."""
@@ -232,14 +260,27 @@ def ran(model: nn.Module) -> dict[str, int]:
 def reset(model: nn.Module) -> None:
     for m in model.modules():
         _RAN.pop(m, None)
+        _PASSED.pop(m, None)
+
+
+def unavailable(scheme: str) -> dict[str, str]:
+    """{path: why it cannot run on this machine at all} (a missing package or device: each path's `missing`)."""
+    why: dict[str, str] = {}
+    for path in _TABLES[scheme]:
+        if path.missing is not None and (reason := path.missing()):
+            why.setdefault(path.name, reason)
+    return why
 
 
 def describe(model: nn.Module, scheme: str) -> dict[str, Any]:
     """describe()'s entry for a model patched with `scheme`: {"attention_path": {"order": the paths it can take,
-    fastest first, "ran": calls per path so far}}, or {} for a scheme that runs the model's own attention."""
+    fastest first, "ran": calls per path so far, "unavailable": {path: why it cannot run on this machine},
+    "passed_over": {path: why it did not take the latest call}}}, or {} for a scheme that runs the model's own
+    attention."""
     if scheme not in _TABLES:
         return {}
-    return {"attention_path": {"order": [p.name for p in _TABLES[scheme]], "ran": ran(model)}}
+    return {"attention_path": {"order": [p.name for p in _TABLES[scheme]], "ran": ran(model),
+                               "unavailable": unavailable(scheme), "passed_over": passed_over(model)}}
 
 
 def remember_base(model: nn.Module, edits: Edits) -> None:

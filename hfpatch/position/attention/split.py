@@ -4,9 +4,10 @@ and the parts merged by their log-sum-exp (kernels.merge): exact, and no [querie
 Distances are in slots: d = (query slot) - (key slot), the queries being the last q_len of the kv_len key slots
 (no cache, or a DynamicCache). Causal attention only: keys with d < 0 are never seen.
 
-- `two_maps_flex` / `two_maps_flash`: near keys (d < W) scored with one (query, key) pair, far keys (d >= W) with
-  another (Self-Extend's neighbour and grouped positions): two flex_attention calls with region block masks, or two
-  flash-attn calls (a sliding window for the band, a bottom-right causal call on the keys up to W back).
+- `two_maps_flex` / `two_maps_flash` / `two_maps_fa4`: near keys (d < W) scored with one (query, key) pair, far
+  keys (d >= W) with another (Self-Extend's neighbour and grouped positions): two flex_attention calls with region
+  block masks, or two flash-attn (FlashAttention-4) calls (a sliding window for the band, a bottom-right causal call
+  on the keys up to W back).
 - `near_far_bias`: a bias that depends on the distance up to D and is one constant per head beyond it (T5's
   buckets: every distance from some D <= max_distance on shares the last bucket): the band in blocks of queries,
   one kernel call each with the bias as its additive mask, and the far keys as plain causal kernel calls (the
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import flex, kernels, pieces
+from . import fa4, flex, kernels, pieces
 
 PIECE_ROWS = 1024  # queries per block where a padding mask is made additive: [batch, rows, keys] floats
 BAND_ROWS = 128  # queries per band call of near_far_bias: the call covers rows + D - 1 keys, D of them in the band
@@ -62,6 +63,24 @@ def two_maps_flash(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: tor
     l2 = l2.masked_fill(slots < window, float("-inf"))  # rows with no far key (flash-attn leaves them undefined)
     parts.append((o2.transpose(1, 2), l2))
     merged, _ = kernels.merge_parts(parts)
+    return merged.to(value.dtype).transpose(1, 2).contiguous()
+
+
+def two_maps_fa4(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, value: torch.Tensor,
+                 window: int, scaling: float, softcap: float | None = None) -> torch.Tensor:
+    """The same with FlashAttention-4 (no padding mask; gradients too, through FA4's own backward and the merge):
+    the band a causal sliding window of `window` keys, the far part a bottom-right causal call on the keys up to
+    slot kv_len - 1 - window. Output [b, q, H, d]."""
+    q_len, kv_len = qn.shape[2], kn.shape[2]
+    out, lse = fa4.attend(qn, kn, value, scaling, causal=True, window=(window - 1, 0), softcap=softcap)
+    far_keys = kv_len - window
+    if far_keys <= 0:
+        return out.transpose(1, 2).contiguous()
+    o2, l2 = fa4.attend(qg, kg[:, :, :far_keys], value[:, :, :far_keys], scaling, causal=True, softcap=softcap)
+    none = torch.arange(kv_len - q_len, kv_len, device=qn.device) < window  # rows with no far key
+    o2 = torch.where(none[:, None], torch.zeros((), dtype=o2.dtype, device=o2.device), o2)
+    l2 = l2.masked_fill(none, float("-inf"))
+    merged, _ = kernels.merge_parts([(out, lse), (o2, l2)])
     return merged.to(value.dtype).transpose(1, 2).contiguous()
 
 

@@ -6,6 +6,8 @@ Two attention functions are registered with transformers (`AttentionInterface`),
 
 - "hfpatch_alibi" (models on sdpa or any other implementation): the path table `PATHS` (paths.py) picks, per call,
   the first of:
+  - "fa4": one FlashAttention-4 call with ALiBi as its score_mod (CUDA, compute capability 9.x-11.x, the
+    flash-attn-4 package; fp16/bf16, causal, no padding, no softcapping; gradients too);
   - "flash-attn": flash-attn 2's own ALiBi (`alibi_slopes`), for models loaded with
     attn_implementation="flash_attention_2" on CUDA, without a padding mask;
   - "factorised" (CPU, causal, no softcapping; gradients too): ONE ordinary sdpa call. −m(i − j) = m·j − m·i, and
@@ -41,7 +43,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from ...adapters import Adapter
 from ...edits import Edits
-from ..attention import flex, kernels, paths
+from ..attention import fa4, flex, kernels, paths
 from ..attention.written import biased_attention, causal_of
 from ..signal import attention_modules, remove_positions, use_attention
 
@@ -188,6 +190,16 @@ def _flex(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torc
     return out.transpose(1, 2).contiguous()
 
 
+def _fa4(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+         attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool, softcap: float | None,
+         kwargs: dict[str, Any]):
+    """One FlashAttention-4 call with ALiBi as its score_mod (the slopes an aux tensor)."""
+    fa4.require_plain_causal(attention_mask, query.shape[2], key.shape[2])
+    out, _ = fa4.attend(query, key, value, scaling, causal=True, score_mod=fa4.alibi_mod(),
+                        score_mod_bwd=fa4.additive_bwd(), aux=[_slopes(module, query).contiguous()])
+    return out.transpose(1, 2).contiguous()
+
+
 def _flash(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool, softcap: float | None,
            kwargs: dict[str, Any]):
@@ -197,6 +209,8 @@ def _flash(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: tor
 
 
 PATHS = (
+    paths.Path("fa4", _fa4, "FlashAttention-4 with an ALiBi score_mod (Hopper, Blackwell)",
+               devices=frozenset({"cuda"}), dtypes=paths.LOW, masks=frozenset({"none", "bool"}), missing=fa4.missing),
     paths.Path("flash-attn", _flash, "flash-attn 2 with its alibi_slopes (attn_implementation='flash_attention_2')",
                devices=frozenset({"cuda"}), dtypes=paths.LOW, dropout=True, softcap=True, bidirectional=True,
                masks=frozenset({"none"}), base=frozenset({"flash_attention_2"}), missing=kernels.flash_attn_missing),

@@ -20,6 +20,8 @@ Queries and keys are rotated by the attention function itself (rotated.py), the 
 Attention functions registered with transformers (each with its mask function):
 - "hfpatch_dual_chunk" (models on sdpa or any other implementation): the path table `PATHS` (paths.py) picks per
   call the first of
+  - "fa4" (CUDA, compute capability 9.x-11.x, the flash-attn-4 package; fp16/bf16, no padding; gradients too): the
+    pieces below as FlashAttention-4 calls;
   - "pieces" (no dropout or softcapping; training too): per chunk of queries up to four flash-attention kernel
     calls (torch's CPU kernel, or CUDA's flash / memory-efficient kernels), each returning the log-sum-exp of its
     scores — the chunk's own keys (causal, plus in full those cached before the first query), the previous chunk's
@@ -43,7 +45,7 @@ from torch import nn
 
 from ...adapters import Adapter
 from ...edits import Edits
-from ..attention import paths, pieces, split
+from ..attention import fa4, kernels, paths, pieces, split
 from ..attention.written import explicit_attention
 from . import rotated
 
@@ -211,6 +213,30 @@ def _run_pieces(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
     return _pieces(m, value, attention_mask, scaling).transpose(1, 2).contiguous()
 
 
+def _run_fa4(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
+             softcap: float | None, kwargs: dict[str, Any]):
+    """The pieces as FlashAttention-4 calls (no padding: every row shares its chunks), merged by their log-sum-exp
+    with torch ops, so that gradients pass through FA4's own backward (which takes the log-sum-exp's gradient)."""
+    fa4.require_plain_causal(attention_mask, query.shape[2], key.shape[2])
+    m = _maps(module, query, key, attention_mask, kwargs)
+    if not (_monotonic(m) and _same_rows(m.q_chunk) and _same_rows(m.k_chunk)):
+        raise paths.PathUnavailable("position ids that go back or differ between the rows")
+    queries = [t for t in (m.intra, m.successive, m.inter) if t is not None]
+    outs: list[torch.Tensor] = []
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    rows = None
+    for p in _chunk_pieces(m, None, slice(None), query.dtype):
+        if rows is not None and p.rows != rows:  # a new chunk of queries: merge the last one's parts
+            outs.append(kernels.merge_parts(parts)[0])
+            parts = []
+        rows = p.rows
+        parts.append(fa4.attend(queries[p.query][:, :, p.rows], m.key[:, :, p.keys], value[:, :, p.keys], scaling,
+                                causal=p.causal, softcap=softcap))
+    outs.append(kernels.merge_parts(parts)[0])
+    return torch.cat(outs, dim=2).to(value.dtype).transpose(1, 2).contiguous()
+
+
 def _run_written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
                      softcap: float | None, kwargs: dict[str, Any]):
@@ -219,6 +245,9 @@ def _run_written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 PATHS = (
+    paths.Path("fa4", _run_fa4, "per chunk of queries a few FlashAttention-4 calls merged by log-sum-exp (Hopper, "
+               "Blackwell)", devices=frozenset({"cuda"}), dtypes=paths.LOW, softcap=True,
+               masks=frozenset({"none", "bool"}), missing=fa4.missing),
     paths.Path("pieces", _run_pieces, "per chunk of queries a few flash-attention kernel calls (own chunk, "
                "previous chunk, earlier chunks) merged by log-sum-exp; gradients by each call's kernel backward"),
     paths.Path("written-out", _run_written_out, "scores written out at the three query positions, a block of "

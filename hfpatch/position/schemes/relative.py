@@ -46,7 +46,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from ...adapters import Adapter
 from ...edits import Edits
-from ..attention import distance_bias, flex, paths, recompute, split
+from ..attention import distance_bias, fa4, flex, paths, recompute, split
 from ..attention.written import biased_attention, causal_of
 from ..signal import attention_modules, remove_positions, use_attention
 from .absolute import sinusoidal_table
@@ -280,10 +280,26 @@ def _t5_flex(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, atten
     return out.transpose(1, 2).contiguous()
 
 
+def _t5_fa4(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *,
+            scaling: float, dropout: float, causal: bool, softcap: float | None, kwargs: dict[str, Any]) -> Tensor:
+    """One FlashAttention-4 call whose score_mod reads the bias by distance (an aux tensor [H, D + 1], held
+    constant); the table's gradient from distance_bias."""
+    fa4.require_plain_causal(attention_mask, query.shape[2], key.shape[2])
+    near, far = t5_near_far(getattr(module, T5_ATTR), query.device)
+    table = torch.cat([near, far[:, None]], 1).detach().float().contiguous().view(-1)
+    out, lse = fa4.attend(query, key, value, scaling, causal=True, score_mod=fa4.near_far_mod(near.shape[1]),
+                          score_mod_bwd=fa4.additive_bwd(), aux=[table])
+    out = distance_bias.with_gradient(out, lse, near, far, query, key, value, None, scaling)
+    return out.transpose(1, 2).contiguous()
+
+
 _T5_FLEX = paths.Path("flex", _t5_flex, "compiled flex_attention with a score_mod reading the bias of each "
                       "distance, and a block mask", devices=frozenset({"cuda"}), softcap=True, bidirectional=True,
                       masks=frozenset({"none", "bool"}), worth=flex.worth_it)
 T5_PATHS = (
+    paths.Path("fa4", _t5_fa4, "FlashAttention-4 with a score_mod reading the bias of each distance (Hopper, "
+               "Blackwell); the table's gradient from the band alone", devices=frozenset({"cuda"}), dtypes=paths.LOW,
+               masks=frozenset({"none", "bool"}), missing=fa4.missing),
     _T5_FLEX,
     paths.Path("pieces", _t5_pieces, "kernel calls merged by log-sum-exp: the bias band (distances < D) as an "
                "additive mask, the farther keys plain causal with T5's last-bucket bias; gradients by each call's "

@@ -17,6 +17,9 @@ model's logits on a probe input; if not, the patch is refused.
 Attention functions registered with transformers (each with its mask function):
 - "hfpatch_self_extend" (models on sdpa or any other implementation): the path table `PATHS` (paths.py) picks per
   call the first of
+  - "fa4" (CUDA, compute capability 9.x-11.x, the flash-attn-4 package; fp16/bf16, no padding mask; gradients too):
+    two FlashAttention-4 calls, the neighbour band as a sliding window and the grouped keys as a causal call,
+    merged by log-sum-exp;
   - "flash-attn" (CUDA, attn_implementation="flash_attention_2", no padding mask, inference): two flash-attn calls,
     the neighbour band as a sliding window and the grouped keys as a causal call, merged by log-sum-exp;
   - "flex" (CUDA, gradients too): two compiled flex_attention calls with region block masks, merged by their
@@ -30,7 +33,7 @@ Attention functions registered with transformers (each with its mask function):
     explicit path a block of queries at a time (at most 2^24 scores per block).
 - "hfpatch_self_extend_eager" (models loaded with attn_implementation="eager"): the explicit path on all queries at
   once, returning the attention weights like eager attention does.
-The first three tell the regions apart by the distance in slots, which is the distance in positions when, in every
+The first four tell the regions apart by the distance in slots, which is the distance in positions when, in every
 batch row, position - slot is one constant over the slots the call attends (contiguous positions, left padding and
 generate() with a cache included: padded slots, which no query sees, may carry any position). A call whose positions
 skip is refused by them (`contiguous_positions`) and goes to the written-out path; in a torch.compile'd model, whose
@@ -48,7 +51,7 @@ from torch import nn
 
 from ...adapters import Adapter
 from ...edits import Edits
-from ..attention import flex, kernels, paths, split
+from ..attention import fa4, flex, kernels, paths, split
 from ..attention.written import explicit_attention
 from ..rope.llamacpp import group_attention_flags
 from . import rotated
@@ -271,6 +274,14 @@ def _run_flash(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     return split.two_maps_flash(qn, kn, qg, kg, value, maps.window, scaling, softcap)
 
 
+def _run_fa4(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
+             softcap: float | None, kwargs: dict[str, Any]):
+    fa4.require_plain_causal(attention_mask, query.shape[2], key.shape[2])
+    maps, qn, kn, qg, kg = _both_by_slots(module, query, key, attention_mask, kwargs)
+    return split.two_maps_fa4(qn, kn, qg, kg, value, maps.window, scaling, softcap)
+
+
 def _run_written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
                      softcap: float | None, kwargs: dict[str, Any]):
@@ -281,6 +292,9 @@ def _run_written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 PATHS = (
+    paths.Path("fa4", _run_fa4, "two FlashAttention-4 calls (neighbour window, grouped keys) merged by log-sum-exp "
+               "(Hopper, Blackwell)", devices=frozenset({"cuda"}), dtypes=paths.LOW, softcap=True,
+               masks=frozenset({"none", "bool"}), missing=fa4.missing),
     paths.Path("flash-attn", _run_flash, "two flash-attn calls (neighbour window, grouped keys) merged by "
                "log-sum-exp (attn_implementation='flash_attention_2')", devices=frozenset({"cuda"}),
                grad_devices=frozenset(), dtypes=paths.LOW, softcap=True, masks=frozenset({"none"}),
