@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
@@ -62,6 +64,8 @@ __all__ = [  # patch / unpatch and what the package reads of a patched model (pa
 ]
 
 RECORD_VERSION = 2  # 2: the record carries the adapter (1: without it)
+# patch / unpatch return the object they were given: a transformers model, or a peft model around one
+ModelT = TypeVar("ModelT", bound=torch.nn.Module)
 
 
 class PatchRefused(ValueError):
@@ -159,8 +163,9 @@ def _record(spec: dict, touched: dict, facts: dict, stages: list, adapter: dict)
     }
 
 
-def patch(model, position=None, factor=None, norm=None, placement=None, exact=None, attention_temperature=None,
-          **options):
+def patch(model: ModelT, position: str | None = None, factor: float | None = None, norm: str | None = None,
+          placement: str | None = None, exact: bool | None = None,
+          attention_temperature: str | dict[str, Any] | None = None, **options: Any) -> ModelT:
     """Patch `model` in place and return it: its position encoding, its norms, their placement, or several at once.
 
     The patch replaces what was patched on the same axis before (a second `position=` replaces the first, never
@@ -276,7 +281,7 @@ def own_config(model: PreTrainedModel, edits: Edits) -> None:
                 edits.set(module, name, memo[id(value)])
 
 
-def unpatch(model):
+def unpatch(model: ModelT) -> ModelT:
     """Undo every patch: the original modules, buffers, classes and config values come back themselves.
 
     A model loaded patched (`hfpatch.from_pretrained` of a folder saved patched, a GGUF file with RoPE scaling) goes
@@ -315,7 +320,9 @@ def unpatch(model):
 
 
 
-def calibrate(model, batches=None) -> int:
+def calibrate(model: torch.nn.Module,
+              batches: torch.Tensor | Mapping[str, torch.Tensor]
+              | Iterable[torch.Tensor | Mapping[str, torch.Tensor]] | None = None) -> int:
     """Fit what a patch put in `model` to the model it replaced (norm/fit.py).
 
     Fits the running statistics of `norm="batchnorm"`, the α of each `norm="dyt"` module, and the scale and bias of

@@ -99,8 +99,9 @@ def tried_layers(model, result: dict) -> dict:
     scheme in its first attention layer, the rest YaRN), and undone at once."""
     patches = result["patches"]
     # under the scheme they are used with most (Llama 4 pairs NoPE layers with scaled RoPE), else plain RoPE
-    rest = next(({"position": s, **({"factor": 2.0} if SCHEMES[s].factor == "required" else {})}
-                 for s in ("yarn", "rope") if s in patches["position"]), None)
+    rest: dict[str, Any] | None = next(
+        ({"position": s, **({"factor": 2.0} if SCHEMES[s].factor == "required" else {})}
+         for s in ("yarn", "rope") if s in patches["position"]), None)
     if not patches["position_layers"] or rest is None:
         return result
     first = (adapter_for(model).attention_layers or (0,))[0]

@@ -8,7 +8,7 @@ import importlib.util
 import os
 import pickle
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 from huggingface_hub import try_to_load_from_cache
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -29,6 +29,10 @@ from .apply import mark_loaded
 from .interop.gguf import apply_to_loaded
 from .interop.io import from_pretrained, refuse_pickled_weights, remote_code_refused
 from .utils import files
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SMOLLM2 = "smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -81,8 +85,9 @@ OPT_IN = {"trust_remote_code": "load(..., trust_remote_code=True), hfpatch --tru
                                    "recipe key allow_pickled_weights: true"}
 
 
-def load(name: str, dtype=None, device_map=None, tokenizer: bool = True, trust_remote_code: bool = False,
-         allow_pickled_weights: bool = False):
+def load(name: str, dtype: torch.dtype | str | None = None, device_map: str | dict[str, Any] | None = None,
+         tokenizer: bool = True, trust_remote_code: bool = False,
+         allow_pickled_weights: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """(model, tokenizer or None). A model saved by hfpatch comes back patched, and so does a GGUF file with RoPE
     scaling (exported by hfpatch.interop.gguf.export, or by llama.cpp's converter).
 
@@ -91,11 +96,11 @@ def load(name: str, dtype=None, device_map=None, tokenizer: bool = True, trust_r
     when there are no safetensors; off by default."""
     where, gguf_file = resolve(name)
     given = {"dtype": dtype, "device_map": device_map, "gguf_file": gguf_file}
-    kwargs = {k: v for k, v in given.items() if v is not None}
+    kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     kwargs["trust_remote_code"] = trust_remote_code
     try:
         if gguf_file:
-            model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+            model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(where, **kwargs)
             apply_to_loaded(model, os.path.join(where, gguf_file))  # transformers reads no RoPE scaling from GGUF
             mark_loaded(model)  # the file's scaling is the model as loaded (describe()["loaded_with"])
         else:

@@ -8,6 +8,7 @@ Only options the user gave are stored, so two specs are equal when the requests 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS
@@ -32,8 +33,9 @@ def _choice(name: str, value, choices) -> str:
     return value.strip().lower()
 
 
-def request(position=None, factor=None, norm=None, placement=None, exact=None, attention_temperature=None,
-            **options) -> dict:
+def request(position: str | None = None, factor: float | None = None, norm: str | None = None,
+            placement: str | None = None, exact: bool | None = None,
+            attention_temperature: str | dict[str, Any] | None = None, **options: Any) -> dict:
     """The keyword form of `hfpatch.patch`, validated into a partial spec (only the axes the call names)."""
     out: dict = {}
     if attention_temperature is not None:

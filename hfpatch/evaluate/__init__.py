@@ -14,15 +14,21 @@ A module there is an evaluation by being there: the list below is read from the 
 modules, so `hfpatch --help` stays fast); the module defines EVALUATION, which takes its name from the module.
 """
 
+from __future__ import annotations
+
 import importlib
 import pkgutil
+from typing import TYPE_CHECKING
 
 from . import evaluations
+
+if TYPE_CHECKING:
+    from .definition import Evaluation
 
 EVALUATIONS = tuple(sorted(m.name for m in pkgutil.iter_modules(evaluations.__path__) if not m.ispkg))
 
 
-def evaluation(name: str):
+def evaluation(name: str) -> Evaluation:
     """The EVALUATION (a sweep.Evaluation) of `hfpatch eval NAME`; ValueError for a name that is none."""
     if name not in EVALUATIONS:
         raise ValueError(f"unknown evaluation {name!r}; the evaluations: {', '.join(EVALUATIONS)}")

@@ -79,7 +79,7 @@ def load_model(args: argparse.Namespace):
     model, _ = load(args.model, dtype=torch_dtype(args.dtype), device_map=args.device_map, tokenizer=False)
     if not args.device_map:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # (mypy reads transformers' @wraps(Module.to) as unbound)
     return model.eval()
 
 

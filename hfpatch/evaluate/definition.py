@@ -62,9 +62,9 @@ class Evaluation:
     """One evaluation; its module (evaluate/evaluations/NAME.py) gives it its name, and the first paragraph of the
     module's docstring its description."""
 
-    records = "records"  # the cell field with one record per unit
-    unit_key = "id"  # the record field that holds the unit's id
-    default_patches = "none,yarn:2"
+    records: str = "records"  # the cell field with one record per unit
+    unit_key: str = "id"  # the record field that holds the unit's id
+    default_patches: str = "none,yarn:2"
     # the cells' coordinates besides the patch spec: settings key -> the cell field it lists (numeric ones are shown
     # sorted, the others in the order they were run)
     axes: ClassVar[dict[str, str]] = {}

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
 
 
-def save_pretrained(model: PreTrainedModel, path: Path | str, tokenizer: Any = None, **kwargs: Any):
+def save_pretrained(model: PreTrainedModel, path: Path | str, tokenizer: Any = None, **kwargs: Any) -> Path | str:
     """Save a model, patched or not, so that `from_pretrained` rebuilds it with its patches.
 
     Writes the weights, the config (with an "hfpatch" section recording the patches) and the tokenizer if given.
@@ -60,6 +60,9 @@ def save_pretrained(model: PreTrainedModel, path: Path | str, tokenizer: Any = N
         path: the folder to write.
         tokenizer: saved into the same folder when given.
         **kwargs: passed to transformers' `save_pretrained`.
+
+    Returns:
+        `path`, as given.
 
     Raises:
         ValueError: `path` is a file, or the model carries peft adapters (merge them first).
@@ -251,7 +254,7 @@ def _model_class(config: PreTrainedConfig):
 
 
 
-def from_pretrained(path, **kwargs):
+def from_pretrained(path: Path | str, **kwargs: Any) -> PreTrainedModel:
     """Rebuild a model saved by `save_pretrained`, patched or not, with its patches applied.
 
     Two defaults differ from transformers': `trust_remote_code=False` (the Python code a model folder may carry is
@@ -365,7 +368,7 @@ def _load_into_patched_structure(path: str | Path, config: PreTrainedConfig, rec
     return model
 
 
-def _loaded(model: PreTrainedModel):
+def _loaded(model: PreTrainedModel) -> PreTrainedModel:
     """The model, with the patch it now carries remembered as the one it was loaded with (describe())."""
     mark_loaded(model)
     return model

@@ -172,7 +172,7 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
-def tiny_config(model_type: str, **overrides: Any):
+def tiny_config(model_type: str, **overrides: Any) -> PreTrainedConfig:
     """The family's own config class with every size shrunk; `overrides` are passed to it last."""
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"unknown model_type {model_type!r}; accepted: a key of transformers' CONFIG_MAPPING")
@@ -234,7 +234,7 @@ def perturb_norms(model: PreTrainedModel, scale: float = 0.1) -> None:
                 p.add_(scale * torch.randn_like(p))
 
 
-def _build(model_type: str, seed: int = 0, **overrides: Any):
+def _build(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     config = tiny_config(model_type, **overrides)
     with quiet():
         try:
@@ -252,7 +252,7 @@ def _build(model_type: str, seed: int = 0, **overrides: Any):
 
 
 @torch.no_grad()
-def greedy_check(model: Any, prompt: int = 24, new_tokens: int = 3):
+def greedy_check(model: Any, prompt: int = 24, new_tokens: int = 3) -> tuple[torch.Tensor, list[float]]:
     """Cached greedy generation of a few tokens after `prompt` sample tokens (24: past the tiny sliding windows, so
     their caches roll over). Returns the generated sequences and, per step, the largest difference between the
     step's logits (before the family's logits processors) and an uncached forward over the same tokens."""
@@ -280,7 +280,7 @@ def stepped_and_full(model: PreTrainedModel, length: int = 33, steps: int = 5) -
     return torch.stack(got, 1), full
 
 
-def build_tiny(model_type: str, seed: int = 0, **overrides: Any):
+def build_tiny(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """AutoModelForCausalLM.from_config(tiny_config(...)): fp32, eval mode, seeded, the family's default attention
     implementation; checked by one forward pass on input_ids. Raises TinyBuildError (one line) where it cannot."""
     if model_type in EXPECTED_FAILURES:

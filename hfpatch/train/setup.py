@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -47,7 +48,7 @@ def load(cfg: RecipeConfig):
     if tok is None:
         raise ConfigError(f"model {cfg.model!r} has no tokenizer: set tokenizer: (a folder, .gguf or 'smollm2')")
     check_causal(model)
-    rows = model.get_input_embeddings().num_embeddings
+    rows = cast(torch.nn.Embedding, model.get_input_embeddings()).num_embeddings
     if len(tok) > rows:  # its last ids would index past the embedding, deep inside the first step
         raise ConfigError(f"the tokenizer has {len(tok)} tokens, the model's embedding {rows} rows: use the model's "
                           "own tokenizer (leave tokenizer: out) or one with at most that many")
