@@ -38,7 +38,7 @@ from hfpatch.families import markdown as families_markdown
 from hfpatch.interop.serving import markdown as serving_markdown
 from hfpatch.norm.kinds import NORMS
 from hfpatch.position.registry import SCHEMES
-from hfpatch.studies import report as study_report
+from recipes.studies import report as study_report
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -801,11 +801,11 @@ def patch_options():
 
 # ---------------------------------------------------------------------------------------------------- recipe keys
 
-@table("hfpatch/train/config.py", "hfpatch/studies/study.py")
+@table("hfpatch/train/config.py", "recipes/studies/study.py")
 def recipe_keys():
     """Every key of the recipes' configs, read off the dataclasses that check them."""
-    from hfpatch.studies.study import StudyConfig
     from hfpatch.train.config import RECIPES, RecipeConfig, keys
+    from recipes.studies.study import StudyConfig
 
     def rows(cls, leave_out=()):
         return [[f"`{name}`", type_text(kind), default_text(default), what]

@@ -1,7 +1,9 @@
-"""Fault injection for the recipes' promise that a run killed anywhere resumes to the same result. Used by
-tests/test_recipe_faults.py and eval/soak_recipe.py; training never imports it.
+"""Fault injection for the recipes' promise that a run killed anywhere resumes to the same result: a testing tool,
+outside the package (nothing of hfpatch imports it). Used by tests/test_recipe_faults.py and eval/soak_recipe.py.
 
-    python -m hfpatch.train.faults --root OUT [--kill-at N [--match REGEX]] [--trace FILE] RECIPE.py [key=value ...]
+    python -m eval.faults --root OUT [--kill-at N [--match REGEX]] [--trace FILE] RECIPE.py [key=value ...]
+
+(from the repository root, like every eval/ script.)
 
 Runs the recipe script in this process with every file operation under OUT observed as an event: torch.save and
 safetensors' save_file (weights, optimizer and RNG states, as accelerate and transformers call them), open() for
@@ -135,7 +137,7 @@ def die():
 
 def command(recipe, args, root, kill_at=None, match="", trace=None) -> list[str]:
     """The argv that runs `recipe` (a script path) with `args` under this injector (see the module docstring)."""
-    out = [sys.executable, "-m", "hfpatch.train.faults", "--root", str(root)]
+    out = [sys.executable, "-m", "eval.faults", "--root", str(root)]  # run from the repository root
     if kill_at is not None:
         out += ["--kill-at", str(kill_at), "--match", match]
     if trace:
@@ -144,7 +146,7 @@ def command(recipe, args, root, kill_at=None, match="", trace=None) -> list[str]
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m hfpatch.train.faults", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m eval.faults", description=__doc__.split("\n\n")[0])
     p.add_argument("--root", required=True, help="only file operations under this folder are events")
     p.add_argument("--kill-at", type=int, help="SIGKILL at this matching event (0-based)")
     p.add_argument("--match", default="", help="regular expression on 'kind path' selecting the counted events")

@@ -7,7 +7,7 @@ a run that was never killed, and every resume must start from the newest complet
     python -m eval.soak_recipe --kills 10 --seed 3 --json eval/results/soak_recipe.json
 
 Where the kills land: half are "event" kills, at a file operation under output_dir picked uniformly among those
-an uninterrupted run makes (hfpatch.train.faults: a torn weights/optimizer/RNG/marker/log/config write, or just
+an uninterrupted run makes (eval.faults: a torn weights/optimizer/RNG/marker/log/config write, or just
 before a rename or a removal), so they hit the short windows of save_state and of the final save that a timer
 would rarely hit; the other half are "time" kills, SIGKILL from outside after a uniform random delay within the
 duration of one uninterrupted launch (mostly start-up and training). A run gets 1 to 4 kills before it is left to
@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 import hfpatch
+from eval import faults
 from hfpatch.lm.text import default_corpus
-from hfpatch.train import checkpoint, faults
+from hfpatch.train import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "pretrain.py"

@@ -24,15 +24,15 @@ from typing import Any
 import torch
 from accelerate.state import PartialState
 from accelerate.utils import set_seed
+from studies import measure  # recipes/studies/, beside this script
+from studies import report as study_report
+from studies.study import Run, StudyConfig, claim, load_study, newest_checkpoint, plan
 
 import hfpatch
 import hfpatch.introspect
 from hfpatch import evaluate as evaluations
 from hfpatch.evaluate.common import versions
 from hfpatch.models import load
-from hfpatch.studies import measure
-from hfpatch.studies import report as study_report
-from hfpatch.studies.study import Run, StudyConfig, claim, load_study, newest_checkpoint, plan
 from hfpatch.train import checkpoint, data, init, loop, setup
 from hfpatch.train.config import ConfigError
 from hfpatch.train.tokenizer import train_tokenizer

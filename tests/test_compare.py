@@ -1,4 +1,4 @@
-"""recipes/compare.py and its machinery (hfpatch/studies/study.py, measure.py, study_report.py): the study config,
+"""recipes/compare.py and its machinery (recipes/studies/study.py, measure.py, report.py): the study config,
 per-block gradient norms against the gradients themselves, the repeated-span recall probe against a model that copies
 by construction, the normalisation-statistics measurement, and a whole tiny study (run twice: the second run redoes
 nothing)."""
@@ -14,8 +14,8 @@ import torch
 from conftest import REPO, stdlib_text, tiny_model, tokens
 
 import hfpatch
-from hfpatch.studies import measure, study
 from hfpatch.train.config import ConfigError
+from recipes.studies import measure, study
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64}

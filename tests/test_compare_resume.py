@@ -11,7 +11,7 @@ from accelerate import Accelerator
 
 from hfpatch import tiny
 from hfpatch.train import checkpoint
-from hfpatch.studies import measure, study
+from recipes.studies import measure, study
 
 
 def _checkpoints(root):

@@ -42,8 +42,6 @@ LAYERS: dict[str, set[str]] = {
     "search": {"evaluate", "apply", "introspect", "adapters", "position", "lm", "models", "utils"},
     "train": {"hfpatch", "introspect", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models", "registry",
               "utils"},
-    "studies": {"hfpatch", "introspect", "evaluate", "train", "apply", "spec", "adapters", "lm", "models", "norm", "position",
-                "utils"},
     "cli": {"hfpatch", "introspect", "evaluate", "lm", "search", "norm", "spec", "models", "families", "apply", "interop", "position", "utils"},
     "__main__": {"cli"},
 }

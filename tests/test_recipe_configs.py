@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfpatch.studies import study
 from hfpatch.train import config, loop
 from hfpatch.train.config import ConfigError
+from recipes.studies import study
 
 IDENTITIES = Path(__file__).parent / "data" / "run_identities.json"
 

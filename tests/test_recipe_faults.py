@@ -14,9 +14,10 @@ import torch
 from conftest import REPO, stdlib_text
 
 import hfpatch
-from hfpatch.utils.files import sha256
-from hfpatch.train import checkpoint, faults
+from eval import faults
+from hfpatch.train import checkpoint
 from hfpatch.train.config import ConfigError
+from hfpatch.utils.files import sha256
 
 TINY = ("model_config={model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
         "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 128}")
@@ -98,7 +99,7 @@ def test_killed_as_soon_as_step_2_appears_resumes_to_the_uninterrupted_curve(arg
 
 
 def faulty(args, out, kill: str, at: int, *extra):
-    """The recipe under hfpatch.train.faults, killed at the `at`-th file event under `out` matching `kill`."""
+    """The recipe under eval.faults, killed at the `at`-th file event under `out` matching `kill`."""
     cmd = faults.command(REPO / "recipes" / "pretrain.py", [*args, f"output_dir={out}", *extra], out, at, kill)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env(), timeout=TIMEOUT)
     assert proc.returncode == -signal.SIGKILL, f"not killed at {kill!r}: {proc.stderr[-3000:]}"

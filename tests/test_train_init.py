@@ -16,8 +16,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hfpatch
 from hfpatch.train import config, init, loop, setup
-from hfpatch.studies import measure, study, report as study_report
 from hfpatch.train.config import ConfigError
+from recipes.studies import measure, study
+from recipes.studies import report as study_report
 
 SIZES = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 1000,

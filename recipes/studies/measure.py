@@ -14,15 +14,16 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..adapters import adapter_for
-from ..apply import unwrap
-from ..lm.causal import logits_nll
-from ..lm.text import documents, tokenize
-from ..norm.batchnorm import batch_statistics
-from ..train.checkpoint import cut_log
-from ..train.config import ConfigError
-from ..train.loop import CausalLMLoss
-from ..utils.timing import medians
+from hfpatch.adapters import adapter_for
+from hfpatch.apply import unwrap
+from hfpatch.lm.causal import logits_nll
+from hfpatch.lm.text import documents, tokenize
+from hfpatch.norm.batchnorm import batch_statistics
+from hfpatch.train.checkpoint import cut_log
+from hfpatch.train.config import ConfigError
+from hfpatch.train.loop import CausalLMLoss
+from hfpatch.utils.timing import medians
+
 from .study import StudyConfig
 
 if TYPE_CHECKING:

@@ -8,8 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..evaluate.report import colors, figure, markdown_table
-from ..evaluate.stats import mean
+from hfpatch.evaluate.report import colors, figure, markdown_table
+from hfpatch.evaluate.stats import mean
+
 from .study import grid_arms
 
 

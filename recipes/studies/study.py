@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from ..train import checkpoint, config
-from ..train.config import ConfigError, PretrainConfig, required, setting
+from hfpatch.train import checkpoint, config
+from hfpatch.train.config import ConfigError, PretrainConfig, required, setting
 
 
 @dataclass(frozen=True, kw_only=True)
