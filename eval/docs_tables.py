@@ -799,6 +799,15 @@ def patch_options():
             + markdown_table(["norm", "what it computes", "needs", "exact conversion into it"], norms))
 
 
+@table("hfpatch/search/options.py")
+def search_options():
+    """Every option of hfpatch search, read off SearchOptions, the declaration that builds its parser and checks
+    search()'s keywords."""
+    from hfpatch.search.options import options_table
+
+    return options_table()
+
+
 # ---------------------------------------------------------------------------------------------------- recipe keys
 
 @table("hfpatch/train/config.py", "recipes/studies/study.py")

@@ -111,6 +111,7 @@ class Declared:
     metavar: str | None = None
     nargs: str | None = None
     choices: tuple[str, ...] | None = None
+    default_text: str | None = None  # what a default of None stands for, in words
 
 
 def option(default: Any, help: str, **how: Any) -> Any:
@@ -146,11 +147,12 @@ class SearchOptions:
                                   "(200), or one of each (2h,200)", parse=parse_budget, identity=False)
     out: str = option("runs/search", "folder for results.json, best.json, table.md and the plot; the same command "
                       "resumes it", identity=False)
-    text_files: list[str] | None = option(None, "calibration text: files or folders of .txt files (default: the "
-                                          "standard-library corpus)", nargs="+", identity=False, metavar="PATH")
+    text_files: list[str] | None = option(None, "calibration text: files or folders of .txt files", nargs="+",
+                                          identity=False, metavar="PATH",
+                                          default_text="the standard library's long source files")
     seed: int = option(0, "seed of the calibration samples and of the candidates drawn", parse=int)
-    families: list[str] | None = option(None, f"comma-separated: {', '.join(FAMILY_NAMES)} (default: all that apply)",
-                                        parse=parse_families)
+    families: list[str] | None = option(None, f"the families searched, comma-separated: {', '.join(FAMILY_NAMES)}",
+                                        parse=parse_families, default_text="all that apply to the model")
     population: int = option(8, "candidates per generation", parse=int)
     parents: int = option(4, "the best candidates new ones come from", parse=int)
     samples: int = option(2, "calibration samples of the target length, for the full-length score", parse=int)
@@ -160,11 +162,11 @@ class SearchOptions:
     proxy_segments: int = option(4, "segments of a proxy sample, spread evenly over the target length", parse=int)
     proxy_samples: int = option(2, "proxy samples per candidate", parse=int)
     finalists: int = option(4, "candidates scored at full length after the proxy ranking", parse=int)
-    span: int | None = option(None, "tokens of the repeated span (default min(32, window / 4))", parse=int)
+    span: int | None = option(None, "tokens of the repeated span", parse=int, default_text="min(32, window / 4)")
     needle_weight: float = option(0.5, "weight of needle NLL in the score, the rest on plain NLL", parse=float)
     guard: float = option(0.01, "largest relative rise of perplexity at the trained window (0.01: 1 %%)",
                           parse=float)
-    window: int | None = option(None, "the trained window (default: the model's config)", parse=int)
+    window: int | None = option(None, "the trained window", parse=int, default_text="the model's config")
     overwrite: bool = option(False, "discard an existing results file instead of resuming", identity=False)
     plot: bool = option(True, "draw OUT/convergence.png", identity=False)
     progress: bool = option(True, "a progress bar on stderr", identity=False)
@@ -174,8 +176,8 @@ class SearchOptions:
     model: str = option("smollm2", "hub id, local folder, .gguf file, or smollm2", python=False, identity=False)
     dtype: str = option("fast", "weights dtype: fast (bf16 where the device computes in it natively, else fp32), "
                         "fp32, bf16, fp16, auto (the checkpoint's)", python=False, identity=False, choices=DTYPES)
-    device: str | None = option(None, "cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)", python=False,
-                                identity=False)
+    device: str | None = option(None, "cpu, cuda, cuda:1, ...", python=False, identity=False,
+                                default_text="cuda if available, else cpu")
 
     def __post_init__(self) -> None:
         if isinstance(self.budget, str):
@@ -264,7 +266,8 @@ def build_parser(prog: str = "hfpatch search") -> command.Parser:
             name = flag(f) if not default else "--no-" + f.name.replace("_", "-")
             p.add_argument(name, dest=f.name, action="store_false" if default else "store_true", help=d.help)
             continue
-        shown = "" if default is None else f" (default {default})"
+        shown = (f" (default: {d.default_text})" if d.default_text
+                 else "" if default is None else f" (default {default})")
         kwargs: dict[str, Any] = {"dest": f.name, "help": d.help + shown, "required": f.default is dataclasses.MISSING}
         if d.parse is not None:
             kwargs["type"] = _cli_type(d.parse)
@@ -284,10 +287,10 @@ def options_table() -> str:
     for f in declared():
         d: Declared = f.metadata["declared"]
         default = "required" if f.default is dataclasses.MISSING else (
-            "all that apply" if f.name == "families" else "—" if f.default is None else f"`{f.default}`")
+            d.default_text or "—" if f.default is None else f"`{f.default}`")
         cli = f"`{flag(f)}`" if d.cli else "—"
         if isinstance(f.default, bool) and f.default:
-            cli = f"`--no-{f.name.replace('_', '-')}`"
+            cli = f"`--no-{f.name.replace('_', '-')}` (sets it False)"
         python = f"`{f.name}`" if d.python else "— (a loaded model is given)"
         rows.append(f"| {cli} | {python} | {default} | {d.help.replace('%%', '%')} |")
     return "\n".join(rows)
