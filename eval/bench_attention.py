@@ -43,7 +43,8 @@ import sys
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import hfpatch
 from eval.benchutil import (
@@ -58,7 +59,7 @@ from eval.benchutil import (
     run_worker,
     timed_forwards,
 )
-from hfpatch.position.attention import flex, kernels, paths
+from hfpatch.position.attention import fa4, flex, kernels, paths
 
 GB = 1024**3
 THETA = 1e5
@@ -75,6 +76,39 @@ CHOSEN = {**{scheme: options for scheme, (options, _) in SCHEMES.items()}, "dual
 WINDOWED = {"self-extend", "dual-chunk"}  # keep the trained window: the scheme reaches beyond it
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 MODULE = module_name(__file__)  # what the workers run as
+
+
+# --device: the floors, the unpatched model on the kernels the schemes run on, with nothing modified: flex_attention
+# with only the causal block mask (the Triton kernels of the flex paths) and FlashAttention-4 causal (the fa4 paths).
+# A scheme's cost is read against the floor of its kernel family as well as against sdpa.
+FLOORS = {"flex": "hfpatch_bench_flex_floor", "fa4": "hfpatch_bench_fa4_floor"}
+
+
+def _flex_floor(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal flex_attention, no score_mod (the bench's batches have no padding)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    mask = flex.block_mask(flex.CAUSAL, q_len, kv_len, query.device)
+    return flex.attention(query, key, value, scaling, None, mask).transpose(1, 2).contiguous(), None
+
+
+def _fa4_floor(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """One causal FlashAttention-4 call, no score_mod."""
+    out, _ = fa4.attend(query, key, value, scaling, causal=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+for _name, _fn in ((FLOORS["flex"], _flex_floor), (FLOORS["fa4"], _fa4_floor)):
+    AttentionInterface.register(_name, _fn)
+    AttentionMaskInterface.register(_name, sdpa_mask)
+
+
+def floor_refusal(kind: str, args) -> str | None:
+    """Why the floor of `kind` cannot be measured here, or None."""
+    if kind == "fa4":
+        return fa4.missing()
+    if args.mode == "train" and not args.device.startswith("cuda"):
+        return "flex_attention has no backward pass on the CPU"
+    return None
 
 
 def build(scheme: str, layers: int, length: int, attn: str | None = None):
@@ -185,9 +219,11 @@ def flash_schemes() -> list[str]:
 
 
 def device_variants() -> list[str]:
-    """"unpatched" (sdpa), every scheme, then "flash:unpatched" and "flash:SCHEME" (models loaded with
-    flash-attn, for the schemes with a flash-attn path)."""
-    return ["unpatched", *CHOSEN, "flash:unpatched", *(f"flash:{s}" for s in flash_schemes())]
+    """"unpatched" (sdpa), the floors ("floor:flex", "floor:fa4": the unpatched model on those kernels), every
+    scheme, then "flash:unpatched" and "flash:SCHEME" (models loaded with flash-attn, for the schemes with a
+    flash-attn path)."""
+    return ["unpatched", *(f"floor:{k}" for k in FLOORS), *CHOSEN, "flash:unpatched",
+            *(f"flash:{s}" for s in flash_schemes())]
 
 
 class DeviceMemory:
@@ -229,7 +265,8 @@ def device_cell(variant: str, length: int, args) -> dict:
     """One cell of the --device grid: the first call at `length` (compilation included) apart, then the timed ones."""
     base, _, scheme = variant.rpartition(":")
     memory = DeviceMemory(args.device)
-    model = build(scheme, args.layers, length, attn="flash_attention_2" if base == "flash" else None)
+    attn = "flash_attention_2" if base == "flash" else FLOORS[scheme] if base == "floor" else None
+    model = build("unpatched" if base == "floor" else scheme, args.layers, length, attn=attn)
     model.to(args.device, getattr(torch, DTYPES[args.dtype]))
     train = args.mode == "train"
     model.train(train)
@@ -260,8 +297,11 @@ def device_grid(args, save) -> dict:
     for L in args.lengths:
         for v in device_variants():
             t0 = time.perf_counter()
+            floor = v.startswith("floor:") and floor_refusal(v.partition(":")[2], args)
             if v.startswith("flash:") and no_flash:
                 results[(v, L)] = {"skipped": no_flash}
+            elif floor:
+                results[(v, L)] = {"skipped": floor}
             elif args.budget_s and t0 - start > args.budget_s:
                 results[(v, L)] = {"skipped": f"the time budget of {args.budget_s:.0f} s was spent"}
             else:
@@ -278,28 +318,41 @@ def device_grid(args, save) -> dict:
     return results
 
 
-def device_tables(results: dict, args) -> str:
+def device_tables(results: dict, args, unmeasured: str = "not measured in this run") -> str:
+    """The grid as a table: each variant's time and peak memory against unpatched sdpa and against the two floors
+    (the unpatched model on flex_attention and on FlashAttention-4); a floor that has no cell in `results` reads
+    `unmeasured`, one that was skipped or failed "-"."""
     what = "forward + loss + backward" if args.mode == "train" else "forward of the base model"
-    head = ["L", "variant", "path (calls)", "seconds", "time / unpatched sdpa", "peak (GB)",
-            "peak / unpatched sdpa", "first call (s)"]
+    bases = [("unpatched", "sdpa"), ("floor:flex", "flex"), ("floor:fa4", "fa4")]
+    head = ["L", "variant", "path (calls)", "seconds", *(f"time / {n}" for _, n in bases), "peak (GB)",
+            *(f"peak / {n}" for _, n in bases), "first call (s)"]
     rows = []
     for (v, L), r in results.items():
         if "seconds" not in r:
-            rows.append([L, v, r.get("error") or f"skipped: {r['skipped']}", "", "", "", "", ""])
+            rows.append([L, v, r.get("error") or f"skipped: {r['skipped']}", *[""] * (len(head) - 3)])
             continue
-        base = results.get(("unpatched", L), {})
-        t = median(r["seconds"])
-        ran = ", ".join(f"{k} x{n}" for k, n in sorted(r["ran"].items())) or "the model's own"
-        rows.append([L, v, ran, f"{t:.3f}", f"{t / median(base['seconds']):.2f}" if "seconds" in base else "",
-                     f"{r['peak'] / GB:.2f}", f"{r['peak'] / base['peak']:.2f}" if "seconds" in base else "",
-                     f"{r['first_call']:.1f}"])
+
+        def ratio(key: str, field: str, L: int = L, r: dict = r) -> str:
+            base = results.get((key, L))
+            if base is None:
+                return unmeasured
+            if "seconds" not in base:
+                return "-"
+            mine, theirs = (median(x["seconds"]) if field == "seconds" else x["peak"] for x in (r, base))
+            return f"{mine / theirs:.2f}"
+
+        kernel = {"floor:flex": "flex_attention", "floor:fa4": "FlashAttention-4"}.get(v, "the model's own")
+        ran = ", ".join(f"{k} x{n}" for k, n in sorted(r["ran"].items())) or kernel
+        rows.append([L, v, ran, f"{median(r['seconds']):.3f}", *(ratio(k, "seconds") for k, _ in bases),
+                     f"{r['peak'] / GB:.2f}", *(ratio(k, "peak") for k, _ in bases), f"{r['first_call']:.1f}"])
     return "\n".join([
         f"SmolLM2-shaped Llama (d=576, 9/3 heads, head_dim 64), {args.layers} layers, random weights; batch 1; "
         f"{args.device}, {args.dtype}, {args.mode} ({what}); "
         + ("" if args.device.startswith("cuda") else f"{args.threads or torch.get_num_threads()} threads"
            + (", a busy neighbour process beside it; " if args.neighbour else "; ")) +
         f"median of {args.repeats} after a first call at the length (reported apart: compilation included); "
-        "the path each scheme's table chooses; peak = "
+        "the path each scheme's table chooses; the floors: the unpatched model on flex_attention with only the causal "
+        "mask (floor:flex) and on FlashAttention-4 with no score_mod (floor:fa4); peak = "
         + ("torch's CUDA allocator peak during the timed calls." if args.device.startswith("cuda")
            else "process peak RSS during the timed calls."),
         "", markdown_table(head, rows)])

@@ -356,7 +356,8 @@ def gpu_bench() -> str:
                         ("rerun/bench_train.json", "Training, from the re-run (" + load("gpu/rerun/run.json")["note"]
                          + ")")):
         d = load(f"gpu/{name}")
-        parts.append(f"{title}:\n\n" + bench_attention.device_tables(bench_cells(d), argparse.Namespace(**d["args"])))
+        parts.append(f"{title}:\n\n" + bench_attention.device_tables(bench_cells(d), argparse.Namespace(**d["args"]),
+                                                                   unmeasured="not yet measured on a GPU"))
     return "\n\n".join(parts)
 
 

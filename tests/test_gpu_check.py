@@ -69,6 +69,8 @@ def test_the_dry_run_runs_every_step_or_says_why_not(tmp_path):
     assert any("CUDA" in why for why in summary["tests"]["skipped"])
     bench = json.loads((out / "bench_train.json").read_text())["cells"]
     assert "seconds" in bench["unpatched@256"] and bench["alibi@256"]["ran"]
+    assert "skipped" in bench["floor:fa4@256"] and "seconds" in json.loads(
+        (out / "bench_infer.json").read_text())["cells"]["floor:flex@256"]  # the floors: flex runs on the CPU
     assert (out / "summary.md").read_text().startswith("GPU check on CPU")
 
 
