@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -49,3 +50,19 @@ def test_warnings_of_reads_mkdocs_log_levels():
            "INFO    -  a page that says WARNING - in its text\n")
     assert warnings_of(log) == ["WARNING -  griffe: hfpatch/apply.py:171: No type or annotation for parameter 'model'",
                                 "ERROR   -  Error reading page 'x.md'"]
+
+
+def test_the_readme_links_every_section_of_the_site():
+    """Each top-level entry of the site's navigation (a page, or a section by one of its pages) is linked from
+    README.md."""
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    readme = (ROOT / "README.md").read_text()
+    linked = {path.removeprefix("docs/") for path in re.findall(r"\]\(([^)#]+)", readme)}
+    linked |= {"changelog.md"} if "CHANGELOG.md" in linked else set()  # the site's changelog page includes it
+    missing = []
+    for entry in nav:
+        (title, target), = entry.items()
+        pages = [target] if isinstance(target, str) else [p for item in target for p in item.values()]
+        if not linked & set(pages):
+            missing.append(title)
+    assert missing == []
