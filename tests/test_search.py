@@ -319,7 +319,11 @@ def test_patch_spec_file_applies_best_json_and_refuses_bad_files(tmp_path, capsy
     assert cli_main(["patch", str(folder), "--spec-file", str(tmp_path / "list.json"), "--out",
                      str(tmp_path / "o4")]) == 2
     assert "expected a non-empty JSON object" in capsys.readouterr().err
-    assert not any((tmp_path / d).exists() for d in ("o2", "o3", "o4"))
+    (tmp_path / "none.json").write_text("{}\n")  # what the search writes when no patch beats the model
+    assert cli_main(["patch", str(folder), "--spec-file", str(tmp_path / "none.json"), "--out",
+                     str(tmp_path / "o5")]) == 2
+    assert "holds no patch" in capsys.readouterr().err
+    assert not any((tmp_path / d).exists() for d in ("o2", "o3", "o4", "o5"))
 
 
 def _transformers_warnings(fn) -> list[str]:
