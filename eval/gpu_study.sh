@@ -2,8 +2,8 @@
 # The SmolLM2-135M long-context studies that need a GPU (trained window 8k, extended to 32k), each one call of the
 # GPU machine after the same staging calls as the GPU check (docs/maintenance.md: "The GPU check"), everything it
 # writes under $OUT (default ./gpu-out), the evaluations' results files as they are:
-#   bash eval/gpu_study.sh --stage               # on the GPU machine, carrying .gpu-model/1, then .gpu-model/2
-#   bash eval/gpu_study.sh temperature           # carrying .whl, .gpu-data and .gpu-model/3
+#   bash eval/gpu_study.sh --stage               # on the GPU machine, carrying .gpu-stage/1, 2, ... but the last
+#   bash eval/gpu_study.sh temperature           # carrying .gpu-data and the last .gpu-stage part
 #   bash eval/gpu_study.sh search                # likewise
 #   bash eval/gpu_study.sh heal                  # likewise
 #   bash eval/gpu_study.sh temperature --dry-run # here, on the CPU: the same commands at a few hundred tokens
@@ -24,7 +24,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
-STAGED=${HFPATCH_GPU_MODEL_DIR:-/tmp/hfpatch-gpu-model}
+STAGED=${HFPATCH_GPU_STAGE_DIR:-/tmp/hfpatch-gpu-stage}
 STUDY="" MODE=gpu
 for a in "$@"; do
   case "$a" in
@@ -35,7 +35,7 @@ for a in "$@"; do
   esac
 done
 if [ "$MODE" = stage ]; then
-  $PY -m eval.gpu_check model --parts .gpu-model --staged "$STAGED" >/dev/null
+  $PY -m eval.gpu_check stage --parts .gpu-stage --staged "$STAGED"
   exit 0
 fi
 [ -n "$STUDY" ] || { echo "gpu_study.sh: name a study: temperature, search or heal" >&2; exit 2; }
@@ -58,9 +58,14 @@ step() {  # name budget_s command...: the command under timeout, its output to t
 }
 
 if [ "$MODE" = gpu ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl
+  # the staged files: the last part joins them; hfpatch's wheels only (FlashAttention-4's are the check's)
+  $PY -m eval.gpu_check stage --parts .gpu-stage --staged "$STAGED"
+  WHEELS=$($PY -m eval.gpu_check staged --staged "$STAGED" --group wheels)
+  [ -n "$WHEELS" ] || { echo "gpu_study.sh: the staged files are not complete: carry every .gpu-stage part (--stage)" >&2; exit 1; }
+  # shellcheck disable=SC2086
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" $WHEELS
   export PYTHONPATH=$WORK/site:$ROOT
-  MODEL=$($PY -m eval.gpu_check model --parts .gpu-model --staged "$STAGED")
+  MODEL=$($PY -m eval.gpu_check staged --staged "$STAGED" --group model)
   RUN=(--dtype bf16 --device cuda --no-plot --no-memory-check)
   PPL=(--lengths 8k,16k,32k --tokens-per-doc 32768)
   KEYS=(--lengths 16k,32k --depths 0.5 --trials 10)

