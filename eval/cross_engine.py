@@ -30,7 +30,7 @@ from pathlib import Path
 import gguf
 
 from hfpatch import spec as specs
-from hfpatch.evaluate import evaluation
+from hfpatch.evaluate import engines, evaluation
 from hfpatch.evaluate.common import length_label, parse_lengths
 from hfpatch.evaluate.report import markdown_table
 from hfpatch.interop import gguf as hg
@@ -38,8 +38,8 @@ from hfpatch.models import gguf_path
 
 HERE = Path(__file__).resolve().parent
 BOOKS = HERE.parent.parent / "shared" / "data" / "books"
-ENGINES = ("transformers", "llama.cpp", "vllm")
-OTHERS = ENGINES[1:]  # each compared with transformers
+ENGINES = tuple(engines.ENGINES)  # hfpatch's engines, as --engine names them
+OTHERS = tuple(e for e in ENGINES if e != engines.DEFAULT)  # each compared with transformers
 # the schemes compared, at the factors the comparison uses; llama3 only where the architecture reads rope_freqs
 SPECS = ("none", "linear:2", "ntk:2", "yarn:2", "yarn:4", "llama3:4")
 # LongRoPE with SmolLM2's 32 frequency pairs: plain RoPE within the trained window, a ramp from 1 (the fastest pair)

@@ -34,11 +34,12 @@ from eval import cross_engine as ce
 from eval import first_hour as fh
 from eval import gpu_check as gpu
 from eval import memory_breakdown as mb
-from hfpatch.evaluate import card, evaluation
+from hfpatch.evaluate import card, engines, evaluation
 from hfpatch.evaluate.common import length_label
 from hfpatch.evaluate.report import markdown_table
 from hfpatch.evaluate.stats import wilson
 from hfpatch.evaluate.sweep import covering, report
+from hfpatch.evaluate.transformers_engine import MODEL_OPTIONS
 from hfpatch.families import DECODE_CHECK, as_swept, counts, exact_layernorm_to_rmsnorm, sweep_baseline
 from hfpatch.families import markdown as families_markdown
 from hfpatch.interop.serving import markdown as serving_markdown
@@ -372,6 +373,18 @@ def gpu_bench() -> str:
 @table("eval/results/attention/smollm2_paths.json")
 def attention_paths_smollm2():
     return smollm2_paths.tables(load("attention/smollm2_paths.json"))
+
+
+@table("hfpatch/evaluate/engines.py")
+def eval_engines():
+    """The engines `--engine` names, read off the registry the command line and the sweep read."""
+    rows = []
+    for record in engines.ENGINES.values():
+        reads = record.load().reads
+        options = ", ".join(f"`--{o.replace('_', '-')}`" for o in MODEL_OPTIONS if o in reads) or "none"
+        default = " (default)" if record.name == engines.DEFAULT else ""
+        rows.append([f"`{record.name}`{default}", record.summary, options, record.needs or "—"])
+    return markdown_table(["`--engine`", "what runs the model", "model options it reads", "needs"], rows)
 
 
 # --------------------------------------------------------------------------------------------------- serving

@@ -1,7 +1,9 @@
 """The evaluation loop runs any engine, not only transformers: an engine whose model is its own object (as
 llama.cpp's is), scoring and decoding with its own code and applying patch specs its own way, goes through the same
 sweep — checks, estimate, cells, resume — and nothing of transformers or of hfpatch's patching is called on its model.
-These run without llama-cpp-python; tests/test_gguf_llamacpp.py runs the real llama.cpp engine."""
+Engines are registered from here, outside the package, through hfpatch.evaluate.engines.register, the one registry
+that --engine's choices and help, the sweep, the Python API and the docs' table read. These run without
+llama-cpp-python; tests/test_gguf_llamacpp.py runs the real llama.cpp engine."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from typing import ClassVar
 import pytest
 from conftest import stdlib_text
 
-from hfpatch.evaluate import definition, evaluation, sweep
+import hfpatch.evaluate
+from hfpatch.evaluate import definition, engines, evaluation, sweep
 from hfpatch.evaluate.common import load_model
+from hfpatch.evaluate.transformers_engine import TransformersEngine
 from hfpatch.lm.causal import causal_lm_parts, document_nll, greedy
 from hfpatch.registry import Registry
 from hfpatch.tiny import save_sized as save_tiny
@@ -27,19 +31,20 @@ class ForeignModel:
         self._parts = causal_lm_parts(model)
         self.applied_specs: list[str] = []
 
-    def document_nll(self, ids, spans, progress=None):
-        return document_nll(self._parts, ids, spans, progress=progress)
+    def document_nll(self, ids, spans, chunk=1024, progress=None):
+        return document_nll(self._parts, ids, spans, chunk, progress)
 
     def greedy(self, ids, new_tokens, eos, done=None):
         return greedy(self._parts, ids, new_tokens, eos, done)
 
 
 class ForeignEngine:
-    """The engine protocol of sweep.ENGINES, implemented without transformers' model object."""
+    """engines.Engine, implemented without transformers' model object."""
 
-    name = "foreign"
-    reads = frozenset(sweep.MODEL_OPTIONS)  # it loads through transformers
-    unread_reason = ""
+    name: ClassVar[str] = "foreign"
+    reads: ClassVar[frozenset[str]] = frozenset(sweep.MODEL_OPTIONS)  # it loads through transformers
+    unread_reason: ClassVar[str] = ""
+    runs_python: ClassVar[bool] = False
     loaded: ClassVar[list[ForeignModel]] = []
 
     def __init__(self, args):
@@ -74,20 +79,102 @@ class ForeignEngine:
         return {}
 
 
-def test_the_engines_the_command_line_offers_are_the_sweeps_engines():
-    """--engine's choices are declared where the evaluations' command line is (definition.py, which loads no
-    engine, so that --help answers without torch): the sweep's registry holds exactly those engines, by their names."""
-    assert tuple(sweep.ENGINES) == definition.ENGINE_NAMES
-    assert all(sweep.ENGINES[name].name == name for name in definition.ENGINE_NAMES)
+class CountingEngine(TransformersEngine):
+    """The transformers engine, wrapped: it counts the scorers it prepares and runs the model as transformers does."""
+
+    name: ClassVar[str] = "counting"
+    prepared: ClassVar[int] = 0
+
+    def prepare(self, model, patches, plan, results, name):
+        CountingEngine.prepared += 1
+        return super().prepare(model, patches, plan, results, name)
 
 
 @pytest.fixture
-def foreign(monkeypatch):
-    # the registry with one more engine, for this test only (a registry takes each name once, for good)
-    monkeypatch.setattr(sweep, "ENGINES", Registry.of("evaluation engine", {**sweep.ENGINES, "foreign": ForeignEngine}))
-    monkeypatch.setattr(definition, "ENGINE_NAMES", (*definition.ENGINE_NAMES, "foreign"))  # --engine's choices
+def registry(monkeypatch):
+    """ENGINES as the package registers it, for this test only: a registry takes each name once, for good, and an
+    engine registered here must not stay registered for the other tests."""
+    monkeypatch.setattr(engines, "ENGINES", Registry.of("evaluation engine", dict(engines.ENGINES)))
+    return engines.ENGINES
+
+
+@pytest.fixture
+def foreign(registry):
+    engines.register("foreign", ForeignEngine, "a model of its own, scored and decoded by its own code")
     ForeignEngine.loaded = []
     return ForeignEngine
+
+
+def engine_option(name: str = "ppl"):
+    """--engine as the evaluation's parser declares it."""
+    return next(a for a in definition.build_parser(evaluation(name))._actions if a.dest == "engine")
+
+
+def test_every_registered_engine_is_a_command_line_choice_with_its_help():
+    """--engine's choices, default and help are the registry's, read off the parser an evaluation builds."""
+    action = engine_option()
+    assert action.choices == list(engines.ENGINES) == ["transformers", "llama.cpp", "vllm"]
+    assert action.default == engines.DEFAULT
+    assert all(f"{r.name}{' (default)' if r.name == engines.DEFAULT else ''}: {r.summary}" in action.help
+               for r in engines.ENGINES.values())
+
+
+@pytest.mark.parametrize("name", ["transformers", "llama.cpp", "vllm"])
+def test_hfpatchs_engines_load_as_classes_with_every_member_of_the_protocol(name):
+    cls = engines.engine_class(name)  # imported now: the registry names its module, so --help imports none
+    assert cls.name == name
+    assert not [m for m in engines.MEMBERS if not hasattr(cls, m)]
+    assert set(engines.MEMBERS) == {"name", "reads", "unread_reason", "runs_python", "check_longest_read",
+                                    "check_memory", "load", "prepare", "estimate", "applied", "paths_ran"}
+
+
+def test_an_engine_registered_from_outside_is_offered_with_its_help(foreign):
+    action = engine_option("passkey")
+    assert action.choices[-1] == "foreign" and "foreign: a model of its own" in action.help
+    assert engines.engine_class("foreign") is ForeignEngine
+
+
+def test_registering_what_is_not_an_engine_is_one_clear_error(registry):
+    class Bare:
+        name = "bare"
+
+    with pytest.raises(TypeError, match="an engine is a class"):
+        engines.register("obj", ForeignEngine(None), "an instance, not a class")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Bare lacks applied, check_longest_read, .* of the Engine protocol"):
+        engines.register("bare", Bare, "no member but its name")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="its class ForeignEngine is named 'foreign'; register it under its own"):
+        engines.register("other", ForeignEngine, "registered under another name")
+    with pytest.raises(ValueError, match="evaluation engine 'vllm' is registered twice"):
+        engines.register("vllm", "x.y:Z", "a second vllm")
+    with pytest.raises(ValueError, match=r"'x\.Y' is not 'package\.module:Class'"):
+        engines.register("dotted", "x.Y", "a path without its class")
+    assert list(registry) == ["transformers", "llama.cpp", "vllm"]  # none of them registered
+
+
+def test_an_engine_no_one_registered_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown evaluation engine 'nope'; available: transformers, llama\.cpp, vl"):
+        engines.engine_class("nope")
+    with pytest.raises(ValueError, match=r"engine must be one of transformers, llama\.cpp, vllm; got 'nope'"):
+        hfpatch.evaluate.run("ppl", str(tmp_path / "model"), engine="nope")
+
+
+def test_ppl_runs_in_an_engine_that_wraps_the_transformers_one_with_its_numbers(registry, tmp_path, monkeypatch):
+    """An engine registered from outside runs through the Python API: the same cells, the same numbers as
+    transformers, and its name in the results' identity."""
+    monkeypatch.setenv("HFPATCH_CACHE", str(tmp_path / "cache"))
+    engines.register("counting", CountingEngine, "the transformers engine, counting what it prepares")
+    CountingEngine.prepared = 0
+    model_dir = save_tiny(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text(stdlib_text(20_000))
+    settings = {"lengths": "64", "text_files": [str(text)], "tokens_per_doc": "128", "patches": "none,yarn:2"}
+    tf = hfpatch.evaluate.run("ppl", str(model_dir), **settings)
+    wrapped = hfpatch.evaluate.run("ppl", str(model_dir), engine="counting", **settings)
+    assert CountingEngine.prepared == 1
+    assert wrapped["identity"]["engine"] == "counting" and "engine" not in tf["identity"]
+    assert [c["patch"] for c in wrapped["cells"]] == ["none", "yarn:2"]
+    for ours, theirs in zip(wrapped["cells"], tf["cells"]):
+        assert ours["mean_nll"] == theirs["mean_nll"]  # the same model, the same tokens, the same code
 
 
 def test_ppl_runs_in_another_engine_with_the_numbers_of_its_own_scoring(foreign, tmp_path, monkeypatch):

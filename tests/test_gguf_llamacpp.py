@@ -84,7 +84,7 @@ def test_the_engine_scores_what_transformers_scores(spec, smollm2, engine, ids):
     kwargs = hfpatch.spec.parse(spec)
     spans = [(0, N, 1), (N, 2 * N, 1)]
     with engine.applied(kwargs, spec):
-        got, n, runs = document_nll(engine, ids, spans)
+        got, n, runs = engine.document_nll(ids, spans)
     hfpatch.patch(model, **kwargs) if kwargs else None
     try:
         ref, n_ref, runs_ref = document_nll(causal_lm_parts(model), ids, spans)
@@ -98,14 +98,14 @@ def test_engine_nll_is_the_log_softmax_of_llama_cpps_logits(engine, smollm2_gguf
     window = ids[:N]
     logits = torch.tensor(scores(smollm2_gguf, window[:-1]), dtype=torch.float64)
     expected = torch.nn.functional.cross_entropy(logits, torch.tensor(window[1:]), reduction="sum").item()
-    got, n, _ = document_nll(engine, window, [(0, N, 1)])
+    got, n, _ = engine.document_nll(window, [(0, N, 1)])
     assert n == N - 1 and got == pytest.approx(expected, rel=1e-9)
 
 
 def test_engine_greedy_continues_like_transformers(smollm2, engine):
     model, tok = smollm2
     prompt = tok("The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is")["input_ids"]
-    got = greedy(engine, prompt, 6, eos={tok.eos_token_id})
+    got = engine.greedy(prompt, 6, eos={tok.eos_token_id})
     assert got == greedy(causal_lm_parts(model), prompt, 6, eos={tok.eos_token_id})
     assert "Madrid" in tok.decode(got)
 

@@ -43,7 +43,7 @@ def test_an_explicit_yarn_attention_factor_is_lost_in_sglang_only(tmp_path):
     assert len(out) == 1
     assert out[0].startswith(f"SGLang applies a yarn attention factor of {default:.6g}, transformers 1.3")
     assert "it does not read attention_factor" in out[0]
-    assert serving.ENGINES["vLLM"].attention["yarn"][0]({"factor": 4.0, "attention_factor": 1.3}, 0) == 1.3
+    assert serving.ROPE_READERS["vLLM"].attention["yarn"][0]({"factor": 4.0, "attention_factor": 1.3}, 0) == 1.3
 
 
 def test_mscale_pair_is_served_as_transformers_by_both_engines(tmp_path):
@@ -53,14 +53,14 @@ def test_mscale_pair_is_served_as_transformers_by_both_engines(tmp_path):
     by_hand = (0.1 * 0.8 * math.log(4) + 1) / (0.1 * 0.6 * math.log(4) + 1)
     params = {"factor": 4.0, "mscale": 0.8, "mscale_all_dim": 0.6}
     for engine in ("vLLM", "SGLang"):
-        assert serving.ENGINES[engine].attention["yarn"][0](params, 4 * WINDOW) == pytest.approx(by_hand)
+        assert serving.ROPE_READERS[engine].attention["yarn"][0](params, 4 * WINDOW) == pytest.approx(by_hand)
 
 
 def test_longrope_attention_and_vllms_long_factors(tmp_path):
     """The saved short_mscale / long_mscale carry transformers' attention factor, explicit or not: what is left is
     vLLM's choice of factors by the served length."""
     spec = dict(position="longrope", factor=4.0, short_factor=[1.0] * 8, long_factor=[2.0] * 8)
-    only_factors = [f"vLLM longrope: {serving.ENGINES['vLLM'].behaviour['longrope']}"]
+    only_factors = [f"vLLM longrope: {serving.ROPE_READERS['vLLM'].behaviour['longrope']}"]
     assert serving.folder_differences(saved(tmp_path, **spec)) == only_factors
     assert serving.folder_differences(saved(tmp_path / "b", **spec, attention_factor=1.0)) == only_factors
 

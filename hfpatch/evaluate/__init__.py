@@ -10,30 +10,14 @@ sweep (sweep.py):
 From Python, `run(name, model, tokenizer, **settings)` and one function per evaluation (`perplexity`, `passkey`,
 `ruler`, `niah`) run the same sweep and return what results.json holds (api.py).
 
-A module there is an evaluation by being there: the list below is read from the folder (without importing the
+A module there is an evaluation by being there: EVALUATIONS is read from the folder (without importing the
 modules, so `hfpatch --help` stays fast); the module defines EVALUATION, which takes its name from the module.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from typing import TYPE_CHECKING
-
-from . import evaluations
-
-if TYPE_CHECKING:
-    from .definition import Evaluation
-
-EVALUATIONS = tuple(sorted(m.name for m in pkgutil.iter_modules(evaluations.__path__) if not m.ispkg))
-
-
-def evaluation(name: str) -> Evaluation:
-    """The EVALUATION (a sweep.Evaluation) of `hfpatch eval NAME`; ValueError for a name that is none."""
-    if name not in EVALUATIONS:
-        raise ValueError(f"unknown evaluation {name!r}; the evaluations: {', '.join(EVALUATIONS)}")
-    return importlib.import_module(f"{evaluations.__name__}.{name}").EVALUATION
-
+from .evaluations import EVALUATIONS as EVALUATIONS  # the folder lists itself
+from .evaluations import evaluation as evaluation
 
 _API = ("run", "perplexity", "passkey", "ruler", "niah")
 

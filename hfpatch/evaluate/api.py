@@ -18,8 +18,9 @@ import argparse
 import tempfile
 from typing import Any
 
-from . import evaluation
-from .sweep import Evaluation, Given, build_parser, execute
+from .definition import Evaluation, build_parser
+from .evaluations import evaluation
+from .sweep import Given, execute
 
 
 def run(name: str, model: Any, tokenizer: Any = None, *, out: str | None = None, **settings: Any) -> dict:

@@ -1,10 +1,12 @@
 """What an evaluation is, as its module (evaluate/evaluations/NAME.py) sees it: the `Evaluation` base class, its
 command line (`build_parser`: the options every evaluation shares, then its own), and the plan it makes of its
-cells and units (`Plan`, `Cell`, `Unit`, `decoding`). The sweep (sweep.py) runs a plan; it re-exports these names.
+cells and units (`Plan`, `Cell`, `Unit`, `decoding`, from plan.py, importable from here). The command runs the plan
+through the sweep (sweep.py), which imports none of this module: it reads an evaluation through its own protocol.
 
 This module and what it imports load neither torch nor transformers: an evaluation module imports it at its top,
-and `hfpatch eval NAME --help` (and the parsing of its arguments, with the errors of a bad flag) answers at once. The
-model operations a unit needs come from the run the sweep hands it (`run.greedy`, `run.document_nll`).
+and `hfpatch eval NAME --help` (and the parsing of its arguments, with the errors of a bad flag) answers at once; the
+sweep is imported once the arguments parse. The model operations a unit needs come from the run the sweep hands it
+(`run.greedy`, `run.document_nll`).
 """
 
 from __future__ import annotations
@@ -12,50 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ..utils import command
-
-# --engine NAME: the engines a command line may name, in the order --help lists them; the sweep's ENGINES registry
-# holds exactly these (tests/test_eval_engines.py checks it), each under its class's `name`
-ENGINE_NAMES = ("transformers", "llama.cpp", "vllm")
-
-
-@dataclass
-class Unit:
-    id: object  # stored in the unit's record under Evaluation.unit_key (a document name, a trial number)
-    # the forwards it makes, for the time estimate: (tokens read, keys the last one attends to, positions through
-    # the LM head)
-    forwards: list[tuple[int, int, int]]
-    data: object = None  # whatever run_unit needs
-
-    @property
-    def tokens(self) -> int:
-        return sum(f[0] for f in self.forwards)
-
-
-def decoding(prompt_tokens: int, new_tokens: int) -> list[tuple[int, int, int]]:
-    """The forwards of greedy decoding, for Unit.forwards: the prompt, then one token at a time."""
-    return [(prompt_tokens, prompt_tokens, 1)] + [(1, prompt_tokens + k, 1) for k in range(1, new_tokens)]
-
-
-@dataclass
-class Cell:
-    key: dict  # its coordinates besides the patch spec, e.g. {"windowing": "chunks", "length": 2048}
-    units: list[Unit]
-    fields: dict = field(default_factory=dict)  # stored with the cell when it is created
-
-
-@dataclass
-class Plan:
-    identity: dict  # what decides the numbers besides the coordinates: a results file is continued only if equal
-    cells: list[Cell]
-    read: int  # the most tokens the model reads in one forward
-    new_tokens: int = 0  # tokens generated after such a read (0: no generation, no KV cache)
-    score_chunk: int = 0  # positions per LM-head chunk when scoring (0: only the last position goes through it)
-    info: dict = field(default_factory=dict)  # stored at the top of the results file (settings, corpus, ...)
+from . import engines
+from .plan import Cell as Cell  # importable from here too
+from .plan import Plan as Plan  # importable from here too
+from .plan import Unit as Unit  # importable from here too
+from .plan import decoding as decoding  # importable from here too
 
 
 class Evaluation:
@@ -140,11 +107,8 @@ def build_parser(ev: Evaluation) -> command.Parser:
                         "transformers engine only")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu); "
                                     "ignored with --device-map; transformers engine only")
-    p.add_argument("--engine", default="transformers", choices=list(ENGINE_NAMES),
-                   help="transformers (default), or llama.cpp: the same cells run by llama.cpp on the GGUF file, "
-                        "specs applied as its RoPE metadata (needs pip install 'hfpatch[llama-cpp]'), or vllm: "
-                        "the same cells run by vLLM on the folder hfpatch.save_pretrained writes for each spec, in "
-                        "vLLM's own Python (--engine-python)")
+    p.add_argument("--engine", default=engines.DEFAULT, choices=list(engines.ENGINES),
+                   help=f"what runs the model: {engines.help_text()}")
     p.add_argument("--engine-python", dest="engine_python",
                    help="--engine vllm: the Python of the environment vLLM is installed in (default: "
                         "$HFPATCH_VLLM_PYTHON, else ~/.cache/hfpatch/vllm/bin/python)")
@@ -173,7 +137,8 @@ def main(ev: Evaluation, argv: list[str] | None = None) -> int:
 def _main(ev: Evaluation, argv: list[str] | None) -> int:
     args = build_parser(ev).parse_args(argv)
     # the CLI's lazy loading: --help and bad flags answered above, without torch; the sweep that runs the model
-    # (torch, transformers, the engines) is imported only for a command that will run
+    # (torch, transformers, the engines) is imported only for a command that will run (it imports nothing of this
+    # module back: no cycle)
     from .sweep import execute
 
     data = execute(ev, args, record_argv=list(sys.argv[1:] if argv is None else argv))

@@ -31,8 +31,9 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -45,6 +46,7 @@ from .. import spec as specs
 from ..interop import gguf as hg
 from ..lm import budget
 from ..models import gguf_path
+from .engines import Engine
 
 NAME = "llama.cpp"
 RUNTIME_OPTIONS = {"beta_fast": "yarn_beta_fast", "beta_slow": "yarn_beta_slow"}  # context parameters
@@ -151,8 +153,9 @@ class LlamaCppModel:
         self.close_context()
         self.remove_exports()
 
-    def document_nll(self, ids: Any, spans: Any, progress: Any = None):
-        """lm.document_nll in llama.cpp: (nll sum, tokens scored, scored runs) over the windows of `ids`."""
+    def document_nll(self, ids: Any, spans: Any, chunk: int = 0, progress: Any = None):
+        """lm.document_nll in llama.cpp: (nll sum, tokens scored, scored runs) over the windows of `ids` (`chunk`,
+        the transformers engine's LM-head chunk, has no part here: llama.cpp gives every position's logits)."""
         ids = np.asarray(ids, dtype=np.int64)
         llm = None
         n_ctx = max(end - start - 1 for start, end, _ in spans)
@@ -258,13 +261,14 @@ def _nll(logits: np.ndarray, targets: np.ndarray, chunk: int = 256) -> float:
 
 # ------------------------------------------------------------------------------------------ the sweep's engine
 
-class Engine:
+class LlamaCppEngine:
     """What the sweep (sweep.py) calls to check, load, patch and time the model, for llama.cpp."""
 
-    name = NAME
-    reads: frozenset = frozenset()  # none of the sweep's MODEL_OPTIONS (--dtype, --device, --device-map)
-    unread_reason = ("llama.cpp runs the GGUF file's own weight types, on the devices it was built for (those are "
-                     "transformers options)")
+    name: ClassVar[str] = NAME
+    reads: ClassVar[frozenset[str]] = frozenset()  # none of the sweep's MODEL_OPTIONS (--dtype, --device, ...)
+    unread_reason: ClassVar[str] = ("llama.cpp runs the GGUF file's own weight types, on the devices it was built "
+                                    "for (those are transformers options)")
+    runs_python: ClassVar[bool] = False
 
     def __init__(self, args: argparse.Namespace):
         check_installed()
@@ -283,7 +287,7 @@ class Engine:
     def load(self, args: argparse.Namespace):
         return LlamaCppModel(self.path)
 
-    def prepare(self, model: Any, patches: Any, plan: Any, results: Any, name: str):
+    def prepare(self, model: Any, patches: Any, plan: Any, results: Any, name: str) -> LlamaCppModel:
         for spec, kwargs in patches:  # every spec is checked before any work
             with model.applied(kwargs, spec):
                 pass
@@ -324,3 +328,6 @@ class Engine:
     def paths_ran(model: Any) -> dict:
         """None to record: llama.cpp runs its own attention kernels, whichever the scheme."""
         return {}
+
+
+_conforms: Callable[[argparse.Namespace], Engine] = LlamaCppEngine  # mypy checks it is an engines.Engine

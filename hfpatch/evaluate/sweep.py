@@ -1,7 +1,7 @@
 """The one loop every evaluation runs, so that adding an evaluation is writing one file (evaluate/evaluations/).
 
-An evaluation (a subclass of `Evaluation`) says what its cells and units of work are, how to run one unit, and how
-its results read as tables and a plot; the sweep does the rest, the same way for all of them:
+An evaluation (a subclass of definition.Evaluation) says what its cells and units of work are, how to run one
+unit, and how its results read as tables and a plot; the sweep does the rest, the same way for all of them:
   1. parse the command line (the model, dtype, device and patch-spec flags are common), validate everything, plan
      the cells — all before the model is loaded, so bad input is one line and exit 2 at once;
   2. open OUT/results.json: the same identity continues it (finished units are not run again), another is refused;
@@ -15,6 +15,9 @@ its results read as tables and a plot; the sweep does the rest, the same way for
 
 Cells are keyed by (patch spec, the evaluation's coordinates); units run in a fixed order, so a cell's records
 are always a prefix of its units and resuming continues after the last one.
+
+The sweep reads an evaluation through `Swept` (definition.Evaluation is one) and an engine through engines.Engine;
+it imports neither definition.py nor an engine module, so that nothing it imports imports it back.
 """
 
 from __future__ import annotations
@@ -29,55 +32,83 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 from tqdm.auto import tqdm
 
 from ..apply import unwrap
-from ..lm import budget, causal
+from ..lm import budget
 from ..lm.tokenizer import load_tokenizer
 from ..models import model_fingerprint
-from ..registry import Registry
 from ..utils.modes import evaluating
+from . import engines
 from .common import DTYPES, dtype_name, length_label, parse_patches, versions
-from .definition import Cell as Cell  # importable from here too
-from .definition import Evaluation, Plan
-from .definition import Unit as Unit  # importable from here too
-from .definition import build_parser as build_parser  # importable from here too
-from .definition import decoding as decoding  # importable from here too
-from .definition import main as main  # importable from here too
-from .llamacpp import Engine as LlamaCppEngine
+from .plan import Cell as Cell  # importable from here too
+from .plan import Plan
+from .plan import Unit as Unit  # importable from here too
+from .plan import decoding as decoding  # importable from here too
 from .results import Results, now
-from .transformers_engine import MODEL_OPTIONS, TransformersEngine
+from .transformers_engine import MODEL_OPTIONS
 from .transformers_engine import check_longest_read as check_longest_read  # importable from here too
 from .transformers_engine import check_memory as check_memory  # importable from here too
-from .vllm_engine import Engine as VllmEngine
+
+
+class Swept(Protocol):
+    """What the sweep reads of an evaluation (definition.Evaluation, which documents each member, is one)."""
+
+    records: str  # the cell field with one record per unit
+    unit_key: str  # the record field that holds the unit's id
+    axes: ClassVar[dict[str, str]]  # settings key -> the cell field it lists
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def prog(self) -> str: ...
+
+    @property
+    def plot_name(self) -> str: ...
+
+    def plan(self, args: argparse.Namespace, tok: Any) -> Plan: ...
+
+    def run_unit(self, run: Any, cell: dict, unit: Unit, progress: Callable[[int], None]) -> dict: ...
+
+    def summarize(self, records: list[dict]) -> dict: ...
+
+    def caption(self, data: dict) -> str: ...
+
+    def tables(self, data: dict) -> str: ...
+
+    def plot(self, data: dict, path: Path, title: str) -> None: ...
 
 
 @dataclass
 class Run:
-    """What run_unit gets: the loaded model (patched with the cell's spec), its parts and tokenizer, the args, and
+    """What run_unit gets: the loaded model (patched with the cell's spec), its scorer and tokenizer, the args, and
     the model operations a unit calls (greedy, document_nll), whichever engine runs the model: an evaluation module
     calls them here instead of importing lm.causal, which imports torch."""
 
     model: object
-    parts: Any  # lm.causal.LMParts, or another engine's model with its own greedy and document_nll (llamacpp.py)
+    parts: engines.Scorer  # what the engine's prepare() returned: lm.causal.LMParts, or the engine's own model
     tok: object
     args: object
     applied: Callable[..., Any]  # (model, kwargs, spec name) -> context manager: the engine's way to patch
     paths_ran: Callable[[Any], dict]  # model -> {attention path: calls so far}, what the engine can say of its kernels
 
     def greedy(self, ids: list[int], new_tokens: int, eos: set[int], done: Any = None) -> list[int]:
-        """Greedy decoding of `ids` by the engine's model (lm.causal.greedy): up to new_tokens, an EOS token, or
-        done(generated) returning True."""
-        return causal.greedy(self.parts, ids, new_tokens, eos, done)
+        """Greedy decoding of `ids` by the engine's model: up to new_tokens, an EOS token, or done(generated)
+        returning True."""
+        return self.parts.greedy(ids, new_tokens, eos, done=done)
 
     def document_nll(self, ids: Any, windows: list[tuple[int, int, int]], chunk: int = 1024,
                      progress: Any = None) -> tuple[float, int, list[tuple[int, int]]]:
-        """(nll sum, tokens scored, runs of scored token indices) over the windows of `ids`, by the engine's model
-        (lm.causal.document_nll); progress(n) is told the tokens read after each window."""
-        return causal.document_nll(self.parts, ids, windows, chunk, progress)
+        """(nll sum, tokens scored, runs of scored token indices) over the windows of `ids`, by the engine's model;
+        progress(n) is told the tokens read after each window."""
+        return self.parts.document_nll(ids, windows, chunk=chunk, progress=progress)
 
 
 @dataclass
@@ -90,7 +121,7 @@ class Given:
     name: str  # what the results call it
 
 
-def execute(ev: Evaluation, args: argparse.Namespace, *, record_argv: list | None = None,
+def execute(ev: Swept, args: argparse.Namespace, *, record_argv: list | None = None,
             given: Given | None = None) -> dict | None:
     """Run evaluation `ev` with the parsed settings `args` (the command line's, or the Python API's): validate, plan,
     resume or start the results file, check memory, load (or take `given`), estimate, run every unit left, report.
@@ -98,11 +129,12 @@ def execute(ev: Evaluation, args: argparse.Namespace, *, record_argv: list | Non
     patches = parse_patches(args.patches)  # every spec validated before any loading
     if given is not None:
         check_given_options(args, given.model)
-    check_engine_options(args, ENGINES[args.engine])
-    if args.engine_python and not getattr(ENGINES[args.engine], "runs_python", False):
+    engine_class = engines.engine_class(args.engine)
+    check_engine_options(args, engine_class)
+    if args.engine_python and not engine_class.runs_python:
         raise ValueError(f"--engine-python names the Python that runs --engine vllm; --engine {args.engine} runs "
                          "in this one: leave it out")
-    engine = ENGINES[args.engine](args)
+    engine = engine_class(args)
     shape = budget.shape_of_config(unwrap(given.model).config) if given else None
     if not args.no_memory_check:
         engine.check_longest_read(args, shape)
@@ -112,7 +144,7 @@ def execute(ev: Evaluation, args: argparse.Namespace, *, record_argv: list | Non
     plan.identity["model_files"] = loaded_fingerprint(given.model, tok) if given else model_fingerprint(args.model)
     out = Path(args.out)
     # another engine's numbers are other numbers: its results file is not continued by transformers, nor the reverse
-    identity = plan.identity if engine.name == "transformers" else {**plan.identity, "engine": engine.name}
+    identity = plan.identity if engine.name == engines.DEFAULT else {**plan.identity, "engine": engine.name}
     results = Results(out / "results.json", ev.kind, identity, ev.records, ev.summarize, args.overwrite,
                       read_only=args.dry_run)
     try:
@@ -185,7 +217,7 @@ def _evaluating(model: Any) -> contextlib.AbstractContextManager:
     return evaluating(model) if isinstance(model, torch.nn.Module) else contextlib.nullcontext()
 
 
-def report(ev: Evaluation, data: dict, out: Path, plot: bool) -> str:
+def report(ev: Swept, data: dict, out: Path, plot: bool) -> str:
     """The caption and tables of a results file's data (and its plot, written under `out`)."""
     caption = ev.caption(data) + loaded_note(data)
     if plot:
@@ -204,7 +236,7 @@ def loaded_note(data: dict) -> str:
             "axes it names)")
 
 
-def covering(ev: Evaluation, data: dict) -> dict:
+def covering(ev: Swept, data: dict) -> dict:
     """The results with settings widened to every cell the file holds, for the report: a command that resumed a
     results file to add one spec or one length (e.g. `dynamic` only at 16k) shows the whole table, the cells it
     did not run included, instead of its own slice. The file itself keeps the command's settings."""
@@ -217,7 +249,7 @@ def covering(ev: Evaluation, data: dict) -> dict:
     return {**data, "settings": settings}
 
 
-def _todo(ev: Evaluation, results: Results, plan: Plan, patches: list[tuple[str, dict]]) -> list:
+def _todo(ev: Swept, results: Results, plan: Plan, patches: list[tuple[str, dict]]) -> list:
     """[(spec, kwargs, Cell, units left)] for every cell not finished, in run order (grouped by spec)."""
     todo = []
     for spec, kwargs in patches:
@@ -238,7 +270,7 @@ def check_given_options(args: argparse.Namespace, model: Any) -> None:
     """A loaded model runs as it is, in the transformers engine: the options that say how a model given by name is
     loaded (dtype, device, device_map) are refused where they ask for something else than the model is, rather than
     ignored; `args.dtype` becomes the model's own, which the results file records."""
-    if args.engine != "transformers":
+    if args.engine != engines.DEFAULT:
         raise ValueError(f"a loaded model runs in the transformers engine; --engine {args.engine} loads its own model "
                          "by name: give the model's name or path instead")
     target = unwrap(model)
@@ -266,8 +298,8 @@ def _on_device(model: Any, device: str) -> bool:
     return all(p.device.type == want.type and want.index in (None, p.device.index) for p in model.parameters())
 
 
-def check_engine_options(args: argparse.Namespace, engine: Any) -> None:
-    """Refuse the model options `engine` (a class of ENGINES) would ignore; then fill in the defaults."""
+def check_engine_options(args: argparse.Namespace, engine: type[engines.Engine]) -> None:
+    """Refuse the model options `engine` (a class of engines.ENGINES) would ignore; then fill in the defaults."""
     ignored = [f"--{k.replace('_', '-')}" for k in MODEL_OPTIONS
                if getattr(args, k) is not None and k not in engine.reads]
     if ignored:
@@ -278,7 +310,7 @@ def check_engine_options(args: argparse.Namespace, engine: Any) -> None:
             setattr(args, k, default)
 
 
-def _run(ev: Evaluation, run: Run, todo: list, results: Results) -> None:
+def _run(ev: Swept, run: Run, todo: list, results: Results) -> None:
     bar = tqdm(total=sum(u.tokens for *_, left in todo for u in left), unit="tok", unit_scale=True, desc=ev.name,
                file=sys.stderr, dynamic_ncols=True)
     try:
@@ -312,13 +344,6 @@ def _run(ev: Evaluation, run: Run, todo: list, results: Results) -> None:
                     results.save()
     finally:
         bar.close()
-
-
-# --engine NAME -> (parsed arguments) -> an object with name, check_longest_read, check_memory, load, prepare,
-# estimate, applied, paths_ran; the class says which of MODEL_OPTIONS it reads (`reads`) and why it reads no others
-# (`unread_reason`)
-ENGINES: Registry[Callable[[argparse.Namespace], Any]] = Registry.of(
-    "evaluation engine", {e.name: e for e in (TransformersEngine, LlamaCppEngine, VllmEngine)})
 
 
 def _add_paths_since(cell: dict, before: dict, now: dict) -> None:

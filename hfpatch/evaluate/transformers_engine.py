@@ -1,22 +1,24 @@
 """The evaluations' default engine: the model loaded by transformers and patched by hfpatch in this process, as the
 sweep (sweep.py) calls it — the memory checks before loading, the check of every spec against learned position
 tables, the time estimate from one timed forward, and the attention paths the model ran. The other engines are
-llamacpp.py and vllm_engine.py; the sweep's ENGINES registry names all three.
+llamacpp.py and vllm_engine.py; engines.ENGINES names all three, and engines.Engine is what each of them is.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol
 
 from .. import spec as specs
 from ..adapters.positions import trained_window
 from ..apply import loaded_with, unwrap
 from ..introspect import describe, table_limit
 from ..lm import budget
-from ..lm.causal import causal_lm_parts
+from ..lm.causal import LMParts, causal_lm_parts
 from .common import applied, load_model, parse_lengths
+from .engines import Engine
 from .results import Results
 
 
@@ -79,7 +81,7 @@ def check_reads(args: argparse.Namespace, read: int, new_tokens: int, score_chun
                      "--dtype bf16, or --no-memory-check to try anyway")
 
 
-def _prepare(model, patches, plan: Reads, results: Results, name: str):
+def _prepare(model: Any, patches: list[tuple[str, dict]], plan: Reads, results: Results, name: str) -> LMParts:
     parts = causal_lm_parts(model)  # a clear error for masked LMs before anything runs
     need = plan.read + plan.new_tokens
     for spec, kwargs in patches:  # apply and remove each spec once: one that does not fit fails before any work
@@ -123,9 +125,10 @@ def _paths_ran(model: Any) -> dict:
 class TransformersEngine:
     """The default engine: the model loaded and patched by transformers and hfpatch (the functions above)."""
 
-    name = "transformers"
-    reads = frozenset(MODEL_OPTIONS)
-    unread_reason = ""
+    name: ClassVar[str] = "transformers"
+    reads: ClassVar[frozenset[str]] = frozenset(MODEL_OPTIONS)
+    unread_reason: ClassVar[str] = ""
+    runs_python: ClassVar[bool] = False
 
     def __init__(self, args: argparse.Namespace) -> None:
         pass
@@ -137,3 +140,6 @@ class TransformersEngine:
     estimate = staticmethod(_estimate)
     applied = staticmethod(applied)
     paths_ran = staticmethod(_paths_ran)
+
+
+_conforms: Callable[[argparse.Namespace], Engine] = TransformersEngine  # mypy checks it is an engines.Engine

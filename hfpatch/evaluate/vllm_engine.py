@@ -14,7 +14,7 @@ transformers engine's (the evaluation tokenizes; vLLM is handed token ids and ne
 What vLLM cannot serve as transformers runs it is refused before any work, with the reason: patches that config.json
 cannot express (norm swaps, placements, attention temperatures, Self-Extend, ALiBi and the other position schemes
 without a native rope_type: vLLM loads the config's own RoPE only), rope_types vLLM does not know, and the rope_types
-it serves as transformers only up to the trained window (dynamic) at longer lengths (serving.ENGINES).
+it serves as transformers only up to the trained window (dynamic) at longer lengths (serving.ROPE_READERS).
 
 vLLM fixes a model's RoPE when it loads it, sized to `max_model_len`; the worker reloads when a cell needs another
 length (rounded up to CTX_STEP tokens). LongRoPE then follows that length, as vLLM serves it: its long factors once
@@ -23,6 +23,7 @@ max_model_len exceeds the trained window, where transformers follows each sequen
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -31,7 +32,9 @@ import signal
 import subprocess
 import sys
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, ClassVar
 
 from .. import spec as specs
 from ..adapters.positions import trained_window
@@ -42,6 +45,7 @@ from ..introspect import describe
 from ..lm import budget
 from .common import applied as transformers_applied
 from .common import load_model
+from .engines import Engine
 from .llamacpp import exports_folder, remove_exports, remove_stale_exports
 
 NAME = "vllm"
@@ -82,7 +86,7 @@ def refusal(model, plan_tokens: int) -> str | None:
                 "checkpoint would serve the model's original position encoding)")
     params = getattr(target.config.get_text_config(), "rope_parameters", None)
     kind = params.get("rope_type", "default") if isinstance(params, dict) else "default"
-    engine = serving.ENGINES["vLLM"]
+    engine = serving.ROPE_READERS["vLLM"]
     if kind not in engine.reads:
         return f"vLLM has no rope_type {kind!r}"
     window = trained_window(target.config)
@@ -220,8 +224,9 @@ class VllmModel:
 
     # ------------------------------------------------------------------------------------ scoring and decoding
 
-    def document_nll(self, ids, spans, progress=None):
-        """lm.document_nll in vLLM: (nll sum, tokens scored, scored runs) over the windows of `ids`."""
+    def document_nll(self, ids: Any, spans: Any, chunk: int = 0, progress: Any = None):
+        """lm.document_nll in vLLM: (nll sum, tokens scored, scored runs) over the windows of `ids` (`chunk`, the
+        transformers engine's LM-head chunk, has no part here: vLLM gives the prompt's log-probabilities)."""
         ids = [int(i) for i in ids]
         worker = self._ready(max(end - start for start, end, _ in spans))
         total, count, runs = 0.0, 0, []
@@ -258,13 +263,14 @@ def _close(workers: list[Worker], tmp: str, held: int | None) -> None:
 
 # ------------------------------------------------------------------------------------------ the sweep's engine
 
-class Engine:
+class VllmEngine:
     """What the sweep (sweep.py) calls to check, load, patch and time the model, for vLLM."""
 
-    name = NAME
-    reads: frozenset = frozenset()  # none of the sweep's MODEL_OPTIONS (--dtype, --device, --device-map)
-    unread_reason = "vLLM runs the saved float32 weights on its own device (those are transformers options)"
-    runs_python = True  # --engine-python names its Python
+    name: ClassVar[str] = NAME
+    reads: ClassVar[frozenset[str]] = frozenset()  # none of the sweep's MODEL_OPTIONS (--dtype, --device, ...)
+    unread_reason: ClassVar[str] = ("vLLM runs the saved float32 weights on its own device (those are transformers "
+                                    "options)")
+    runs_python: ClassVar[bool] = True  # --engine-python names its Python
 
     def __init__(self, args):
         self.python = python_for(args)
@@ -279,7 +285,7 @@ class Engine:
     def load(self, args):
         return VllmModel(load_model(args), self.python, args.out)
 
-    def prepare(self, model, patches, plan, results, name):
+    def prepare(self, model: VllmModel, patches: Any, plan: Any, results: Any, name: str) -> VllmModel:
         tokens = plan.read + plan.new_tokens
         for spec, kwargs in patches:  # every spec is checked before any work
             model.check(kwargs, spec, tokens)
@@ -311,3 +317,5 @@ class Engine:
         """None to record: vLLM runs its own attention kernels."""
         return {}
 
+
+_conforms: Callable[[argparse.Namespace], Engine] = VllmEngine  # mypy checks it is an engines.Engine

@@ -1,5 +1,5 @@
 """What serving engines read of a saved checkpoint's RoPE, as data: the warnings of `hfpatch describe` on a saved
-folder and the table of docs/serving.md both come from `ENGINES` below.
+folder and the table of docs/serving.md both come from `ROPE_READERS` below (one `RopeReader` per serving engine).
 
 A checkpoint that hfpatch saves carries its RoPE in transformers' own `rope_parameters` (config.json), which
 transformers reloads exactly. vLLM and SGLang build their rotary embeddings from the same dict, but each reads its own
@@ -65,7 +65,9 @@ LONGROPE_TEXT = ("sqrt(1 + ln s / ln L), s = max_position_embeddings / L, L = or
 
 
 @dataclass(frozen=True)
-class Engine:
+class RopeReader:
+    """How one serving engine reads a saved checkpoint's RoPE (its config.json), from the engine's source."""
+
     source: str
     reads: dict  # rope_type -> the rope_parameters keys the engine reads for it
     # rope_type -> ((rope_parameters, max_position_embeddings) -> the cos/sin magnitude the engine applies, how)
@@ -78,8 +80,8 @@ class Engine:
     window_factor: tuple = ()
 
 
-ENGINES = {
-    "vLLM": Engine(
+ROPE_READERS: dict[str, RopeReader] = {
+    "vLLM": RopeReader(
         source="vllm/model_executor/layers/rotary_embedding/__init__.py (get_rope)",
         reads={
             "default": ("rope_theta", "partial_rotary_factor"),
@@ -104,7 +106,7 @@ ENGINES = {
                         "original_max_position_embeddings; transformers switches per sequence",
         },
         window_only=("dynamic",), window_factor=("linear", "dynamic")),
-    "SGLang": Engine(
+    "SGLang": RopeReader(
         source="python/sglang/srt/layers/rotary_embedding/factory.py (get_rope)",
         reads={
             "default": ("rope_theta",),
@@ -155,7 +157,7 @@ def differences(config) -> list[str]:
             continue
         where = f" ({layer_type} layers)" if layer_type else ""
         kind = p["rope_type"]
-        for name, engine in ENGINES.items():
+        for name, engine in ROPE_READERS.items():
             if kind not in engine.reads:
                 out.append(f"{name} has no rope_type {kind!r}{where}")
                 continue
@@ -186,7 +188,7 @@ def longest_served(engine: str, config) -> int | None:
     params = getattr(config, "rope_parameters", None)
     if window is None or not isinstance(params, dict):
         return window
-    if params.get("rope_type") in ENGINES[engine].window_factor:
+    if params.get("rope_type") in ROPE_READERS[engine].window_factor:
         return int(window * float(params.get("factor") or 1.0))
     return int(window)
 
@@ -245,14 +247,14 @@ def markdown() -> str:
     rows = []
     for scheme, kind in saved_rope_types().items():
         cells = [f"`{scheme}`", f"`{kind}`", ", ".join(f"`{k}`" for k in _TRANSFORMERS_KEYS[kind]) or "(theta only)"]
-        for engine in ENGINES.values():
+        for engine in ROPE_READERS.values():
             reads = engine.reads.get(kind, ())
             cells.append(", ".join(f"`{k}`" for k in _TRANSFORMERS_KEYS[kind] if k not in reads) or "-")
         rows.append(cells)
     keys = markdown_table(["hfpatch scheme", "rope_type", "transformers reads", *(f"{e} does not read"
-                                                                                  for e in ENGINES)], rows)
+                                                                                  for e in ROPE_READERS)], rows)
     rows = []
-    for name, engine in ENGINES.items():
+    for name, engine in ROPE_READERS.items():
         for kind, (_, how) in engine.attention.items():
             rows.append([name, f"`{kind}`", f"attention factor (cos/sin magnitude) = {how}"])
         for kind, how in engine.behaviour.items():

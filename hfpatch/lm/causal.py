@@ -27,10 +27,21 @@ if TYPE_CHECKING:
 
 @dataclass
 class LMParts:
+    """A causal LM as body and head; it scores and decodes (the evaluations' Scorer, evaluate/engines.py)."""
+
     base: torch.nn.Module  # transformer body: input_ids -> final (normed) hidden states
     head: torch.nn.Module  # LM head: hidden -> vocabulary logits
     softcap: float | None  # gemma2/3 cap their final logits: cap * tanh(logits / cap)
     input_device: torch.device
+
+    def document_nll(self, ids: Any, spans: list[tuple[int, int, int]], chunk: int = 1024,
+                     progress: Any = None) -> tuple[float, int, list[tuple[int, int]]]:
+        """document_nll(self, ...) below: the NLL over the windows of `ids`."""
+        return document_nll(self, ids, spans, chunk, progress)
+
+    def greedy(self, ids: list[int], new_tokens: int, eos: set[int], done: Any = None) -> list[int]:
+        """greedy(self, ...) below: greedy decoding with a KV cache."""
+        return greedy(self, ids, new_tokens, eos, done)
 
 
 def softcap_of(config: PreTrainedConfig) -> float | None:
@@ -123,11 +134,10 @@ def logits_nll(model: PreTrainedModel, seqs: torch.Tensor, first: int = 1, batch
     return total, count
 
 
-def document_nll(parts: LMParts, ids: Any, spans: list[tuple[int, int, int]], chunk: int = 1024, progress: Any = None):
+def document_nll(parts: LMParts, ids: Any, spans: list[tuple[int, int, int]], chunk: int = 1024,
+                 progress: Any = None) -> tuple[float, int, list[tuple[int, int]]]:
     """(nll sum, tokens scored, [(a, b)] runs of scored token indices) over the given windows of `ids`;
     progress(n) is told the tokens read after each window."""
-    if not isinstance(parts, LMParts):  # another engine's model (evaluate/llamacpp.py) scores with its own code
-        return parts.document_nll(ids, spans, progress)
     ids = torch.as_tensor(ids)
     total, count, runs = 0.0, 0, []
     for start, end, first in spans:
@@ -156,8 +166,6 @@ def greedy(parts: LMParts, ids: list[int], new_tokens: int, eos: set[int], done:
     """Greedy decoding with a KV cache: one forward over the prompt, then one token at a time, up to new_tokens,
     an EOS token, or done(generated) returning True. Only the last position goes through the LM head (no [L,
     vocab] logits)."""
-    if not isinstance(parts, LMParts):  # another engine's model (evaluate/llamacpp.py) decodes with its own code
-        return parts.greedy(ids, new_tokens, eos, done)
     x = torch.tensor([ids], device=parts.input_device)
     out = parts.base(input_ids=x, use_cache=True)
     past, generated, keyword = cache_of(out), [], cache_keyword(parts.base)  # read once, not at every step
