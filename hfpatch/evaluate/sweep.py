@@ -129,12 +129,7 @@ def execute(ev: Swept, args: argparse.Namespace, *, record_argv: list | None = N
     patches = parse_patches(args.patches)  # every spec validated before any loading
     if given is not None:
         check_given_options(args, given.model)
-    engine_class = engines.engine_class(args.engine)
-    check_engine_options(args, engine_class)
-    if args.engine_python and not engine_class.runs_python:
-        raise ValueError(f"--engine-python names the Python that runs --engine vllm; --engine {args.engine} runs "
-                         "in this one: leave it out")
-    engine = engine_class(args)
+    engine = make_engine(args)
     shape = budget.shape_of_config(unwrap(given.model).config) if given else None
     if not args.no_memory_check:
         engine.check_longest_read(args, shape)
@@ -183,6 +178,16 @@ def execute(ev: Swept, args: argparse.Namespace, *, record_argv: list | None = N
         return {**data, "report": text}
     finally:
         results.close()
+
+
+def make_engine(args: argparse.Namespace) -> engines.Engine:
+    """The engine --engine names, made from the parsed arguments once the options it would not read are refused."""
+    engine_class = engines.engine_class(args.engine)
+    check_engine_options(args, engine_class)
+    if args.engine_python and not engine_class.runs_python:
+        raise ValueError(f"--engine-python names the Python that runs --engine vllm; --engine {args.engine} runs "
+                         "in this one: leave it out")
+    return engine_class(args)
 
 
 def loaded_fingerprint(model: Any, tokenizer: Any) -> dict:
