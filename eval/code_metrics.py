@@ -11,7 +11,8 @@ Measured by reading the source (ast); only the scheme registry is imported, for 
 - the largest file of the package and the longest function (lines), and every file over FILE_LINES lines and every
   function over FUNCTION_LINES lines (a nested function counts inside its parent too) with the reason written
   beside its `def`, if any;
-- the share of function arguments (self/cls excluded) that carry a type annotation, in the package.
+- the share of function arguments (self/cls excluded) that carry a type annotation, in the package;
+- the lines of the package's modules, in all and per part (a top-level module or folder of hfpatch/).
 """
 
 from __future__ import annotations
@@ -104,6 +105,16 @@ def annotation_coverage(trees: dict[Path, ast.AST]) -> tuple[int, int]:
     return annotated, total
 
 
+def package_lines(package: Path) -> dict:
+    """Lines of the package's modules: in all, and per part (its top-level modules and folders), largest first."""
+    parts: dict[str, int] = {}
+    for path in python_files(package):
+        rel = path.relative_to(package)
+        part = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        parts[part] = parts.get(part, 0) + len(path.read_text().splitlines())
+    return {"total": sum(parts.values()), "parts": dict(sorted(parts.items(), key=lambda kv: (-kv[1], kv[0])))}
+
+
 def measure() -> dict:
     parse = {p: ast.parse(p.read_text(), str(p)) for p in python_files(REPO / "hfpatch")}
     scripts = {p: ast.parse(p.read_text(), str(p)) for root in ("eval", "recipes") for p in python_files(REPO / root)}
@@ -136,6 +147,7 @@ def measure() -> dict:
                                          for n, name, reason in lengths if n > FUNCTION_LINES]},
         "annotated_arguments": {"annotated": annotated, "total": total, "share": round(annotated / total, 3)},
         "package_files": len(parse),
+        "package_lines": package_lines(REPO / "hfpatch"),
     }
 
 

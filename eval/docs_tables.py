@@ -774,6 +774,7 @@ def code_metrics():
             lambda d: f"{d['imports_in_functions']['package']} / {d['imports_in_functions']['scripts']}"),
         row("`sys.path` edits", lambda d: d["sys_path_edits"]),
         row("modules in the package", lambda d: d["package_files"]),
+        row("lines of the package's modules", lambda d: f"{d['package_lines']['total']:,}"),
         row("largest file (lines)", lambda d: f"{d['largest_file']['lines']} (`{d['largest_file']['path']}`)"),
         row("longest function (lines)",
             lambda d: f"{d['longest_function']['lines']} (`{d['longest_function']['name']}`)"),
@@ -783,8 +784,10 @@ def code_metrics():
     ]
     tables = "\n".join(f"- {label}: " + ", ".join(f"`{t}`" for t in d["scheme_tables"])
                        for label, d in (("before", before), ("after", after)))
+    parts = ", ".join(f"`{part}` {n:,}" for part, n in after["package_lines"]["parts"].items())
     return (markdown_table(["measure", before["label"], after["label"]], rows)
-            + "\n\nThe tables keyed by scheme names:\n\n" + tables + "\n\n" + _over_the_bounds(after))
+            + "\n\nThe tables keyed by scheme names:\n\n" + tables + "\n\n" + _over_the_bounds(after)
+            + f"\n\nLines per part of the package ({after['label']}): {parts}.")
 
 
 def _over_the_bounds(d: dict) -> str:
