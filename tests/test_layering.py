@@ -65,7 +65,10 @@ OPTIONAL = {
 # the sweep once its arguments parse, so that `hfpatch eval NAME --help` does not load torch either. Each of these
 # deferred imports points down: what they import does not import them back (test_no_import_cycle_inside_a_folder
 # counts deferred imports too, and allows none).
-ENTRY_POINTS = {"hfpatch/cli.py", "hfpatch/evaluate/__init__.py", "hfpatch/evaluate/definition.py"}
+ENTRY_POINTS = {"hfpatch/cli.py", "hfpatch/evaluate/__init__.py", "hfpatch/evaluate/definition.py",
+                # the search's package imports search() on first use, and its command the model and the loop once
+                # its arguments parse: `hfpatch search --help` loads no torch
+                "hfpatch/search/__init__.py", "hfpatch/search/command.py"}
 # Files that import one heavy library only where it is used, and which: every evaluation module imports the plots'
 # module, and an evaluation's --help must not load matplotlib (about 0.4 s).
 DEFERRED = {"hfpatch/evaluate/plots.py": {"matplotlib"}}

@@ -24,7 +24,7 @@ def _main(argv: list[str] | None) -> int:
     opts = SearchOptions.from_args(args)  # every option checked before the model is loaded (seconds to minutes)
     from ..lm.tokenizer import load_tokenizer
     from ..models import model_fingerprint
-    from .loop import search
+    from .api import search
 
     tok = load_tokenizer(opts.model)
     model = _load(opts)
