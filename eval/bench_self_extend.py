@@ -13,11 +13,20 @@ difference to the grouped positions).
 
     python -m eval.bench_self_extend                       # L = 4k and 16k, 4 layers, G = 8, W = 1024
     python -m eval.bench_self_extend --lengths 4096 --repeats 1 --explicit-lengths 4096
+
+With --skipping instead: forwards at position ids that skip, as PoSE training and `hfpatch search`'s proxy samples
+give them (--skip-length tokens in equal segments spread evenly over --skip-span positions; 1 segment: contiguous),
+the piece path vs the written-out path vs the unpatched model, in fp32 and bf16, timed side by side in one process
+(interleaved rounds, so that a busy neighbour slows each alike), with how far the piece path's output is from the
+written-out path's:
+
+    python -m eval.bench_self_extend --skipping --json eval/results/self_extend/skipping.json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
@@ -27,7 +36,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 import hfpatch
-from eval.benchutil import length_list, markdown_table, median, module_name, timed_forwards, worker_grid
+from eval.benchutil import interleaved, length_list, markdown_table, median, module_name, timed_forwards, worker_grid
+from hfpatch.position.attention import paths
 from hfpatch.position.schemes import self_extend
 from hfpatch.position.schemes.self_extend import _pieces, grouped_key_positions, grouped_query_positions
 from hfpatch.utils.files import write_json
@@ -113,6 +123,51 @@ def _reference(qn, kn, qg, kg, v, rows, window):
     return torch.softmax(s, -1) @ v
 
 
+def skipping_positions(length: int, span: int, segments: int) -> torch.Tensor:
+    """[1, length] position ids: `segments` runs of consecutive positions (the last takes what does not divide),
+    their starts spread evenly over 0 .. span - 1, as `hfpatch search` spreads a proxy sample's segments."""
+    seg = length // segments
+    last = length - seg * (segments - 1)
+    starts = [round(j * (span - last) / (segments - 1)) for j in range(segments)] if segments > 1 else [0]
+    return torch.cat([torch.arange(s, s + (last if j == segments - 1 else seg)) for j, s in enumerate(starts)])[None]
+
+
+SKIP_VARIANTS = ("unpatched", "pieces", "written-out")
+
+
+def skipping(args) -> dict:
+    """{"dtype/segments": {"seconds": {variant: [per forward]}, "ran": calls per path, "error": max |pieces -
+    written-out| / max |written-out| of the last hidden state}}: one model, unpatched and patched, in one process."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config(args.layers, args.trained)).eval()
+    patched = hfpatch.patch(copy.deepcopy(base), position="self-extend", group_size=args.group_size,
+                            window=args.window)
+    ids = torch.randint(0, 1000, (1, args.skip_length), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for dtype in args.dtypes:
+        base.to(getattr(torch, dtype))
+        patched.to(getattr(torch, dtype))
+        for n in args.segments:
+            pos = skipping_positions(args.skip_length, args.skip_span, n)
+
+            def forward(variant: str, pos: torch.Tensor = pos) -> torch.Tensor:
+                if variant == "unpatched":
+                    return base.model(ids, position_ids=pos).last_hidden_state
+                with paths.forcing("self-extend", variant):  # raises if the path cannot take the call
+                    return patched.model(ids, position_ids=pos).last_hidden_state
+
+            paths.reset(patched)
+            with torch.no_grad():
+                first = {v: forward(v) for v in SKIP_VARIANTS}  # the warm-up round, kept for the error
+                seconds = interleaved({v: lambda v=v: forward(v) for v in SKIP_VARIANTS}, args.repeats, warmup=0)
+            want = first["written-out"].float()
+            error = ((first["pieces"].float() - want).abs().max() / want.abs().max()).item()
+            out[f"{dtype}/{n}"] = {"seconds": seconds, "ran": paths.ran(patched), "error": error}
+            print(dtype, n, {v: round(median(t), 2) for v, t in seconds.items()}, flush=True)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=length_list, default=[4096, 16384])
@@ -124,11 +179,25 @@ def main(argv=None):
     p.add_argument("--trained", type=int, default=8192, help="the model's trained window (max_position_embeddings)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json")
+    p.add_argument("--skipping", action="store_true",
+                   help="instead: position ids that skip, piece path vs written-out vs unpatched, in one process")
+    p.add_argument("--skip-length", type=int, default=4096, help="--skipping: tokens per forward")
+    p.add_argument("--skip-span", type=int, default=16384, help="--skipping: the positions they are spread over")
+    p.add_argument("--segments", type=lambda t: [int(x) for x in t.split(",")], default=[1, 4, 16, 64],
+                   help="--skipping: segment counts, comma-separated (1: contiguous positions)")
+    p.add_argument("--dtypes", type=lambda t: t.split(","), default=["float32", "bfloat16"], help="--skipping")
+    p.add_argument("--threads", type=int, default=1, help="--skipping: torch threads")
     p.add_argument("--worker", choices=["unpatched", "self-extend", "dual-chunk", "explicit"], help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args)))
+        return
+    if args.skipping:
+        result = {"args": vars(args), "results": skipping(args)}
+        print(skipping_tables(result))
+        if args.json:
+            write_json(Path(args.json), result)
         return
 
     shape = ["--layers", str(args.layers), "--group-size", str(args.group_size), "--window", str(args.window),
@@ -173,6 +242,26 @@ def tables(result: dict) -> str:
                        [[way, dt, *[f"{acc[f'{way}/{dt}@{L}']:.1e}" for L in lengths],
                          *[f"{acc[f'qk {way}/{dt}@{L}']:.1e}" for L in lengths]]
                         for way in ("once", "re-rotated") for dt in ("float32", "bfloat16")])])
+
+
+def skipping_tables(result: dict) -> str:
+    """The Markdown table of a --skipping run (its --json form: also what eval/docs_tables.py renders)."""
+    args, results = result["args"], result["results"]
+    rows = []
+    for key, r in results.items():
+        dtype, n = key.split("/")
+        t = {v: median(r["seconds"][v]) for v in SKIP_VARIANTS}
+        rows.append([dtype, "1 (contiguous)" if n == "1" else n, *(f"{t[v]:.2f}" for v in SKIP_VARIANTS),
+                     f"{t['pieces'] / t['unpatched']:.2f}", f"{t['written-out'] / t['unpatched']:.2f}",
+                     f"{t['written-out'] / t['pieces']:.1f}", f"{r['error']:.1e}"])
+    return "\n".join([
+        f"SmolLM2-shaped Llama (d=576, 9/3 heads, head_dim 64), {args['layers']} layers, random weights; self-extend "
+        f"G={args['group_size']}, W={args['window']}; forward of the base model, batch 1, {args['skip_length']} "
+        f"tokens at positions in equal segments spread over 0..{args['skip_span'] - 1}; {args['threads']} "
+        f"thread(s); median of {args['repeats']} interleaved rounds",
+        markdown_table(["dtype", "segments", "unpatched (s)", "pieces (s)", "written-out (s)", "pieces / unpatched",
+                        "written-out / unpatched", "written-out / pieces",
+                        "max abs diff pieces vs written-out (rel.)"], rows)])
 
 
 if __name__ == "__main__":

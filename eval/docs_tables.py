@@ -183,6 +183,11 @@ def self_extend_bench():
     return bench_self_extend.tables(load("self_extend/bench.json"))
 
 
+@table("eval/results/self_extend/skipping.json")
+def self_extend_skipping():
+    return bench_self_extend.skipping_tables(load("self_extend/skipping.json"))
+
+
 # -------------------------------------------------------------------------------- Self-Extend's G x W grid, DCA
 
 def found_rate(trials: list[dict]) -> str:

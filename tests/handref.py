@@ -95,6 +95,29 @@ def skipping():
     return ids, keep, pos
 
 
+def segmented(lengths, jumps, padding="none"):
+    """(ids, attention mask, position ids) of a batch of 2 whose positions skip, as PoSE or a proxy sample gives
+    them: segments of `lengths` tokens, each segment's first position `jumps[k]` after the last one of segment k (1:
+    no skip); the second row the same, or padded by 13 slots at position 0 (as generate() pads) on the left or the
+    right, its real tokens at the first row's first positions."""
+    segments, start = [], 0
+    for n, jump in zip(lengths, [*jumps, 0], strict=True):
+        segments.append(torch.arange(start, start + n))
+        start += n - 1 + jump
+    first = torch.cat(segments)
+    L = len(first)
+    ids = tokens(L, batch=2)
+    keep = torch.ones(2, L, dtype=torch.long)
+    second = first
+    if padding == "left":
+        keep[1, :13] = 0
+        second = torch.cat([torch.zeros(13, dtype=torch.long), first[:-13]])
+    elif padding == "right":
+        keep[1, -13:] = 0
+        second = torch.cat([first[:-13], torch.zeros(13, dtype=torch.long)])
+    return ids, keep, torch.stack([first, second])
+
+
 def cached_and_full(model):
     """(logits of a 4-token chunk and one step after a cached prefix, the full forward's last 5) with left padding
     and positions counting real tokens, as generate() makes them; and whether generate() with a cache equals it

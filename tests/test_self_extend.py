@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from conftest import ROPE_FAMILIES, WINDOW, assert_same_fingerprint, fingerprint, logits, max_diff, tiny_model, tokens
-from handref import by_hand, cached_and_full, gradients_by_name, padded, rope, skipping
+from handref import by_hand, cached_and_full, gradients_by_name, padded, rope, segmented, skipping
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb  # noqa: F401 (the attention below rotates with it)
 
 import hfpatch
@@ -60,7 +60,7 @@ def test_equals_the_hand_computation(family, attn, padding, G, W):
 @pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
 def test_position_ids_that_skip_are_grouped_by_the_distance_of_the_positions(family, attn):
     """A key a few slots before a jump of the position ids is far from the queries after it: the paper's regions are
-    by position distance. The sdpa name leaves its slot-cut fast paths for the written-out one."""
+    by position distance. The sdpa name cuts its pieces by the positions."""
     model = hfpatch.patch(tiny_model(family, attn_implementation=attn), position="self-extend", group_size=4, window=8)
     ids, keep, pos = skipping()
     paths.reset(model)
@@ -69,7 +69,156 @@ def test_position_ids_that_skip_are_grouped_by_the_distance_of_the_positions(fam
     expected = by_hand(model, ids, keep, pos, self_extend_scores(4, 8))
     real = keep.bool()
     assert max_diff(out[real].double(), expected[real]) <= 1e-4
-    assert paths.ran(model) == {"written-out" if attn == "sdpa" else "eager": 2}
+    assert paths.ran(model) == {"pieces" if attn == "sdpa" else "eager": 2}
+
+
+SKIPS = {  # segment lengths, the jumps of the positions between them (1: none), padding of the second row; W = 8
+    "2 segments, a jump beyond W": ([48, 48], [300], "none"),
+    "16 segments shorter than W, jumps below and beyond W": ([6] * 16, [3, 20] * 7 + [3], "left"),
+    "4 segments longer than W, jumps below W": ([24] * 4, [5, 2, 7], "right"),
+    "segments of 1 to 30 tokens, jumps of 1 to 40": ([1, 30, 5, 9, 2, 17, 8, 24], [40, 1, 9, 8, 3, 12, 2], "left"),
+}
+
+
+@pytest.mark.parametrize("pattern", list(SKIPS))
+def test_position_ids_that_skip_take_the_piece_path(pattern):
+    """PoSE-style position ids (segments whose positions jump) run the piece path, its blocks cut by the positions,
+    and give the hand computation and the written-out path: the batch at once where its rows share their positions,
+    a row at a time where padding shifts them."""
+    lengths, jumps, padding = SKIPS[pattern]
+    model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=3, window=8)
+    ids, keep, pos = segmented(lengths, jumps, padding)
+    paths.reset(model)
+    with torch.no_grad():
+        out = model(ids, attention_mask=keep, position_ids=pos).logits
+        assert paths.ran(model) == {"pieces": model.config.num_hidden_layers}
+        with paths.forcing("self-extend", "written-out"):
+            written = model(ids, attention_mask=keep, position_ids=pos).logits
+    expected = by_hand(model, ids, keep, pos, self_extend_scores(3, 8))
+    real = keep.bool()
+    assert max_diff(out[real].double(), expected[real]) <= 1e-4
+    assert max_diff(out[real], written[real]) <= 2e-5
+
+
+def attention_inputs(model, batch, length, dtype=torch.float32, seed=0):
+    """(attention module, q, k, v) of random values shaped for `model`'s first layer."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, h, length, cfg.head_dim, generator=g, dtype=dtype)
+               for h in (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads))
+    return model.model.layers[0].self_attn, q, k, v
+
+
+def run_forced(name, attn, q, k, v, mask, pos):
+    with paths.forcing("self-extend", name), torch.no_grad():
+        return paths.run("self-extend", attn, q, k, v, mask, scaling=0.25, dropout=0.0, causal=True,
+                         kwargs={"position_ids": pos})[0]
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 40])
+@pytest.mark.parametrize("mask", ["none", "bool", "bool, padded", "float, padded"])
+def test_the_piece_path_by_positions_equals_the_written_out_path(window, mask, monkeypatch):
+    """Float64, grouped-query attention: random non-decreasing positions (jumps of 0 to 3W, so repeated positions
+    too), blocks of at most 7 queries (fewer than the window, as well as more); rows that share their positions (no
+    mask, or a mask without padding) and rows that do not (the second left-padded, its padded slots at position 0)."""
+    monkeypatch.setattr(self_extend, "PIECE_ROWS", 7)
+    model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=3, window=window)
+    attn, q, k, v = attention_inputs(model, 2, 80, torch.float64)
+    g = torch.Generator().manual_seed(window)
+    jumps = torch.randint(0, 3 * window + 1, (80,), generator=g) * (torch.rand(80, generator=g) < 0.3)
+    pos = torch.stack([jumps.cumsum(0)] * 2)
+    keep = torch.ones(2, 80, dtype=torch.bool)
+    if mask.endswith("padded"):
+        keep[1, :11] = False
+        pos[1] = torch.cat([torch.zeros(11, dtype=torch.long), pos[0, :-11]])
+    allowed = (torch.ones(80, 80, dtype=torch.bool).tril()[None] & keep[:, None, :])[:, None]
+    given = (None if mask == "none" else allowed if mask.startswith("bool")
+             else torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, float("-inf")))
+    got = run_forced("pieces", attn, q, k, v, given, pos)
+    want = run_forced("written-out", attn, q, k, v, given, pos)
+    assert max_diff(got[keep], want[keep]) <= 1e-12
+    assert not self_extend.contiguous_positions(pos, pos, given)  # the blocks were cut by the positions
+
+
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_piece_path_by_positions_in_each_dtype(device, dtype):
+    """The kernels each device runs (on CUDA flash for unmasked bf16 pieces, memory-efficient for the masked ones):
+    PoSE-style positions, rows that share them without a mask and a left-padded row with one, against the
+    written-out path, relative to the largest output (test_attention_paths.py's bounds: the two round differently
+    in bf16)."""
+    model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=3, window=8).to(device, dtype)
+    _, keep, pos = segmented([6] * 16, [3, 20] * 7 + [3], "left")
+    attn, q, k, v = (t.to(device) for t in attention_inputs(model, 2, 96, dtype))
+    real = keep.bool().to(device)
+    allowed = (torch.ones(96, 96, dtype=torch.bool, device=device).tril()[None] & real[:, None, :])[:, None]
+    for given, p, rows in ((None, pos[:1].expand(2, -1), torch.ones_like(real)), (allowed, pos, real)):
+        got = run_forced("pieces", attn, q, k, v, given, p.to(device))
+        want = run_forced("written-out", attn, q, k, v, given, p.to(device))
+        bound = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+        assert max_diff(got[rows].float(), want[rows].float()) <= bound * want[rows].float().abs().max().item()
+
+
+def test_position_blocks_bound_the_keys_that_need_a_mask():
+    """Each block: at most PIECE_ROWS queries within W - 1 positions of its first (its own keys are neighbours of
+    each), keys [0, a) grouped and [c, s) neighbours for all of its queries; the keys between, the only ones attended
+    with a [block, keys] mask, are at most W - 1 for distinct positions, however the positions jump."""
+    g = torch.Generator().manual_seed(0)
+    for window in (1, 3, 16, 100):
+        for trial in range(20):
+            jumps = 1 + torch.randint(0, 4 * window, (300,), generator=g) * (torch.rand(300, generator=g) < 0.2)
+            pos = (jumps.cumsum(0) - 1).tolist()
+            q_len = 300 - trial * 7  # cached keys before the queries too
+            covered = []
+            for s, e, a, c in self_extend.position_blocks(pos, q_len, window):
+                covered += range(s, e)
+                assert e - s <= self_extend.PIECE_ROWS and pos[e - 1] - pos[s] < window
+                assert all(pos[j] <= pos[s] - window for j in range(a))
+                assert all(pos[j] > pos[e - 1] - window for j in range(c, s))
+                assert a <= c <= s and c - a <= window - 1
+            assert covered == list(range(300 - q_len, 300))
+
+
+def test_the_piece_path_refuses_positions_that_go_back():
+    """Packed documents (positions that start again) are no order the blocks can be cut by: the written-out path
+    takes the call."""
+    model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=4, window=8)
+    attn, q, k, v = attention_inputs(model, 1, 48)
+    pos = torch.cat([torch.arange(20), torch.arange(28)])[None]
+    pieces = next(p for p in paths.table("self-extend") if p.name == "pieces")
+    with torch.no_grad(), pytest.raises(paths.PathUnavailable, match="position ids that go back"):
+        pieces.run(attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True, softcap=None,
+                   kwargs={"position_ids": pos})
+    paths.reset(model)
+    with torch.no_grad():
+        paths.run("self-extend", attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True,
+                  kwargs={"position_ids": pos})
+    assert paths.ran(model) == {"written-out": 1}
+
+
+def test_slot_positions_count_the_slots_some_query_sees():
+    """What the piece path cuts its blocks by: the key slots' positions where they never go down over the slots some
+    query sees; a padded slot takes its seen neighbour's position; cached keys must meet the queries' positions."""
+    slots = torch.arange(10)
+    causal = (slots[None, :] <= slots[:, None])[None, None]
+    skip = torch.tensor([[0, 1, 2, 50, 51, 52, 53, 90, 91, 92]])
+    assert torch.equal(self_extend.slot_positions(skip, skip, None), skip)
+    left = torch.tensor([[0, 0, 0, 7, 8, 50, 51, 52, 53, 54]])  # three padded slots at position 0
+    assert torch.equal(self_extend.slot_positions(left, left, causal & (slots >= 3)),
+                       torch.tensor([[7, 7, 7, 7, 8, 50, 51, 52, 53, 54]]))
+    right = torch.tensor([[0, 1, 2, 50, 51, 52, 53, 0, 0, 0]])  # right padding: no query sees the padded keys
+    assert torch.equal(self_extend.slot_positions(right, right, causal & (slots < 7)),
+                       torch.tensor([[0, 1, 2, 50, 51, 52, 53, 53, 53, 53]]))
+    assert self_extend.slot_positions(right, right, None) is None  # without a mask every slot counts
+    back = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]])
+    assert self_extend.slot_positions(back, back, causal) is None
+    k_pos = torch.arange(20, 30)[None]  # queries after cached keys, which continue the newest query's position back
+    assert torch.equal(self_extend.slot_positions(k_pos[:, -3:], k_pos, None), k_pos)
+    assert self_extend.slot_positions(torch.tensor([[7, 28, 29]]), k_pos, None) is None
 
 
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
@@ -114,10 +263,10 @@ def test_contiguity_counts_the_slots_some_query_sees():
         assert contiguous(q, k, None) is expected, q_pos
 
 
-@pytest.mark.parametrize("name", ["flash-attn", "flex", "pieces"])
+@pytest.mark.parametrize("name", ["flash-attn", "flex"])
 def test_the_slot_cut_paths_refuse_position_ids_that_skip(name):
     """Each raises PathUnavailable before it computes anything (flash-attn and flex run on CUDA only: their refusal
-    comes first, so it is seen here); the table then runs the written-out path."""
+    comes first, so it is seen here); the table then runs the piece path, which cuts its blocks by the positions."""
     model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=4, window=8)
     attn = model.model.layers[0].self_attn
     cfg = model.config
@@ -133,7 +282,7 @@ def test_the_slot_cut_paths_refuse_position_ids_that_skip(name):
     with torch.no_grad():
         paths.run("self-extend", attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True,
                   kwargs={"position_ids": pos})
-    assert paths.ran(model) == {"written-out": 1}
+    assert paths.ran(model) == {"pieces": 1}
 
 
 def test_a_compiled_call_whose_positions_skip_stops_with_an_error():

@@ -26,23 +26,32 @@ Attention functions registered with transformers (each with its mask function):
     log-sum-exp (which compiled flex returns on CUDA, not on the CPU);
   - "pieces" (inference without dropout or softcapping): queries in blocks; per block a few flash-attention kernel
     calls (torch's CPU kernel, or CUDA's flash / memory-efficient kernels), each returning the log-sum-exp of its
-    scores: the grouped keys every row of the block sees in full, the grouped keys at the block's lower edge and
-    the neighbour band (small [block, keys] masks), merged into one softmax. Memory is O(L) (no [L, L] tensor),
-    and the work about that of causal attention;
-  - "written-out" (everything else: gradients on the CPU, dropout, softcapping, position ids that skip): the
+    scores, merged into one softmax. Contiguous positions (`_pieces`): blocks of slots, the grouped keys every row
+    of the block sees in full, the grouped keys at the block's lower edge and the neighbour band (causal calls).
+    Positions that skip but never go down along the slots (PoSE, `hfpatch search`'s proxy samples;
+    `_pieces_by_position`): blocks of at most PIECE_ROWS queries within W - 1 positions of each other
+    (`position_blocks`), the keys each block's queries all see grouped, those they all see as neighbours, the
+    block's own keys (causal), and between them the keys that are one or the other by query (fewer than W for
+    distinct positions), at both maps with a [block, keys] mask. Memory is O(L) (no [L, L] tensor), and the work
+    about that of causal attention;
+  - "written-out" (everything else: gradients on the CPU, dropout, softcapping, position ids that go back): the
     explicit path a block of queries at a time (at most 2^24 scores per block).
 - "hfpatch_self_extend_eager" (models loaded with attn_implementation="eager"): the explicit path on all queries at
   once, returning the attention weights like eager attention does.
-The first four tell the regions apart by the distance in slots, which is the distance in positions when, in every
-batch row, position - slot is one constant over the slots the call attends (contiguous positions, left padding and
-generate() with a cache included: padded slots, which no query sees, may carry any position). A call whose positions
-skip is refused by them (`contiguous_positions`) and goes to the written-out path; in a torch.compile'd model, whose
-graph cannot switch paths by tensor values, it stops with an error instead.
+fa4, flash-attn and flex tell the regions apart by the distance in slots, which is the distance in positions when, in
+every batch row, position - slot is one constant over the slots the call attends (contiguous positions, left padding
+and generate() with a cache included: padded slots, which no query sees, may carry any position). A call whose
+positions skip is refused by them (`contiguous_positions`) and goes to the piece path, which cuts its blocks by the
+positions where they never go down (`slot_positions`), and to the written-out path where they do (packed documents).
+In a torch.compile'd model, whose graph cannot switch paths by tensor values, the piece path cuts by slots too, and a
+call whose positions skip stops with an error instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_right
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,13 +71,14 @@ if TYPE_CHECKING:
 NAMES = rotated.Names(scheme="self-extend", sdpa="hfpatch_self_extend", eager="hfpatch_self_extend_eager",
                       state="hfpatch_self_extend")
 SDPA_NAME, EAGER_NAME, STATE_ATTR = NAMES.sdpa, NAMES.eager, NAMES.state
-PIECE_ROWS = 1024  # queries per block on the piece path (also at most W - 1, see _pieces)
+PIECE_ROWS = 1024  # queries per block on the piece path (fewer for small W: _pieces, position_blocks)
 _EVERYTHING_NEAR = 1 << 62  # a window no sequence reaches: the patch-time check
 DEFAULT_GROUP_SIZE = 4
 DEFAULT_WINDOW_FRACTION = 8
-SKIPPING_UNDER_COMPILE = ("position='self-extend' in a torch.compile'd model: these position ids skip, which only the "
-                          "written-out path attends by the distance of the positions, and a compiled graph cannot "
-                          "switch paths by tensor values; run this input uncompiled")
+SKIPPING_UNDER_COMPILE = ("position='self-extend' in a torch.compile'd model: these position ids skip, and the paths "
+                          "a compiled graph runs cut the keys by the distance of the slots (cutting them by the "
+                          "positions branches on their values, which a compiled graph cannot); run this input "
+                          "uncompiled")
 
 
 # ------------------------------------------------------------------------------------------------ the position maps
@@ -146,6 +156,28 @@ def _seen_slots(attention_mask: torch.Tensor, batch: int, kv_len: int) -> torch.
     return visible.any(dim=2).any(dim=1).expand(batch, kv_len)
 
 
+def slot_positions(q_pos: torch.Tensor, k_pos: torch.Tensor,
+                   attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """[b, kv]: the position of every key slot (the queries being the last q_len slots) as the piece path cuts the
+    keys by it, when in every batch row the positions never go down along the slots some query sees and each query
+    carries its own slot's key position; None otherwise (positions that go back: packed documents, say). Slots seen
+    by no query (padding) may carry any position, as for `contiguous_positions`: each takes the position of the last
+    seen slot before it (of the first seen slot, before that), which keeps the row non-decreasing."""
+    batch, kv_len = k_pos.shape[0], k_pos.shape[1]
+    seen = (torch.ones(batch, kv_len, dtype=torch.bool, device=k_pos.device) if attention_mask is None
+            else _seen_slots(attention_mask, batch, kv_len))
+    lowest = torch.iinfo(k_pos.dtype).min
+    running = torch.where(seen, k_pos, lowest).cummax(dim=1).values
+    ok = ((running == k_pos) | ~seen).all()
+    if q_pos.shape[1] != kv_len:  # with a cache the keys' positions are inferred: they must meet the queries'
+        first = kv_len - q_pos.shape[1]
+        ok = ok & ((q_pos == k_pos[:, first:]) | ~seen[:, first:]).all()
+    if not bool(ok.item()):
+        return None
+    first_seen = k_pos.gather(1, seen.int().argmax(dim=1, keepdim=True))
+    return torch.where(running == lowest, first_seen, running)
+
+
 # ------------------------------------------------------------------------------------------------------ piece path
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scaling: float,
@@ -196,6 +228,87 @@ def _pieces(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tens
             acc[:, :, rows], lse[..., rows] = kernels.merge(acc[:, :, rows], lse[..., rows], o, lse_o)
         outs.append(acc.to(v.dtype))
     return torch.cat(outs, dim=2)
+
+
+def _same_rows(t: torch.Tensor) -> bool:
+    return bool((t == t[:1]).all().item())
+
+
+def _pieces_by_position(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, v: torch.Tensor,
+                        attention_mask: torch.Tensor | None, slot_pos: torch.Tensor, window: int,
+                        scaling: float) -> torch.Tensor:
+    """Self-Extend attention [b, H, q, d] in v's dtype where the positions skip but never go down along the slots
+    (slot_pos [b, kv]: slot_positions): the whole batch at once where its rows share their positions, else one row
+    at a time (padding that shifts the positions of a row)."""
+    rows = [slice(None)] if _same_rows(slot_pos) else [slice(i, i + 1) for i in range(v.shape[0])]
+    outs = [_position_pieces(qn[b], kn[b], qg[b], kg[b], v[b], _batch_rows(attention_mask, b), slot_pos[b][0],
+                             window, scaling) for b in rows]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _batch_rows(attention_mask: torch.Tensor | None, batch: slice) -> torch.Tensor | None:
+    """The model's mask for the batch rows `batch` (a mask of one row serves every row)."""
+    return attention_mask if attention_mask is None or attention_mask.shape[0] == 1 else attention_mask[batch]
+
+
+def position_blocks(pos: list[int], q_len: int, window: int) -> Iterator[tuple[int, int, int, int]]:
+    """(s, e, a, c) per block of query slots [s, e) (the queries being the last q_len of the key slots, whose
+    positions `pos` never go down): at most PIECE_ROWS queries whose positions lie within window - 1 of the first
+    one's, so that the block's own keys are neighbours of each of its queries. Keys [0, a) (position <= pos[s] - W)
+    are grouped for every query of the block, keys [c, s) (position > pos[e - 1] - W) neighbours of every one, and
+    keys [a, c) one or the other by query."""
+    s, kv_len = len(pos) - q_len, len(pos)
+    while s < kv_len:
+        e = min(kv_len, s + PIECE_ROWS, bisect_right(pos, pos[s] + window - 1, s))
+        a = bisect_right(pos, pos[s] - window, 0, s)
+        yield s, e, a, bisect_right(pos, pos[e - 1] - window, a, s)
+        s = e
+
+
+def _position_pieces(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, v: torch.Tensor,
+                     attention_mask: torch.Tensor | None, pos: torch.Tensor, window: int,
+                     scaling: float) -> torch.Tensor:
+    """Self-Extend attention for batch rows that share their key slots' positions `pos` [kv], per block of
+    queries (position_blocks) up to five kernel calls merged by log-sum-exp: the block's own keys [s, e) causal at
+    the neighbour maps; [c, s) in full at the neighbour maps; [0, a) in full at the grouped maps; and [a, c) at both
+    maps, each with a [block, c - a] mask of the pairs whose distance of positions is below W (neighbour) or not
+    (grouped)."""
+    q_len, kv_len = qn.shape[2], kn.shape[2]
+    first = kv_len - q_len
+    positions = pos.tolist()
+    outs = []
+    for s, e, a, c in position_blocks(positions, q_len, window):
+        r = slice(s - first, e - first)
+
+        def piece(q: torch.Tensor, k: torch.Tensor, lo: int, hi: int, causal: bool = False,
+                  near: torch.Tensor | None = None, r: slice = r):  # r: this block's query rows
+            given = None if attention_mask is None else attention_mask[:, :, r, lo:hi]
+            m = _piece_mask(near, given, q.dtype)
+            return kernels.attend(q[:, :, r], k[:, :, lo:hi], v[:, :, lo:hi], scaling, mask=m, causal=causal)
+
+        parts = [piece(qn, kn, s, e, causal=True)]
+        if c < s:
+            parts.append(piece(qn, kn, c, s))
+        if a < c:
+            near = pos[None, a:c] > pos[s:e, None] - window
+            parts += [piece(qn, kn, a, c, near=near), piece(qg, kg, a, c, near=~near)]
+        if a > 0:
+            parts.append(piece(qg, kg, 0, a))
+        outs.append(kernels.merge_parts(parts)[0].to(v.dtype))
+    return torch.cat(outs, dim=2)
+
+
+def _piece_mask(keep: torch.Tensor | None, given: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """An additive [1 or b, 1 or H, rows, keys] mask of `dtype`: 0 where `keep` [rows, keys] holds (None: every
+    pair) and the model's mask `given` (bool, or additive; None: no padding) lets the query see the key, else the
+    dtype's lowest value; None when neither limits the piece."""
+    if keep is None:
+        return None if given is None else split.additive(given, dtype)
+    lowest = torch.finfo(dtype).min
+    m = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, lowest)[None, None]
+    if given is None:
+        return m
+    return torch.where(given, m, lowest) if given.dtype == torch.bool else (m + given.to(dtype)).clamp(min=lowest)
 
 
 # ------------------------------------------------------------------------------------------- attention functions
@@ -255,8 +368,26 @@ def _both_by_slots(module: nn.Module, query: torch.Tensor, key: torch.Tensor, at
 def _run_pieces(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
                 softcap: float | None, kwargs: dict[str, Any]):
-    maps, qn, kn, qg, kg = _both_by_slots(module, query, key, attention_mask, kwargs)
-    return _pieces(qn, kn, qg, kg, value, attention_mask, maps.window, scaling).transpose(1, 2).contiguous()
+    """Contiguous positions: blocks cut by slot distance (_pieces). Positions that skip but never go down along the
+    slots: blocks cut by the positions (_pieces_by_position). Positions that go back: PathUnavailable, the
+    written-out path takes the call. A compiled graph stays on _pieces (_both_by_slots)."""
+    if torch.compiler.is_compiling():
+        maps, qn, kn, qg, kg = _both_by_slots(module, query, key, attention_mask, kwargs)
+        return _pieces(qn, kn, qg, kg, value, attention_mask, maps.window, scaling).transpose(1, 2).contiguous()
+    maps = getattr(module, STATE_ATTR)
+    q_pos, k_pos = positions(query, key, kwargs.get("position_ids"), attention_mask)
+    slot_pos = None
+    if not contiguous_positions(q_pos, k_pos, attention_mask):
+        slot_pos = slot_positions(q_pos, k_pos, attention_mask)
+        if slot_pos is None:
+            raise paths.PathUnavailable("position ids that go back along the slots (or queries whose positions are "
+                                        "not their cached keys'): the written-out path takes this call")
+    qn, kn, qg, kg = maps.rotate(query, key, q_pos, k_pos)
+    if slot_pos is None:
+        out = _pieces(qn, kn, qg, kg, value, attention_mask, maps.window, scaling)
+    else:
+        out = _pieces_by_position(qn, kn, qg, kg, value, attention_mask, slot_pos, maps.window, scaling)
+    return out.transpose(1, 2).contiguous()
 
 
 def _run_flex(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
