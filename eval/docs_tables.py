@@ -730,12 +730,21 @@ def soak_recipe():
             f"{d['file_events_per_run']} file operations under `output_dir`.\n\n{summary}\n\n{landed}")
 
 
-@table("eval/results/benchmarks/cli_help.json")
-def cli_help():
-    d = load("benchmarks/cli_help.json")
+def command_times(d: dict) -> str:
+    """The table of eval/bench_cli.py's medians: one row per command."""
     rows = [[f"`{name}`", r["wall_s"], r["cpu_s"], r["wall_vs_python"]] for name, r in d["commands"].items()]
     return markdown_table(["command (fresh process; in brackets: the checkout compared, `--vs`)",
                            f"wall s (median of {d['rounds']})", "CPU s", "wall / `python -c pass`"], rows)
+
+
+@table("eval/results/benchmarks/cli_help.json")
+def cli_help():
+    return command_times(load("benchmarks/cli_help.json"))
+
+
+@table("eval/results/benchmarks/describe_smollm2.json")
+def describe_smollm2():
+    return command_times(load("benchmarks/describe_smollm2.json"))
 
 
 @table("eval/results/reliability/eval_kills.json")

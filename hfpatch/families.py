@@ -15,7 +15,6 @@ RoPE family's checks). A position scheme whose cached-decoding check failed ther
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import warnings
@@ -34,6 +33,7 @@ from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS
 from .position.attention.temperature import TEMPERATURES
 from .position.registry import LAYER_SCHEMES, SCHEMES
+from .utils.files import cache_dir, source_hash
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -62,18 +62,8 @@ def sweep_status(model_type: str, baseline: dict) -> str:
             "(eval/check_transformers.py sweeps it)")
 
 
-def _source_hash() -> str:
-    h = hashlib.sha256()
-    root = Path(__file__).parent
-    for f in sorted(root.rglob("*.py")):
-        h.update(str(f.relative_to(root)).encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def _cache_path() -> Path:
-    base = Path(os.environ.get("HFPATCH_CACHE", Path.home() / ".cache" / "hfpatch"))
-    return base / "supported" / f"transformers-{transformers.__version__}-{_source_hash()}.json"
+    return cache_dir() / "supported" / f"transformers-{transformers.__version__}-{source_hash()}.json"
 
 
 def measure_one(model_type: str) -> dict:

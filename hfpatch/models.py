@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from huggingface_hub import try_to_load_from_cache
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 from transformers.tokenization_utils_base import (
     ADDED_TOKENS_FILE,
     FULL_TOKENIZER_FILE,
@@ -26,7 +26,7 @@ from transformers.utils import (
 )
 
 from .apply import mark_loaded
-from .interop.gguf import apply_to_loaded
+from .interop import gguf_cache
 from .interop.io import from_pretrained, refuse_pickled_weights, remote_code_refused
 from .utils import files
 
@@ -89,19 +89,20 @@ def load(name: str, dtype: torch.dtype | str | None = None, device_map: str | di
          tokenizer: bool = True, trust_remote_code: bool = False,
          allow_pickled_weights: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """(model, tokenizer or None). A model saved by hfpatch comes back patched, and so does a GGUF file with RoPE
-    scaling (exported by hfpatch.interop.gguf.export, or by llama.cpp's converter).
+    scaling (exported by hfpatch.interop.gguf.export, or by llama.cpp's converter). A GGUF file is converted once:
+    later loads read the conversion from hfpatch's cache, the same weights (interop/gguf_cache.py;
+    HFPATCH_GGUF_CACHE=off converts it every time).
 
     trust_remote_code: run the Python code a model folder (or hub repository) carries, if it needs it; off by
     default. allow_pickled_weights: load pytorch_model.bin weights (pickles, read with torch.load(weights_only=True))
     when there are no safetensors; off by default."""
     where, gguf_file = resolve(name)
-    given = {"dtype": dtype, "device_map": device_map, "gguf_file": gguf_file}
+    given = {"dtype": dtype, "device_map": device_map}
     kwargs: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     kwargs["trust_remote_code"] = trust_remote_code
     try:
-        if gguf_file:
-            model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(where, **kwargs)
-            apply_to_loaded(model, os.path.join(where, gguf_file))  # transformers reads no RoPE scaling from GGUF
+        if gguf_file:  # converted once, then from hfpatch's cache (interop/gguf_cache.py), with the file's RoPE
+            model = gguf_cache.load_model(os.path.join(where, gguf_file), **kwargs)
             mark_loaded(model)  # the file's scaling is the model as loaded (describe()["loaded_with"])
         else:
             refuse_pickled_weights(where, not allow_pickled_weights, OPT_IN["allow_pickled_weights"])
@@ -120,8 +121,8 @@ def load(name: str, dtype: torch.dtype | str | None = None, device_map: str | di
     tok = None
     if tokenizer:
         try:
-            tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code,
-                                                **({"gguf_file": gguf_file} if gguf_file else {}))
+            tok = gguf_cache.load_tokenizer(os.path.join(where, gguf_file), trust_remote_code=trust_remote_code) \
+                if gguf_file else AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
             if "trust_remote_code" in str(e) and not trust_remote_code:
                 raise ValueError(remote_code_refused(f"the tokenizer of {name}", OPT_IN["trust_remote_code"])) from None

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hfpatch
 from hfpatch.cli import main
-from hfpatch.models import SMOLLM2_FILE, resolve
+from hfpatch.models import SMOLLM2, SMOLLM2_FILE, load, resolve
 
 
 def native_copy(model, rope_parameters, max_position_embeddings):
@@ -41,8 +41,9 @@ def test_yarn_loss_on_moby_dick_equals_native_yarn(smollm2, books):
     assert plain_loss < 6.0  # a trained model (a random one scores about ln(49152) = 10.8)
 
 
-def test_gguf_model_is_patchable_and_savable(smollm2, tmp_path):
-    model, tok = smollm2
+def test_gguf_model_is_patchable_and_savable(smollm2_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("HFPATCH_GGUF_CACHE", "off")  # converted from the file: transformers' GGUF quantizer attached
+    model, tok = load(SMOLLM2)
     assert model.hf_quantizer is not None  # as transformers loaded it: its own save_pretrained refuses
     ids = torch.arange(1000, 1064)[None]
     hfpatch.patch(model, position="yarn", factor=2)

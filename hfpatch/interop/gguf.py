@@ -411,7 +411,11 @@ def _llama3_from_freqs(info: RopeInfo) -> dict | None:
 def apply_to_loaded(model: PreTrainedModel, path: Path | str) -> None:
     """After transformers loaded GGUF file `path` (reading only rope.freq_base and context_length), make the model
     the one the file describes: the original base and window, then the recorded or read patch."""
-    found = read_patch(path)
+    apply_found(model, read_patch(path), path)
+
+
+def apply_found(model: PreTrainedModel, found: Found | None, path: Path | str) -> None:
+    """apply_to_loaded with the file's RoPE already read (`found`: what read_patch gave for `path`)."""
     if found is None:
         return
     target = apply.unwrap(model)

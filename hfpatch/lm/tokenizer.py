@@ -3,8 +3,11 @@ LM (transformers' Auto classes: kept out of text.py, which the evaluation module
 
 from __future__ import annotations
 
+import os
+
 from transformers import AutoConfig, AutoTokenizer
 
+from ..interop import gguf_cache
 from ..models import resolve
 from .causal import check_causal_config
 
@@ -21,6 +24,8 @@ def load_tokenizer(name: str):
         if config is not None:
             check_causal_config(config)
     try:
-        return AutoTokenizer.from_pretrained(where, **({"gguf_file": gguf_file} if gguf_file else {}))
+        if gguf_file:  # converted once, then from hfpatch's cache (interop/gguf_cache.py)
+            return gguf_cache.load_tokenizer(os.path.join(where, gguf_file))
+        return AutoTokenizer.from_pretrained(where)
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load a tokenizer for {name!r}: {str(e).strip().splitlines()[0]}") from None

@@ -124,8 +124,25 @@ def _stat_key(path: Path) -> str:
 
 
 def cache_dir() -> Path:
-    """hfpatch's cache folder: $HFPATCH_CACHE, else ~/.cache/hfpatch."""
-    return Path(os.environ.get("HFPATCH_CACHE") or Path.home() / ".cache" / "hfpatch")
+    """hfpatch's cache folder: $HFPATCH_CACHE, else $XDG_CACHE_HOME/hfpatch, else ~/.cache/hfpatch (the XDG base
+    directory convention, as huggingface_hub places its own cache; a relative XDG_CACHE_HOME is ignored, as the
+    convention says)."""
+    own = os.environ.get("HFPATCH_CACHE")
+    if own:
+        return Path(own).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "hfpatch"
+
+
+def source_hash(modules: tuple[str, ...] = ()) -> str:
+    """A hash of hfpatch's own source (every .py file of the package, or the `modules` named by their paths in it, by
+    path and content): what a cache of results that hfpatch's code computed is keyed by."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for f in sorted(root / m for m in modules) if modules else sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def cached_sha256(path: Path | str) -> str:
