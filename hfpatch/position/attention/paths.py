@@ -1,12 +1,12 @@
 """Which attention path runs a call, for the schemes that bring their own attention function (ALiBi, T5, XL,
 Self-Extend).
 
-Each scheme lists its paths as data, fastest first (`register(scheme, [Path, ...])`); the written-out path, which
-takes everything, comes last. Per call the first path whose conditions hold runs: the device, the dtype, whether
-gradients are needed, dropout, softcapping, causal or bidirectional attention, a padding mask, the attention
-implementation the model was loaded with (flash-attn paths only for attn_implementation="flash_attention_2"),
-optional packages, and, for paths whose cost depends on the size, whether the call is big enough (flex.worth_it:
-to pay for compiling).
+Each scheme lists its paths as data, fastest first (`register(scheme, [AttentionPath, ...])`, which the scheme
+registry does with its record's `paths`); the written-out path, which takes everything, comes last. Per call the
+first path whose conditions hold runs: the device, the dtype, whether gradients are needed, dropout, softcapping,
+causal or bidirectional attention, a padding mask, the attention implementation the model was loaded with
+(flash-attn paths only for attn_implementation="flash_attention_2"), optional packages, and, for paths whose cost
+depends on the size, whether the call is big enough (flex.worth_it: to pay for compiling).
 `refusal(path, call)` says why a path does not take a call.
 
 Every call is counted per attention module and path: hfpatch.describe(model)["position"]["attention_path"]
@@ -58,7 +58,7 @@ class Runner(Protocol):
 
 
 @dataclass(frozen=True)
-class Path:
+class AttentionPath:
     """One way to compute a scheme's attention: `run` (a Runner) and the calls it takes."""
 
     name: str
@@ -77,7 +77,7 @@ class Path:
     worth: Callable[[Call], str | None] | None = None  # why this call is too small for it (size-dependent paths)
 
 
-def refusal(path: Path, call: Call, *, size: bool = True) -> str | None:
+def refusal(path: AttentionPath, call: Call, *, size: bool = True) -> str | None:
     """Why `path` does not take `call`, or None. size=False: whether the call is big enough for a compiled path
     is not asked (a forced path)."""
     if call.device not in path.devices:
@@ -105,18 +105,18 @@ def refusal(path: Path, call: Call, *, size: bool = True) -> str | None:
     return None
 
 
-_TABLES: Registry[tuple[Path, ...]] = Registry("attention path table")
+_TABLES: Registry[tuple[AttentionPath, ...]] = Registry("attention path table")
 
 
-def register(scheme: str, table: Iterable[Path]) -> None:
+def register(scheme: str, table: Iterable[AttentionPath]) -> None:
     """A scheme's paths, fastest first; the last one must take every call."""
     listed = tuple(table)
-    if not listed or listed[-1].devices != ALL_DEVICES or listed[-1].masks != Path.masks:
+    if not listed or listed[-1].devices != ALL_DEVICES or listed[-1].masks != AttentionPath.masks:
         raise ValueError(f"{scheme}: the last path must take every call (the written-out one)")
     _TABLES.register(scheme, listed)
 
 
-def table(scheme: str) -> tuple[Path, ...]:
+def table(scheme: str) -> tuple[AttentionPath, ...]:
     return _TABLES[scheme]
 
 
@@ -132,7 +132,7 @@ class PathUnavailable(RuntimeError):
 _FORCED: dict[str, str] = {}
 
 
-def choose(scheme: str, call: Call, skip: frozenset[Path] = frozenset()) -> Path:
+def choose(scheme: str, call: Call, skip: frozenset[AttentionPath] = frozenset()) -> AttentionPath:
     if scheme in _FORCED:
         return _forced(scheme, call)
     for path in _TABLES[scheme]:
@@ -141,7 +141,7 @@ def choose(scheme: str, call: Call, skip: frozenset[Path] = frozenset()) -> Path
     return _TABLES[scheme][-1]
 
 
-def _forced(scheme: str, call: Call) -> Path:
+def _forced(scheme: str, call: Call) -> AttentionPath:
     name = _FORCED[scheme]
     reasons = []
     for path in _TABLES[scheme]:
@@ -188,7 +188,7 @@ def run(scheme: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if dropout and not module.training:
         dropout = 0.0
     call = call_of(module, query, key, value, attention_mask, dropout, causal, softcap)
-    skip: dict[Path, str] = {}  # paths that raised PathUnavailable for this call, and why
+    skip: dict[AttentionPath, str] = {}  # paths that raised PathUnavailable for this call, and why
     while True:
         path = choose(scheme, call, frozenset(skip))
         try:
@@ -224,7 +224,8 @@ def record(module: nn.Module, path: str) -> None:
     _RAN.setdefault(module, Counter())[path] += 1
 
 
-def record_passed_over(module: nn.Module, scheme: str, call: Call, chosen: Path, raised: dict[Path, str]) -> None:
+def record_passed_over(module: nn.Module, scheme: str, call: Call, chosen: AttentionPath,
+                       raised: dict[AttentionPath, str]) -> None:
     """Keep why each path before `chosen` did not take this call (its refusal, or what it raised), for describe()."""
     if torch.compiler.is_compiling():
         return

@@ -44,6 +44,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from ...adapters import Adapter
 from ...edits import Edits
 from ..attention import fa4, flex, kernels, paths
+from ..attention.paths import AttentionPath
 from ..attention.written import biased_attention, causal_of
 from ..signal import attention_modules, remove_positions, use_attention
 
@@ -209,18 +210,19 @@ def _flash(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: tor
 
 
 PATHS = (
-    paths.Path("fa4", _fa4, "FlashAttention-4 with an ALiBi score_mod (Hopper, Blackwell)",
-               devices=frozenset({"cuda"}), dtypes=paths.LOW, masks=frozenset({"none", "bool"}), missing=fa4.missing),
-    paths.Path("flash-attn", _flash, "flash-attn 2 with its alibi_slopes (attn_implementation='flash_attention_2')",
-               devices=frozenset({"cuda"}), dtypes=paths.LOW, dropout=True, softcap=True, bidirectional=True,
-               masks=frozenset({"none"}), base=frozenset({"flash_attention_2"}), missing=kernels.flash_attn_missing),
-    paths.Path("factorised", _factorised, "one sdpa call, ALiBi carried by two extra query/key channels",
-               devices=frozenset({"cpu"}), dropout=True),
-    paths.Path("flex", _flex, "compiled flex_attention with an ALiBi score_mod and a block mask",
-               grad_devices=frozenset({"cuda"}), softcap=True, bidirectional=True,
-               masks=frozenset({"none", "bool"}), worth=flex.worth_it),
-    paths.Path("written-out", _written_out, "scores and bias written out, a block of queries at a time",
-               dropout=True, softcap=True, bidirectional=True),
+    AttentionPath("fa4", _fa4, "FlashAttention-4 with an ALiBi score_mod (Hopper, Blackwell)",
+                  devices=frozenset({"cuda"}), dtypes=paths.LOW, masks=frozenset({"none", "bool"}),
+                  missing=fa4.missing),
+    AttentionPath("flash-attn", _flash, "flash-attn 2 with its alibi_slopes (attn_implementation='flash_attention_2')",
+                  devices=frozenset({"cuda"}), dtypes=paths.LOW, dropout=True, softcap=True, bidirectional=True,
+                  masks=frozenset({"none"}), base=frozenset({"flash_attention_2"}), missing=kernels.flash_attn_missing),
+    AttentionPath("factorised", _factorised, "one sdpa call, ALiBi carried by two extra query/key channels",
+                  devices=frozenset({"cpu"}), dropout=True),
+    AttentionPath("flex", _flex, "compiled flex_attention with an ALiBi score_mod and a block mask",
+                  grad_devices=frozenset({"cuda"}), softcap=True, bidirectional=True,
+                  masks=frozenset({"none", "bool"}), worth=flex.worth_it),
+    AttentionPath("written-out", _written_out, "scores and bias written out, a block of queries at a time",
+                  dropout=True, softcap=True, bidirectional=True),
 )
 AttentionInterface.register(SDPA_NAME, alibi_sdpa)
 AttentionInterface.register(EAGER_NAME, alibi_eager)

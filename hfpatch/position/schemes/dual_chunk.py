@@ -46,6 +46,7 @@ from torch import nn
 from ...adapters import Adapter
 from ...edits import Edits
 from ..attention import fa4, kernels, paths, pieces, split
+from ..attention.paths import AttentionPath
 from ..attention.written import explicit_attention
 from . import rotated
 
@@ -245,13 +246,13 @@ def _run_written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 PATHS = (
-    paths.Path("fa4", _run_fa4, "per chunk of queries a few FlashAttention-4 calls merged by log-sum-exp (Hopper, "
-               "Blackwell)", devices=frozenset({"cuda"}), dtypes=paths.LOW, softcap=True,
-               masks=frozenset({"none", "bool"}), missing=fa4.missing),
-    paths.Path("pieces", _run_pieces, "per chunk of queries a few flash-attention kernel calls (own chunk, "
-               "previous chunk, earlier chunks) merged by log-sum-exp; gradients by each call's kernel backward"),
-    paths.Path("written-out", _run_written_out, "scores written out at the three query positions, a block of "
-               "queries at a time", dropout=True, softcap=True),
+    AttentionPath("fa4", _run_fa4, "per chunk of queries a few FlashAttention-4 calls merged by log-sum-exp (Hopper, "
+                  "Blackwell)", devices=frozenset({"cuda"}), dtypes=paths.LOW, softcap=True,
+                  masks=frozenset({"none", "bool"}), missing=fa4.missing),
+    AttentionPath("pieces", _run_pieces, "per chunk of queries a few flash-attention kernel calls (own chunk, "
+                  "previous chunk, earlier chunks) merged by log-sum-exp; gradients by each call's kernel backward"),
+    AttentionPath("written-out", _run_written_out, "scores written out at the three query positions, a block of "
+                  "queries at a time", dropout=True, softcap=True),
 )
 
 

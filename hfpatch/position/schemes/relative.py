@@ -47,6 +47,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from ...adapters import Adapter
 from ...edits import Edits
 from ..attention import distance_bias, fa4, flex, paths, recompute, split
+from ..attention.paths import AttentionPath
 from ..attention.written import biased_attention, causal_of
 from ..signal import attention_modules, remove_positions, use_attention
 from .absolute import sinusoidal_table
@@ -293,20 +294,20 @@ def _t5_fa4(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attent
     return out.transpose(1, 2).contiguous()
 
 
-_T5_FLEX = paths.Path("flex", _t5_flex, "compiled flex_attention with a score_mod reading the bias of each "
-                      "distance, and a block mask", devices=frozenset({"cuda"}), softcap=True, bidirectional=True,
-                      masks=frozenset({"none", "bool"}), worth=flex.worth_it)
+_T5_FLEX = AttentionPath("flex", _t5_flex, "compiled flex_attention with a score_mod reading the bias of each "
+                         "distance, and a block mask", devices=frozenset({"cuda"}), softcap=True, bidirectional=True,
+                         masks=frozenset({"none", "bool"}), worth=flex.worth_it)
 T5_PATHS = (
-    paths.Path("fa4", _t5_fa4, "FlashAttention-4 with a score_mod reading the bias of each distance (Hopper, "
-               "Blackwell); the table's gradient from the band alone", devices=frozenset({"cuda"}), dtypes=paths.LOW,
-               masks=frozenset({"none", "bool"}), missing=fa4.missing),
+    AttentionPath("fa4", _t5_fa4, "FlashAttention-4 with a score_mod reading the bias of each distance (Hopper, "
+                  "Blackwell); the table's gradient from the band alone", devices=frozenset({"cuda"}), dtypes=paths.LOW,
+                  masks=frozenset({"none", "bool"}), missing=fa4.missing),
     _T5_FLEX,
-    paths.Path("pieces", _t5_pieces, "kernel calls merged by log-sum-exp: the bias band (distances < D) as an "
-               "additive mask, the farther keys plain causal with T5's last-bucket bias; gradients by each call's "
-               "kernel backward, the table's from the band alone"),
+    AttentionPath("pieces", _t5_pieces, "kernel calls merged by log-sum-exp: the bias band (distances < D) as an "
+                  "additive mask, the farther keys plain causal with T5's last-bucket bias; gradients by each call's "
+                  "kernel backward, the table's from the band alone"),
     dataclasses.replace(_T5_FLEX, devices=frozenset({"cpu"}), grad_devices=frozenset()),  # after pieces on the CPU
-    paths.Path("written-out", _written_out(_t5_terms), "scores and bias written out, a block of queries at a time",
-               dropout=True, softcap=True, bidirectional=True),
+    AttentionPath("written-out", _written_out(_t5_terms), "scores and bias written out, a block of queries at a time",
+                  dropout=True, softcap=True, bidirectional=True),
 )
 XL_WIDE_MIN_SCORES = 3072 * 3072  # inference: below this the written-out path is faster (measured, see below)
 
@@ -370,12 +371,12 @@ def _grad_only(call: paths.Call) -> str | None:
 # against 19.8 s and 2.14 GB widened and 25.0 s and 3.51 GB written out; the widened path keeps training with
 # attention dropout, which the recomputed one does not do.
 XL_PATHS = (
-    paths.Path("recomputed", _xl_recomputed, "scores written out a block of queries at a time, and again in the "
-               "backward pass instead of kept", softcap=True, bidirectional=True, worth=_grad_only),
-    paths.Path("widened", _xl_widened, "one sdpa call on queries and keys widened by the position term's "
-               "sinusoid features", devices=frozenset({"cpu"}), dropout=True, bidirectional=True, worth=_xl_worth),
-    paths.Path("written-out", _written_out(_xl_terms), "content and position scores written out, a block of "
-               "queries at a time", dropout=True, softcap=True, bidirectional=True),
+    AttentionPath("recomputed", _xl_recomputed, "scores written out a block of queries at a time, and again in the "
+                  "backward pass instead of kept", softcap=True, bidirectional=True, worth=_grad_only),
+    AttentionPath("widened", _xl_widened, "one sdpa call on queries and keys widened by the position term's "
+                  "sinusoid features", devices=frozenset({"cpu"}), dropout=True, bidirectional=True, worth=_xl_worth),
+    AttentionPath("written-out", _written_out(_xl_terms), "content and position scores written out, a block of "
+                  "queries at a time", dropout=True, softcap=True, bidirectional=True),
 )
 for _scheme, _name, _eager_name, _terms in (("t5", T5_NAME, T5_EAGER, _t5_terms), ("xl", XL_NAME, XL_EAGER, _xl_terms)):
     AttentionInterface.register(_name, _attention(_scheme))

@@ -61,6 +61,7 @@ from torch import nn
 from ...adapters import Adapter
 from ...edits import Edits
 from ..attention import fa4, flex, kernels, paths, split
+from ..attention.paths import AttentionPath
 from ..attention.written import explicit_attention
 from ..rope.llamacpp import group_attention_flags
 from . import rotated
@@ -423,20 +424,20 @@ def _run_written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 PATHS = (
-    paths.Path("fa4", _run_fa4, "two FlashAttention-4 calls (neighbour window, grouped keys) merged by log-sum-exp "
-               "(Hopper, Blackwell)", devices=frozenset({"cuda"}), dtypes=paths.LOW, softcap=True,
-               masks=frozenset({"none", "bool"}), missing=fa4.missing),
-    paths.Path("flash-attn", _run_flash, "two flash-attn calls (neighbour window, grouped keys) merged by "
-               "log-sum-exp (attn_implementation='flash_attention_2')", devices=frozenset({"cuda"}),
-               grad_devices=frozenset(), dtypes=paths.LOW, softcap=True, masks=frozenset({"none"}),
-               base=frozenset({"flash_attention_2"}), missing=kernels.flash_attn_missing),
-    paths.Path("flex", _run_flex, "two compiled flex_attention calls (neighbour band, grouped keys) merged by their "
-               "log-sum-exp", devices=frozenset({"cuda"}), softcap=True, masks=frozenset({"none", "bool"}),
-               worth=flex.worth_it),
-    paths.Path("pieces", _run_pieces, "blocks of queries, each a few flash-attention kernel calls merged by "
-               "log-sum-exp", grad_devices=frozenset()),
-    paths.Path("written-out", _run_written_out, "scores written out at both position maps, a block of queries at "
-               "a time", dropout=True, softcap=True),
+    AttentionPath("fa4", _run_fa4, "two FlashAttention-4 calls (neighbour window, grouped keys) merged by log-sum-exp "
+                  "(Hopper, Blackwell)", devices=frozenset({"cuda"}), dtypes=paths.LOW, softcap=True,
+                  masks=frozenset({"none", "bool"}), missing=fa4.missing),
+    AttentionPath("flash-attn", _run_flash, "two flash-attn calls (neighbour window, grouped keys) merged by "
+                  "log-sum-exp (attn_implementation='flash_attention_2')", devices=frozenset({"cuda"}),
+                  grad_devices=frozenset(), dtypes=paths.LOW, softcap=True, masks=frozenset({"none"}),
+                  base=frozenset({"flash_attention_2"}), missing=kernels.flash_attn_missing),
+    AttentionPath("flex", _run_flex, "two compiled flex_attention calls (neighbour band, grouped keys) merged by their "
+                  "log-sum-exp", devices=frozenset({"cuda"}), softcap=True, masks=frozenset({"none", "bool"}),
+                  worth=flex.worth_it),
+    AttentionPath("pieces", _run_pieces, "blocks of queries, each a few flash-attention kernel calls merged by "
+                  "log-sum-exp", grad_devices=frozenset()),
+    AttentionPath("written-out", _run_written_out, "scores written out at both position maps, a block of queries at "
+                  "a time", dropout=True, softcap=True),
 )
 
 
