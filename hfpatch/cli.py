@@ -34,6 +34,7 @@ from pathlib import Path
 
 from . import patch_options
 from .evaluate import EVALUATIONS
+from .patch_options import scheme_options
 from .utils.command import Parser, UsageError, run_main
 from .utils.files import Lock, describe_os_error, write_folder
 from .utils.warn import NeedsCalibrationWarning
@@ -147,20 +148,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub.add_parser("lm-eval", help="lm-evaluation-harness's lm_eval command with --model hfpatch registered "
                                    "(every lm_eval argument follows: hfpatch lm-eval --help)")
     return p
-
-
-def scheme_options() -> dict[str, tuple]:
-    """Every position option of the registry: name -> (its Option, the schemes that take it), in registry order."""
-    from .position import SCHEMES  # the registries import torch: only when `hfpatch patch` is parsed
-
-    out: dict[str, tuple] = {}
-    for scheme_name, scheme in SCHEMES.items():
-        for name, option in scheme.options.items():
-            first, owners = out.get(name, (option, []))
-            if first.kind != option.kind:  # one flag, one form: the registry must agree with itself
-                raise TypeError(f"option {name}: {owners[0]} takes a {first.kind}, {scheme_name} a {option.kind}")
-            out[name] = (first, [*owners, scheme_name])
-    return out
 
 
 def _patch_arguments(s) -> None:

@@ -6,7 +6,8 @@ temperatures. The registries (hfpatch.position, hfpatch.norm) import torch; this
 The registries are the truth: tests/test_cli_help.py checks that `from_registries()` equals `DECLARED`, so the two
 cannot drift apart. After a registry changes, `python -m hfpatch.patch_options` prints the declaration the registries
 give, to paste below. A process that has imported the registries (and may have registered a scheme of its own) gets
-them from the registries themselves (`offered`).
+them from the registries themselves (`offered`). The registries are imported inside the functions that read them
+only: this module is one of the command's deferred entry points (tests/test_layering.py).
 """
 
 from __future__ import annotations
@@ -84,9 +85,23 @@ DECLARED: dict[str, Any] = {"SCHEMES": SCHEMES, "SCHEME_OPTIONS": SCHEME_OPTIONS
                             "PLACEMENTS": PLACEMENTS, "TEMPERATURES": TEMPERATURES}
 
 
+def scheme_options() -> dict[str, tuple]:
+    """Every position option of the registry: name -> (its Option, the schemes that take it), in registry order
+    (imports torch)."""
+    from .position import SCHEMES as schemes
+
+    out: dict[str, tuple] = {}
+    for scheme_name, scheme in schemes.items():
+        for name, option in scheme.options.items():
+            first, owners = out.get(name, (option, []))
+            if first.kind != option.kind:  # one flag, one form: the registry must agree with itself
+                raise TypeError(f"option {name}: {owners[0]} takes a {first.kind}, {scheme_name} a {option.kind}")
+            out[name] = (first, [*owners, scheme_name])
+    return out
+
+
 def from_registries() -> dict[str, Any]:
     """DECLARED as the registries give it (imports torch): what the declaration above must equal."""
-    from .cli import scheme_options
     from .norm.kinds import NORMS as norms
     from .norm.placement import PLACEMENTS as placements
     from .position import SCHEMES as schemes

@@ -35,16 +35,18 @@ LAYERS: dict[str, set[str]] = {
     "io": {"interop"},  # re-export of the old path, for one version
     "gguf": {"interop"},  # re-export of the old path, for one version
     "models": {"introspect", "interop", "apply", "utils"},  # load by name
-    "families": {"apply", "introspect", "adapters", "norm", "position", "tiny"},  # supported(): every family measured
+    "families": {"apply", "introspect", "adapters", "norm", "position", "tiny", "utils"},  # supported(): every family measured
+    "patch_options": {"position", "norm"},  # `hfpatch patch`'s flags as data; the registries read to check them
     "hfpatch": {"introspect", "spec", "apply", "families", "interop"},  # the public API
     # running models: what evaluations and training share, then each
-    "lm": {"apply", "introspect", "adapters", "models", "utils"},  # a causal LM as body + head; documents and tokenizers
+    "lm": {"apply", "introspect", "adapters", "models", "interop", "utils"},  # a causal LM as body + head; documents and tokenizers
     "evaluate": {"hfpatch", "introspect", "position", "apply", "spec", "adapters", "lm", "models", "interop", "registry", "utils"},
     # the search over patches: candidates, the objective, the resumable loop (over the evaluations' machinery)
     "search": {"evaluate", "apply", "introspect", "adapters", "position", "lm", "models", "utils"},
     "train": {"hfpatch", "introspect", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models", "registry",
               "utils"},
-    "cli": {"hfpatch", "introspect", "evaluate", "lm", "search", "norm", "spec", "models", "families", "apply", "interop", "position", "utils"},
+    "cli": {"hfpatch", "introspect", "evaluate", "lm", "search", "norm", "spec", "models", "families", "apply", "interop", "position", "utils",
+            "patch_options"},
     "__main__": {"cli"},
 }
 
@@ -68,7 +70,10 @@ OPTIONAL = {
 ENTRY_POINTS = {"hfpatch/cli.py", "hfpatch/evaluate/__init__.py", "hfpatch/evaluate/definition.py",
                 # the search's package imports search() on first use, and its command the model and the loop once
                 # its arguments parse: `hfpatch search --help` loads no torch
-                "hfpatch/search/__init__.py", "hfpatch/search/command.py"}
+                "hfpatch/search/__init__.py", "hfpatch/search/command.py",
+                # `hfpatch patch`'s flags as plain data: the registries (torch) are read only to check the data against
+                # them, or where a process has imported them already
+                "hfpatch/patch_options.py"}
 # Files that import one heavy library only where it is used, and which: every evaluation module imports the plots'
 # module, and an evaluation's --help must not load matplotlib (about 0.4 s).
 DEFERRED = {"hfpatch/evaluate/plots.py": {"matplotlib"}}

@@ -44,7 +44,7 @@ from typing import Any
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from ..save_marks import serializable
+from ..apply import serializable
 from ..utils import files
 from ..utils.warn import warn_caller
 from .gguf import Found, apply_found, read_patch
