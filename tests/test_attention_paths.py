@@ -502,7 +502,7 @@ def test_the_implementation_the_model_was_loaded_with_is_remembered():
     """Switching a model to a scheme's attention function replaces config._attn_implementation; the flash-attn paths
     still know it was loaded with flash_attention_2, also when the patched model is patched again."""
     from hfpatch.edits import Edits
-    from hfpatch.position.signal import use_attention
+    from hfpatch.position.attention.modules import use_attention
 
     model = tiny_model("llama")
     attn = model.model.layers[0].self_attn

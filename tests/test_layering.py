@@ -77,19 +77,6 @@ ENTRY_POINTS = {"hfpatch/cli.py", "hfpatch/evaluate/__init__.py", "hfpatch/evalu
 # Files that import one heavy library only where it is used, and which: every evaluation module imports the plots'
 # module, and an evaluation's --help must not load matplotlib (about 0.4 s).
 DEFERRED = {"hfpatch/evaluate/plots.py": {"matplotlib"}}
-# Imports inside position/ that point up, known, to be removed (then this set is emptied; a test fails when one of
-# them is gone and still listed): the attention temperature (attention/) reads two validators of the scheme registry
-# and helpers of schemes/ and signal.py, and four schemes/ read signal.py's position-signal helpers, while
-# registry.py and signal.py import attention/ and schemes/. Each closes a cycle among position/'s entries.
-KNOWN_UPWARD = {
-    ("hfpatch.position.attention.temperature", "hfpatch.position.registry"),  # number, positive_int
-    ("hfpatch.position.attention.temperature", "hfpatch.position.schemes.rotated"),  # positions
-    ("hfpatch.position.attention.temperature", "hfpatch.position.signal"),  # attention_modules
-    ("hfpatch.position.schemes.alibi", "hfpatch.position.signal"),
-    ("hfpatch.position.schemes.learned", "hfpatch.position.signal"),
-    ("hfpatch.position.schemes.relative", "hfpatch.position.signal"),
-    ("hfpatch.position.schemes.rotated", "hfpatch.position.signal"),
-}
 
 
 def _modules() -> dict[str, Path]:
@@ -199,17 +186,17 @@ def entry(module: str, folder: str) -> str:
     return "__init__" if module == folder else module[len(folder) + 1:].split(".")[0]
 
 
-def folder_imports(folder: str, skip: set[tuple[str, str]]) -> dict[tuple[str, str], list[str]]:
+def folder_imports(folder: str) -> dict[tuple[str, str], list[str]]:
     """(entry, entry it imports) -> where, for every import between two entries of `folder`: at the top, inside a
     function or for the type checker only (an import of a package's __init__ that only loading a sub-module makes is
-    not one); `skip`: (module, module) imports left out."""
+    not one)."""
     edges: dict[tuple[str, str], list[str]] = defaultdict(list)
     for module in MODULES:
         if not module.startswith(folder + ".") and module != folder:
             continue
         for node, _ in _imports(module):
             for target in _targets(node, module):
-                if (target.startswith(folder + ".") or target == folder) and (module, target) not in skip:
+                if target.startswith(folder + ".") or target == folder:
                     a, b = entry(module, folder), entry(target, folder)
                     where = f"{_where(module, node)} imports {target}"
                     if a != b and where not in edges[(a, b)]:
@@ -217,12 +204,12 @@ def folder_imports(folder: str, skip: set[tuple[str, str]]) -> dict[tuple[str, s
     return edges
 
 
-def folder_cycles(skip: set[tuple[str, str]]) -> list[str]:
+def folder_cycles() -> list[str]:
     """Every group of entries of a folder that import each other round (a strongly connected component of more than
     one entry), with the imports inside it."""
     found = []
     for folder in folders():
-        edges = folder_imports(folder, skip)
+        edges = folder_imports(folder)
         graph = defaultdict(set)
         for a, b in edges:
             graph[a].add(b)
@@ -314,15 +301,8 @@ def test_names_imported_across_modules_are_public():
 
 def test_no_import_cycle_inside_a_folder():
     """Inside every folder, its modules and sub-folders import one way: none imports another that imports it back,
-    whether at the top of a file, inside a function (an entry point's deferred import) or for the type checker."""
-    found = folder_cycles(KNOWN_UPWARD)
+    whether at the top of a file, inside a function (an entry point's deferred import) or for the type checker. So
+    the entries of each folder have an order in which every import points down (position/: checks, rope/, attention/,
+    schemes/, signal, layers, registry)."""
+    found = folder_cycles()
     assert not found, "entries of a folder that import each other back:\n" + "\n".join(found)
-
-
-def test_the_known_upward_imports_are_the_ones_left():
-    """KNOWN_UPWARD lists imports that still exist: once one is gone, it leaves the list (and the list empties)."""
-    present = {(module, target) for module in MODULES for node, _ in _imports(module)
-               for target in _targets(node, module)}
-    gone = sorted(KNOWN_UPWARD - present)
-    assert not gone, f"no longer imported, remove from KNOWN_UPWARD: {gone}"
-    assert folder_cycles(set()), "no cycle left inside a folder: empty KNOWN_UPWARD"

@@ -32,7 +32,7 @@ from ..adapters.probe import position_sources
 from ..adapters.probe import run as probe_run
 from ..edits import Edits
 from .rope.builders import kept_pairs
-from .signal import rotaries_of
+from .rope.rotary import rotaries_of
 
 STATE_ATTR = "hfpatch_layer_positions"
 # "every4": the 4th, 8th, ... layer (indices 3, 7, 11, ...: Llama 4's NoPE layers); "every4from0": 0, 4, 8, ...

@@ -24,8 +24,6 @@ A record says:
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +32,7 @@ from ..adapters import Adapter
 from ..registry import Registry
 from . import layers
 from .attention import paths
+from .checks import number, positive_int
 from .rope import builders as rope
 from .rope import llamacpp as cpp
 from .rope.rotary import make_dynamic_yarn
@@ -51,25 +50,6 @@ from .signal import apply_interpolate, apply_nope, apply_rope, apply_sinusoidal,
 # The largest context extension ratio: 65536 already takes a 4k window to 268M tokens; past it the extended window
 # overflows the integers and floats the RoPE formulas compute with.
 MAX_FACTOR = 65536.0
-
-
-def number(name: str, value: Any, *, positive: bool = True, above_one: bool = False, at_most: float | None = None,
-           why: str = "") -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    try:
-        value = float(value)
-    except OverflowError:  # an integer too large for a float
-        value = math.inf
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if above_one and value <= 1.0:
-        raise ValueError(f"{name} must be > 1 (it is the context extension ratio), got {value:g}")
-    if positive and value <= 0.0:
-        raise ValueError(f"{name} must be > 0, got {value:g}")
-    if at_most is not None and value > at_most:
-        raise ValueError(f"{name} must be at most {at_most:g}{f' ({why})' if why else ''}, got {value:g}")
-    return value
 
 
 def at_most(limit: float, why: str, *, integer: bool = False) -> Callable[[str, Any], Any]:
@@ -94,12 +74,6 @@ def real(name: str, value: Any) -> Any:
 
 def factor(name: str, value: Any) -> Any:
     return number(name, value, above_one=True, at_most=MAX_FACTOR, why="the context extension ratio")
-
-
-def positive_int(name: str, value: Any) -> Any:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def _fraction(name: str, value: Any) -> Any:

@@ -1,6 +1,5 @@
-"""position=...: RoPE scaling (rescale the live rotary module), taking the model's own position signal out (what
-nope, sinusoidal, alibi, t5, xl and learned start with), interpolate (stretch a learned table). Every change goes
-through `Edits`."""
+"""position=...: RoPE scaling (rescale the live rotary module), no position signal (nope), the sinusoidal table, and
+interpolate (stretch a learned table). Every change goes through `Edits`."""
 
 from __future__ import annotations
 
@@ -14,33 +13,13 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from ..adapters import Adapter, get_path
-from ..adapters.infer import mixer_paths
-from ..adapters.positions import ZeroPositions, layer_types, make_identity, params_of, prefix, trained_window
-from ..adapters.probe import position_sources
+from ..adapters.positions import layer_types, params_of, prefix, trained_window
 from ..edits import Edits
-from .attention import paths
 from .rope import builders as rope
 from .rope import rotary as rot
+from .rope.rotary import rotaries_of
 from .schemes import absolute
-
-
-def rotaries_of(model: PreTrainedModel, adapter: Adapter) -> list:
-    """[(rotary module, the config it reads)], the model's own (text) config first."""
-    out = []
-    for path in adapter.rotaries:
-        rotary = get_path(model.base_model, path)
-        config = getattr(rotary, "config", None)
-        if config is None or getattr(config, "rope_parameters", None) is None:
-            raise ValueError(f"{adapter.model_type}: the rotary module {path} ({type(rotary).__name__}) keeps no "
-                             "config with rope_parameters, so hfpatch cannot rebuild it")
-        out.append((rotary, config))
-    return out
-
-
-def attention_layers(model: PreTrainedModel, adapter: Adapter) -> list[int]:
-    """Indices of the blocks that hold `adapter.attention` (all of them, except in hybrid stacks)."""
-    n = len(get_path(model.base_model, adapter.layers))
-    return list(adapter.attention_layers) if adapter.attention_layers is not None else list(range(n))
+from .schemes.removal import remove_positions
 
 
 def max_positions(scheme: Any, window: int, opts: dict) -> int:
@@ -212,64 +191,6 @@ def apply_sinusoidal(model: PreTrainedModel, adapter: Adapter, req: dict, scheme
         edits.mix_in(carrier, absolute.SinusoidalInput)
     if "pe_scale" in req:
         edits.set(carrier, absolute.SCALE_ATTR, float(req["pe_scale"]))
-
-
-def remove_positions(model: PreTrainedModel, adapter: Adapter, scheme: str, edits: Edits, reloadable: bool = False,
-                     lookup: type = ZeroPositions) -> None:
-    """Take the model's own position signal out: RoPE becomes the identity, a learned table's lookup is replaced by
-    `lookup` (zeros, or absolute.SinusoidalPositions: rows that encode position); then check, numerically, that no
-    position signal is left but the one `lookup` adds.
-
-    reloadable: the patch adds weights, so a saved model is rebuilt and loaded by transformers, whose loader
-    recomputes the rotary modules' (non-persistent) frequencies from their config: they get a mixin that zeroes
-    them again (absolute.NoRotation)."""
-    base = model.base_model
-    for rotary, rcfg in rotaries_of(model, adapter):  # RoPE becomes the identity: cos = 1, sin = 0 everywhere
-        make_identity(rotary, rcfg, edits)
-        if reloadable:
-            edits.mix_in(rotary, absolute.NoRotation)
-    if adapter.position_table:
-        edits.mix_in(get_path(base, adapter.position_table), lookup, under=True)
-    _check_removed(model, adapter, scheme, embedded_allowed=lookup is not ZeroPositions)
-
-
-def attention_modules(model: PreTrainedModel, adapter: Adapter) -> list:
-    """The attention module of every block that has one."""
-    layers = get_path(model.base_model, adapter.layers)
-    return [get_path(layers[i], adapter.attention) for i in attention_layers(model, adapter)]
-
-
-def use_attention(model: PreTrainedModel, sdpa_name: str, eager_name: str, edits: Edits) -> None:
-    """Switch the model to a registered attention function: `eager_name` if it runs eager attention (which returns
-    attention weights), else `sdpa_name`."""
-    config = model.config
-    paths.remember_base(model, edits)
-    name = eager_name if config._attn_implementation == "eager" else sdpa_name
-    for c in {id(c): c for c in (config, config.get_text_config())}.values():
-        edits.set(c, "_attn_implementation_internal", name)
-
-
-def _check_removed(model: PreTrainedModel, adapter: Adapter, scheme: str, embedded_allowed: bool) -> None:
-    """After the model's own position signal was taken out, no attention block may still tell positions apart, nor
-    the embeddings unless `embedded_allowed` (a table lookup that now returns sinusoidal rows): checked on a
-    repeated token (adapters.probe.position_sources). Skipped on a model without weights yet (a reload builds it on
-    the meta device; the check was made when the patch was saved)."""
-    if any(p.device.type == "meta" for p in model.parameters()):
-        return
-    top = "" if model.base_model is model else model.base_model_prefix + "."
-    mixers = mixer_paths(f"{top}{adapter.layers}", adapter.attention, attention_layers(model, adapter))
-    embedded, sources = position_sources(model, mixers, f"{top}{adapter.layers}")
-    if sources or (embedded and not embedded_allowed):
-        where = sources[0] if sources else "the embeddings"
-        raise ValueError(f"position={scheme!r} takes out {adapter.model_type}'s position signal, but one remains "
-                         f"after removing {_signal_of(adapter)} ({where} still tells positions apart on a repeated "
-                         "token): hfpatch cannot find all of it")
-
-
-def _signal_of(adapter: Adapter) -> str:
-    found = [*(f"the rotary module {r}" for r in adapter.rotaries),
-             *([f"the position table {adapter.position_table}"] if adapter.position_table else [])]
-    return ", ".join(found) or "nothing (none was found)"
 
 
 def apply_interpolate(model: PreTrainedModel, adapter: Adapter, req: dict, scheme: Any, edits: Edits) -> None:

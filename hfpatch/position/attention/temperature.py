@@ -12,7 +12,7 @@ How: each attention module gets a `Tuning` (through the edit log) and the model 
 (`tempered`) that multiplies the query it receives by s(position), then calls the function the model ran before
 (sdpa, eager's own module-level function, or a position scheme's own such as ALiBi's). The query it receives is the
 one after RoPE and qk-norm, which is where Llama 4 and Qwen scale it. Query positions are the `position_ids` the
-attention call receives (generate() passes them), else the last q of the key slots (rotated.positions).
+attention call receives (generate() passes them), else the last q of the key slots (slots.positions).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from ...adapters import Adapter
 from ...adapters.probe import close, probe_logits
 from ...edits import Edits
 from ...registry import Registry
-from ..registry import number, positive_int
-from ..schemes.rotated import positions
-from ..signal import attention_modules
+from ..checks import number, positive_int
 from . import paths
+from .modules import attention_modules
+from .slots import positions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -1,4 +1,4 @@
-"""Putting RoPE parameters into a live rotary module.
+"""Putting RoPE parameters into a live rotary module, and finding a model's rotary modules (`rotaries_of`).
 
 Transformers' rotary classes are per-family copies with one interface: a flat layout (`inv_freq`,
 `original_inv_freq`, `attention_scaling`, `rope_type`) or, when `config.rope_parameters` is nested per layer type
@@ -16,12 +16,26 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from ...adapters import Adapter, get_path
 from ...adapters.positions import layer_types, params_of, prefix
 from ...edits import Edits
 from .builders import dynamic_yarn_scale, yarn_parameters_at
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedConfig
+    from transformers import PreTrainedConfig, PreTrainedModel
+
+
+def rotaries_of(model: PreTrainedModel, adapter: Adapter) -> list:
+    """[(rotary module, the config it reads)], the model's own (text) config first."""
+    out = []
+    for path in adapter.rotaries:
+        rotary = get_path(model.base_model, path)
+        config = getattr(rotary, "config", None)
+        if config is None or getattr(config, "rope_parameters", None) is None:
+            raise ValueError(f"{adapter.model_type}: the rotary module {path} ({type(rotary).__name__}) keeps no "
+                             "config with rope_parameters, so hfpatch cannot rebuild it")
+        out.append((rotary, config))
+    return out
 
 
 def compute(rotary: Any, config: Any, layer_type: Any):

@@ -44,9 +44,10 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from ...adapters import Adapter
 from ...edits import Edits
 from ..attention import fa4, flex, kernels, paths
+from ..attention.modules import attention_modules, use_attention
 from ..attention.paths import AttentionPath
 from ..attention.written import biased_attention, causal_of
-from ..signal import attention_modules, remove_positions, use_attention
+from .removal import remove_positions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -47,6 +47,7 @@ from ...adapters import Adapter
 from ...edits import Edits
 from ..attention import fa4, kernels, paths, pieces, split
 from ..attention.paths import AttentionPath
+from ..attention.slots import positions
 from ..attention.written import explicit_attention
 from . import rotated
 
@@ -112,7 +113,7 @@ class Chunks:
     def maps(self, query: torch.Tensor, key: torch.Tensor, position_ids: torch.Tensor,
              attention_mask: torch.Tensor | None) -> Maps:
         rotated.check_cache(NAMES.scheme, attention_mask, key, query.shape[2])
-        q_pos, k_pos = rotated.positions(position_ids, query.shape[0], query.shape[2], key.shape[2], query.device)
+        q_pos, k_pos = positions(position_ids, query.shape[0], query.shape[2], key.shape[2], query.device)
         s, C, rotate = self.length, self.chunk_size, self.rotation.rotate
         q_chunk, k_chunk = q_pos.div(s, rounding_mode="floor"), k_pos.div(s, rounding_mode="floor")
         earlier = bool((q_chunk.max() > k_chunk.min()).item())

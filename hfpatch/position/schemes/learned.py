@@ -18,8 +18,8 @@ from torch import nn
 
 from ...adapters import Adapter, get_path
 from ...edits import Edits
-from ..signal import remove_positions
 from .absolute import check_table_fits
+from .removal import remove_positions
 
 TABLE_ATTR = "hfpatch_position_table"  # on the first block: the nn.Embedding
 

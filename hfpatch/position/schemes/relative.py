@@ -47,10 +47,11 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from ...adapters import Adapter
 from ...edits import Edits
 from ..attention import distance_bias, fa4, flex, paths, recompute, split
+from ..attention.modules import attention_modules, use_attention
 from ..attention.paths import AttentionPath
 from ..attention.written import biased_attention, causal_of
-from ..signal import attention_modules, remove_positions, use_attention
 from .absolute import sinusoidal_table
+from .removal import remove_positions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

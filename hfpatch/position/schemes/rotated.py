@@ -33,7 +33,9 @@ from ...adapters.positions import layer_types, trained_window
 from ...adapters.probe import close, probe_logits
 from ...edits import Edits
 from ..attention import paths
-from ..signal import attention_layers, rotaries_of
+from ..attention.modules import attention_layers
+from ..attention.slots import positions as positions  # importable from here too
+from ..rope.rotary import rotaries_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -83,21 +85,7 @@ def register(names: Names, sdpa_fn: Callable, eager_fn: Callable) -> None:
     AttentionMaskInterface.register(names.eager, eager_mask)
 
 
-# ---------------------------------------------------------------------------------------------------- positions
-
-def positions(position_ids: torch.Tensor, batch: int, q_len: int, kv_len: int,
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query positions [b, q], key positions [b, kv]). Without a cache the keys are the queries; with one, the
-    cached keys continue the queries' positions backwards, one per slot."""
-    if position_ids is None:
-        q = torch.arange(kv_len - q_len, kv_len, device=device)[None]
-    else:
-        q = position_ids.to(device)
-    q = q.expand(batch, q_len)
-    if q_len == kv_len:
-        return q, q
-    return q, torch.arange(kv_len, device=device)[None] + (q[:, -1:] - (kv_len - 1))
-
+# ------------------------------------------------------------------------------------------------- key slots
 
 def check_cache(scheme: str, attention_mask: torch.Tensor | None, key: torch.Tensor, q_len: int) -> None:
     """Cached keys are taken to end at the newest query: refuse a cache with empty slots after it (a StaticCache),
