@@ -473,8 +473,8 @@ def _spec_file(path: str) -> dict:
     except json.JSONDecodeError as e:
         raise ValueError(f"--spec-file {path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
     if value == {}:
-        raise ValueError(f"--spec-file {path} holds no patch ({{}}: the model as it is, what hfpatch search writes when "
-                         "no patch beats the unpatched model): there is nothing to patch")
+        raise ValueError(f"--spec-file {path} holds no patch ({{}}: the model as it is, what hfpatch search writes "
+                         "when no patch beats the unpatched model): there is nothing to patch")
     if not isinstance(value, dict):
         raise ValueError(f"--spec-file {path}: expected a non-empty JSON object of hfpatch.patch's keyword arguments "
                          '(e.g. {"position": "yarn", "factor": 4}), got ' + type(value).__name__)
