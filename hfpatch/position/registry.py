@@ -98,7 +98,7 @@ def numbers_list(name: str, value: Any) -> Any:
 def names(name: str, value: Any) -> Any:
     if isinstance(value, str):
         value = [value]
-    if not value or not all(isinstance(v, str) for v in value):
+    if not isinstance(value, (list, tuple, set)) or not value or not all(isinstance(v, str) for v in value):
         raise ValueError(f"{name} must be a non-empty list of layer type names, got {value!r}")
     return sorted(set(value))
 
@@ -118,10 +118,15 @@ class Option:
     kind: str = "number"
 
 
+# The longest trained window an option may name: 2**31 tokens is far past any model's, and position arithmetic
+# with windows near 2**63 overflows torch's int64 (dynamic NTK failed at the first forward).
+MAX_WINDOW = 2 ** 31
+
 # Options every RoPE rescaling scheme takes.
 ROPE_COMMON = {
-    "original_max_position_embeddings": Option(positive_int, "the trained window, where the config names none or "
-                                               "another", "integer"),
+    "original_max_position_embeddings": Option(at_most(MAX_WINDOW, "the trained window in tokens", integer=True),
+                                               "the trained window, where the config names none or another",
+                                               "integer"),
     "layer_types": Option(names, "per-layer-type RoPE (gemma3): the layer types to scale (default: the global "
                           "ones)", "names"),
     # per-layer positions (position/layers.py): other schemes in some layers, the rotary module's cos/sin changed
@@ -138,14 +143,26 @@ LAYER_SCHEMES: Registry[layers.LayerScheme] = Registry.of("per-layer position sc
                                  "pairs rotates (default 0.75), the others get cos 1, sin 0",
                                  options={"keep": _fraction}, dropped=layers.low_frequency_pairs),
 })
-_ROTATIONS = at_most(1e6, "a number of rotations over the trained window")
+MIN_ROTATIONS = 1e-6  # fewer rotations than this over the trained window: no pair is that slow (YaRN's ramp ends)
+
+
+def _rotations(name: str, value: Any) -> float:
+    """YaRN's β: a number of rotations over the trained window, in [MIN_ROTATIONS, 1e6]. (A β near 0 made the
+    correction range window / (2π β) overflow to infinity: an OverflowError when patching or at the first forward.)"""
+    value = number(name, value, at_most=1e6, why="a number of rotations over the trained window")
+    if value < MIN_ROTATIONS:
+        raise ValueError(f"{name} must be at least {MIN_ROTATIONS:g} (a number of rotations over the trained "
+                         f"window), got {value:g}")
+    return value
+
+
 # YaRN's options are the ones its builder passes on (rope.YARN_OPTIONS)
 YARN_OPTIONS = {
     "attention_factor": Option(at_most(100.0, "it multiplies every attention logit by its square"),
                                "the factor cos and sin are multiplied by (default 0.1 ln(factor) + 1)"),
-    "beta_fast": Option(_ROTATIONS, "YaRN's β: pairs rotating more often than this over the window keep their "
+    "beta_fast": Option(_rotations, "YaRN's β: pairs rotating more often than this over the window keep their "
                         "frequency (default 32)"),
-    "beta_slow": Option(_ROTATIONS, "YaRN's α: pairs rotating less often than this are interpolated fully "
+    "beta_slow": Option(_rotations, "YaRN's α: pairs rotating less often than this are interpolated fully "
                         "(default 1)"),
     "mscale": Option(real, "DeepSeek's mscale (the attention factor's numerator)"),
     "mscale_all_dim": Option(real, "DeepSeek's mscale_all_dim (the attention factor's denominator)"),
@@ -315,8 +332,9 @@ register("longrope", _rope(
                                     "numbers"),
              "long_factor": Option(numbers_list, "one rescale factor per rotary pair, past the trained window",
                                    "numbers"),
-             "attention_factor": Option(positive, "the factor cos and sin are multiplied by (default "
-                                                  "sqrt(1 + ln(factor) / ln(window)))")}))
+             "attention_factor": Option(at_most(100.0, "it multiplies every attention logit by its square"),
+                                        "the factor cos and sin are multiplied by (default "
+                                        "sqrt(1 + ln(factor) / ln(window)))")}))
 register("p-rope", _rope(
     rope.p_rope, "p-RoPE (Barbero et al. 2025): only the highest-frequency fraction `keep` of the rotary pairs "
     "rotates (default 0.75), the rest carry no position", factor="none", max_positions="window", requires=("rope",),
