@@ -160,6 +160,8 @@ def model_batches(model: Any, batches: Any) -> list[dict]:
             raise ValueError("calibrate: each batch needs input_ids of shape [batch, seq] holding at least 2 tokens, "
                              f"got {tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__}")
         check_token_ids(given, vocabulary_size(model))
+        if batch.get("attention_mask") is not None:
+            check_attention_mask(batch["attention_mask"], given)
         out.append({k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")})
     if not out:
         raise ValueError("calibrate: no batches given")
@@ -183,6 +185,18 @@ def check_token_ids(ids: torch.Tensor, vocabulary: int) -> None:
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         raise ValueError(f"calibrate: input_ids hold {len(bad)} id(s) outside the vocabulary ({shown}{more}); "
                          f"give {accepted}")
+
+
+def check_attention_mask(mask: Any, ids: torch.Tensor) -> None:
+    """An attention mask the model can read with these token ids, or one error naming what is wrong: a tensor of
+    their shape holding 0 and 1 (a TypeError for another type, a ValueError for another shape or other values)."""
+    accepted = f"a tensor of the input_ids' shape {tuple(ids.shape)} holding 1 (attend) and 0 (padding)"
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"calibrate: attention_mask is {type(mask).__name__}; give {accepted}")
+    if mask.shape != ids.shape:
+        raise ValueError(f"calibrate: attention_mask has shape {tuple(mask.shape)}; give {accepted}")
+    if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(f"calibrate: attention_mask holds values other than 0 and 1; give {accepted}")
 
 
 @torch.no_grad()
