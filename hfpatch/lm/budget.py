@@ -84,34 +84,43 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 
 
 def _gguf_header(path: str) -> tuple[dict, int]:
-    """({key: scalar or string value; arrays as their length}, total tensor elements)."""
+    """({key: scalar or string value; arrays as their length}, total tensor elements). A length or count past the
+    file's size is a ValueError: the file is not GGUF, or cut short (a damaged header must not ask for exabytes)."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         def read(fmt: str):
             return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
 
+        def count(fmt: str = "Q") -> int:
+            n = read(fmt)
+            if n > size:
+                raise ValueError(f"{path}: a GGUF header field claims {n} entries or bytes in a file of {size} bytes: "
+                                 "the file is not GGUF, or cut short")
+            return n
+
         def string():
-            return f.read(read("Q")).decode("utf-8", "replace")
+            return f.read(count()).decode("utf-8", "replace")
 
         def value(kind: Any):
             if kind == 8:
                 return string()
             if kind == 9:
-                item, count = read("I"), read("Q")
+                item, items = read("I"), count()
                 if item == 8:
-                    for _ in range(count):
-                        f.seek(read("Q"), 1)
+                    for _ in range(items):
+                        f.seek(count(), 1)
                 elif item in _SCALARS:
-                    f.seek(struct.calcsize("<" + _SCALARS[item]) * count, 1)
+                    f.seek(struct.calcsize("<" + _SCALARS[item]) * items, 1)
                 else:
-                    for _ in range(count):
+                    for _ in range(items):
                         value(item)
-                return count
+                return items
             return read(_SCALARS[kind])
 
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
         read("I")  # version
-        n_tensors, n_kv = read("Q"), read("Q")
+        n_tensors, n_kv = count(), count()
         meta = {}
         for _ in range(n_kv):
             key = string()
@@ -119,7 +128,7 @@ def _gguf_header(path: str) -> tuple[dict, int]:
         elements = 0
         for _ in range(n_tensors):
             string()
-            dims = [read("Q") for _ in range(read("I"))]
+            dims = [read("Q") for _ in range(count("I"))]
             read("I"), read("Q")  # type, offset
             elements += math.prod(dims)
     return meta, elements

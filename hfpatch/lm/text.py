@@ -68,10 +68,21 @@ class Tokens:
 # sources
 
 
+class NoSuchPath(FileNotFoundError, ValueError):
+    """A text file or folder that is not there: a FileNotFoundError, and a ValueError as every other bad input is
+    (the Python API's callers catch one error for bad input)."""
+
+
 def text_files(paths: Iterable[str]) -> list[Document]:
-    """Files as given; folders contribute their *.txt files (recursively, sorted by path)."""
+    """Files as given; folders contribute their *.txt files (recursively, sorted by path). A path that is not a
+    string (or os.PathLike) is a TypeError; an empty one, a folder without .txt files, a file that is not UTF-8 text
+    a ValueError; a path that is not there a NoSuchPath (a FileNotFoundError and a ValueError)."""
     files: list[Path] = []
     for raw in paths:
+        if not isinstance(raw, (str, os.PathLike)):
+            raise TypeError(f"text files are paths (str or os.PathLike), got {raw!r} ({type(raw).__name__})")
+        if not str(raw).strip():
+            raise ValueError(f"a text file's path is empty ({str(raw)!r}): give a file, or a folder of .txt files")
         p = Path(raw).expanduser()
         if p.is_dir():
             found = sorted(q for q in p.rglob("*.txt") if q.is_file())
@@ -81,7 +92,7 @@ def text_files(paths: Iterable[str]) -> list[Document]:
         elif p.is_file():
             files.append(p)
         else:
-            raise FileNotFoundError(f"no such file or folder: {raw}")
+            raise NoSuchPath(f"no such file or folder: {raw}")
     docs = []
     for f in files:
         try:
