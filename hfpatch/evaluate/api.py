@@ -15,10 +15,11 @@ exactly as the command resumes it; without it, the run writes into a temporary f
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from typing import Any
 
-from .definition import Evaluation, build_parser
+from .definition import Evaluation, build_parser, refuse_empty
 from .evaluations import evaluation
 from .sweep import Given, execute
 
@@ -37,16 +38,20 @@ def run(name: str, model: Any, tokenizer: Any = None, *, out: str | None = None,
         **settings: the command's options, `_` for `-`: e.g. `patches="none,yarn:2"`, `lengths=[2048, 8192]`.
             With a loaded model, `dtype`, `device` and `device_map` (how a model given by name is loaded) are
             refused where they differ from the model, which runs as it is; results.json records its dtype. A
-            setting given as None takes the command's default, as if left out; `patches` is a comma-separated
-            string of spec strings or a list of them.
+            setting given as None takes the command's default, as if left out; one given empty ("", []) is
+            refused; `patches` is a comma-separated string of spec strings or a list of them. A setting takes the
+            type its option reads: an integer for an integer option (`trials=2`), text, a number or a path for
+            the others, a string or a list of strings for one that takes several (`text_files`).
 
     Returns:
         The results file's content (settings, model, cells with their records and numbers) and, under "report",
         the Markdown tables the command prints.
 
     Raises:
-        ValueError: an unknown evaluation or setting, a bad value, or what the command refuses (the same message).
-        TypeError: `patches` of another type than a string or a list of strings.
+        ValueError: an unknown evaluation or setting, a bad value, or what the command refuses (the same message);
+            a text file that is not there is a NoSuchPath, a FileNotFoundError that is a ValueError too.
+        TypeError: a setting of another type than its option takes (`patches` of another type than a string or a
+            list of strings, `trials=2.5`), or a tokenizer that is not one.
     """
     ev = evaluation(name)
     given = None if isinstance(model, str) else _given(model, tokenizer)
@@ -60,6 +65,9 @@ def _given(model: Any, tokenizer: Any) -> Given:
     if tokenizer is None:
         raise ValueError("a loaded model needs its tokenizer: run(name, model, tokenizer, ...) (or give the model's "
                          "name, which loads both)")
+    if not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode", "get_vocab")):
+        raise TypeError(f"tokenizer must be the loaded model's tokenizer (a transformers tokenizer: encode, decode, "
+                        f"get_vocab), got {_kind(tokenizer)}")
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
     return Given(model, tokenizer, str(name))
 
@@ -87,6 +95,7 @@ def settings_namespace(ev: Evaluation, model_name: str, settings: dict) -> argpa
         if key == "patches":
             value = patch_specs(value)
         setattr(args, key, _value(action, key, value))
+    refuse_empty(args)
     return args
 
 
@@ -113,14 +122,26 @@ def _value(action: argparse.Action, key: str, value: Any) -> Any:
         return value
     if action.nargs in ("+", "*"):
         items = list(value) if isinstance(value, (list, tuple)) else [value]
-        return [_one(action, key, v) for v in items]
+        wrong = [v for v in items if not isinstance(v, (str, os.PathLike))]
+        if wrong:
+            raise TypeError(f"{key} takes a string or a list of strings, as --{key.replace('_', '-')} does; got "
+                            f"{_kind(wrong[0])}")
+        return [_one(action, key, os.fspath(v)) for v in items]
     if isinstance(value, (list, tuple)):  # the command takes these comma-separated
         value = ",".join(str(v) for v in value)
     return _one(action, key, value)
 
 
 def _one(action: argparse.Action, key: str, value: Any) -> Any:
+    if action.type is int and not isinstance(value, str):  # an integer as it is (a bool, a float is refused)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{key} must be an integer, as --{key.replace('_', '-')} takes; got {_kind(value)}")
+    elif action.type is not None and not isinstance(value, str):
+        value = str(value)  # the option's own parsing judges it, as the command's would
     if action.type is None and value is not None and not isinstance(value, str):
+        if isinstance(value, bool) or not isinstance(value, (int, float, os.PathLike)):
+            raise TypeError(f"{key} takes text (or a number, or a path), as --{key.replace('_', '-')} does; got "
+                            f"{_kind(value)}")
         value = str(value)  # the command reads this option as text (e.g. "all" or a number), and so do we
     if action.type is not None and isinstance(value, str):
         try:

@@ -75,6 +75,20 @@ def torch_dtype(name: str):
     return getattr(torch, DTYPES[name]) if name in DTYPES else ("auto" if name == "auto" else None)
 
 
+def check_device(device: str | None) -> None:
+    """--device, checked before anything is read or loaded: a device torch knows, and a CUDA device this machine
+    has (else moving the model there fails with a RuntimeError, after the plan is built)."""
+    if device is None:
+        return
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+    if where.type == "cuda" and (where.index or 0) >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s) that torch "
+                         "can use")
+
+
 def load_model(args: argparse.Namespace):
     model, _ = load(args.model, dtype=torch_dtype(args.dtype), device_map=args.device_map, tokenizer=False)
     if not args.device_map:

@@ -129,6 +129,28 @@ def build_parser(ev: Evaluation) -> command.Parser:
     return p
 
 
+def refuse_empty(args: argparse.Namespace) -> None:
+    """A setting given as empty text, an empty list or a list holding empty text is refused rather than taken as
+    left out (an empty --out would write into the current folder, an empty --text-files read the default corpus)."""
+    for key, value in vars(args).items():
+        items = value if isinstance(value, list) else [value]
+        if (isinstance(value, list) and not value) or any(isinstance(v, str) and not v.strip() for v in items):
+            raise ValueError(f"--{key.replace('_', '-')} is empty ({value!r}): give a value, or leave it out for its "
+                             "default")
+
+
+# The most trials or samples per cell (--trials, --samples): results.json is rewritten after each one, so a run of
+# more would spend its time rewriting it (and a count such as 2**63 never finished planning).
+MAX_PER_CELL = 100_000
+
+
+def check_count(flag: str, value: int, high: int | None = MAX_PER_CELL) -> None:
+    """A count option (trials, samples, tokens): >= 1 and, where `high` is given, at most `high`."""
+    if value < 1 or (high is not None and value > high):
+        bound = f" and at most {high}" if high is not None else ""
+        raise ValueError(f"{flag} must be >= 1{bound}, got {value}")
+
+
 def main(ev: Evaluation, argv: list[str] | None = None) -> int:
     return command.run_main(lambda a: _main(ev, a), argv, ev.prog,
                         interrupted="run the same command again to resume from the results file")
@@ -136,6 +158,7 @@ def main(ev: Evaluation, argv: list[str] | None = None) -> int:
 
 def _main(ev: Evaluation, argv: list[str] | None) -> int:
     args = build_parser(ev).parse_args(argv)
+    refuse_empty(args)
     # the CLI's lazy loading: --help and bad flags answered above, without torch; the sweep that runs the model
     # (torch, transformers, the engines) is imported only for a command that will run (it imports nothing of this
     # module back: no cycle)

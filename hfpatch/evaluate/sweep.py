@@ -43,7 +43,7 @@ from ..lm.tokenizer import load_tokenizer
 from ..models import model_fingerprint
 from ..utils.modes import evaluating
 from . import engines
-from .common import DTYPES, dtype_name, length_label, parse_patches, versions
+from .common import DTYPES, check_device, dtype_name, length_label, parse_patches, versions
 from .plan import Cell as Cell  # importable from here too
 from .plan import Plan
 from .plan import Unit as Unit  # importable from here too
@@ -310,6 +310,7 @@ def check_engine_options(args: argparse.Namespace, engine: type[engines.Engine])
     if ignored:
         raise ValueError(f"--engine {engine.name} does not read {' or '.join(ignored)}: {engine.unread_reason}; "
                          "leave them out")
+    check_device(args.device)
     for k, default in MODEL_OPTIONS.items():
         if getattr(args, k) is None:
             setattr(args, k, default)

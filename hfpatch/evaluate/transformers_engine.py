@@ -76,9 +76,10 @@ def check_reads(args: argparse.Namespace, read: int, new_tokens: int, score_chun
         else:
             hi = mid - 1
     detail = ", ".join(f"{k} {budget.gb(v)}" for k, v in parts.items() if k != "total")
+    fewer = ", fewer --new-tokens" if getattr(args, "new_tokens", None) else ""  # the flag's, where there is one
     raise ValueError(f"reading {read} tokens needs about {budget.gb(parts['total'])} ({detail}) but "
-                     f"{budget.gb(free)} is free on the {where}; up to about {fits} tokens fit: use shorter lengths, "
-                     "--dtype bf16, or --no-memory-check to try anyway")
+                     f"{budget.gb(free)} is free on the {where}; up to about {fits} tokens fit: use shorter "
+                     f"lengths{fewer}, --dtype bf16, or --no-memory-check to try anyway")
 
 
 def _prepare(model: Any, patches: list[tuple[str, dict]], plan: Reads, results: Results, name: str) -> LMParts:

@@ -140,9 +140,9 @@ class Niah(definition.Evaluation):
     def plan(self, args: argparse.Namespace, tok: Any) -> definition.Plan:
         lengths = parse_lengths(args.lengths)
         depths = parse_fractions(args.depths, "--depths", "0 = the start of the haystack, 1 = its end")
-        for flag, value in (("--trials", args.trials), ("--new-tokens", args.new_tokens)):
-            if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
+        for flag, value, high in (("--trials", args.trials, definition.MAX_PER_CELL),
+                                  ("--new-tokens", args.new_tokens, None)):
+            definition.check_count(flag, value, high)
         needles = needle_set(args.needles)
         src = hs.source(args.text_files)
         prompter = hs.Prompter(tok, args.chat_template)

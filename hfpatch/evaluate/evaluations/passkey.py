@@ -31,6 +31,7 @@ TASK = ("There is an important info hidden inside a lot of irrelevant text. Find
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 KEY_LINE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
+MAX_KEY_DIGITS = 1000  # --key-digits: a key is drawn as a number of that many digits (10**2**63 is never drawn)
 
 
 def prompt_text(n_filler: int, depth: float, key: str) -> str:
@@ -92,10 +93,10 @@ class Passkey(definition.Evaluation):
         lengths = parse_lengths(args.lengths)
         depths = parse_fractions(args.depths, "--depths", "0 = right after the task line, 1 = right before the "
                                  "question")
-        for name, value in (("--trials", args.trials), ("--key-digits", args.key_digits),
-                            ("--new-tokens", args.new_tokens)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        for name, value, high in (("--trials", args.trials, definition.MAX_PER_CELL),
+                                  ("--key-digits", args.key_digits, MAX_KEY_DIGITS),
+                                  ("--new-tokens", args.new_tokens, None)):
+            definition.check_count(name, value, high)
         if args.new_tokens < args.key_digits:
             print(f"{self.prog}: --new-tokens {args.new_tokens} may be too few to write a {args.key_digits}-digit "
                   "key", file=sys.stderr)

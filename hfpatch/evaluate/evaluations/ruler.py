@@ -274,8 +274,7 @@ class Ruler(definition.Evaluation):
 
     def plan(self, args: argparse.Namespace, tok: Any) -> definition.Plan:
         tasks, lengths = parse_tasks(args.tasks), parse_lengths(args.lengths)
-        if args.samples < 1:
-            raise ValueError(f"--samples must be >= 1, got {args.samples}")
+        definition.check_count("--samples", args.samples)
         source = texts.describe_source(args.text_files)
         src = hs.source(args.text_files)
         if not src.pool:  # keys and word lists are drawn from it
