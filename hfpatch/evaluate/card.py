@@ -71,7 +71,7 @@ def read_run(path: Path | str) -> Run:
     except (ValueError, KeyError, TypeError):
         data, kind = {}, None
     runs = {evaluation(name).kind: evaluation(name) for name in EVALUATIONS}  # results files say their kind
-    if kind not in runs:
+    if not isinstance(kind, str) or kind not in runs:
         raise ValueError(f"--results {path}: its results.json is not one hfpatch eval writes (the evaluations: "
                          f"{', '.join(EVALUATIONS)})")
     ev = runs[kind]
@@ -82,11 +82,11 @@ def read_run(path: Path | str) -> Run:
     plot = folder / ev.plot_name
     identity = data.get("identity") if isinstance(data.get("identity"), dict) else {}
     given = str(identity.get("model", ""))
-    shown = _named(ev, data, given, public_name(given))
-    try:
+    try:  # a results file edited or damaged by hand: its fields of other types than a run writes
+        shown = _named(ev, data, given, public_name(given))
         caption = ev.caption(shown) + loaded_note(shown)
         text = f"{caption}\n\n{ev.tables(shown)}"
-    except (KeyError, TypeError, ValueError, IndexError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise ValueError(f"--results {path}: its results.json cannot be read back ({type(e).__name__}: {e}); give "
                          "the --out folder of a finished hfpatch eval run") from None
     return Run(folder.resolve().name, ev.name, text.strip(), plot if plot.is_file() else None,
@@ -105,14 +105,18 @@ def _named(ev: Any, data: dict, given: str, shown: str) -> dict:
 def check_card(folder: Path | str) -> Path:
     """The README.md of a folder hfpatch saved (it carries hfpatch's section), or ValueError."""
     path = Path(folder)
-    if not path.is_dir():
-        raise ValueError(f"{folder} is not a folder: give the folder hfpatch.save_pretrained or hfpatch patch --out "
-                         "wrote")
+    if not str(folder).strip() or not path.is_dir():  # ("" is no folder: Path("") would be the current one)
+        raise ValueError(f"{folder or repr(folder)} is not a folder: give the folder hfpatch.save_pretrained or "
+                         "hfpatch patch --out wrote")
     readme = path / "README.md"
     if not readme.is_file():
         raise ValueError(f"{folder} has no model card (README.md): give a folder hfpatch.save_pretrained or hfpatch "
                          "patch --out wrote")
-    text = readme.read_text(encoding="utf-8")
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{readme}: not UTF-8 text ({e.reason} at byte {e.start}), so not a card hfpatch "
+                         "wrote") from None
     if CARD_START not in text or CARD_END not in text:
         raise ValueError(f"{folder}/README.md has no hfpatch section: the folder was not saved by hfpatch "
                          "(hfpatch.save_pretrained or hfpatch patch --out write one)")
