@@ -4,6 +4,9 @@ text the search never saw.
     python -m eval.search_study patches --best eval/results/search/dracula_16k/best.json
         the arms as one --patches value for hfpatch eval ppl / passkey (found, none, linear:2, ntk:2, yarn:2, llama3:2,
         longrope with the NTK formula's factors, self-extend, dual-chunk)
+    python -m eval.search_study passkey-arms --ppl PPL_DIR/results.json --best .../best.json
+        the passkey cells' arms, as one --patches value: the found patch, yarn:2, and the other arm with the lowest
+        perplexity at the longest length of hfpatch eval ppl's results of the arms
     python -m eval.search_study needle --best ... --text-files BOOK --out eval/results/search/needle_moby.json
         the search's own objective (needle-driven perplexity: objective.py) at the target length on BOOK, per arm;
         written after every sample, resumed by the same command
@@ -57,9 +60,36 @@ def ntk_formula_longrope(ratio: float, pairs: int = PAIRS, window: int = WINDOW)
 
 
 def arms(best: dict, ratio: float) -> list[str]:
+    """The found patch (best.json's keyword arguments; {}: none found), then the fixed arms that are another patch
+    (hfpatch eval refuses the same patch twice)."""
     fixed = ["none", *(f"{s}:{ratio:g}" for s in ("linear", "ntk", "yarn", "llama3")),
              spec_string(ntk_formula_longrope(ratio)), "self-extend", "dual-chunk"]
-    return [spec_string(best), *[a for a in fixed if a != spec_string(best)]] if best else fixed
+    if not best:
+        return fixed
+    found = canonical(spec_string(best))
+    return [spec_string(best), *[a for a in fixed if canonical(a) != found]]
+
+
+def canonical(spec: str) -> str:
+    """The patch a spec string asks for, in one spelling (yarn:4 and yarn:4.0 are the same)."""
+    return json.dumps(hfpatch.spec.request(**hfpatch.spec.parse(spec)), sort_keys=True)
+
+
+def passkey_arms(ppl: dict | None, best: dict, ratio: float) -> list[str]:
+    """The arms of the passkey cells: the found patch (if any), yarn at the ratio, and, of the other arms, the one
+    with the lowest perplexity at the longest length in `ppl` (hfpatch eval ppl's results of `arms`; no such arm
+    when it holds no complete cell of one)."""
+    every = arms(best, ratio)
+    chosen = every[:1] if best else []
+    yarn = f"yarn:{ratio:g}"
+    if yarn in every:
+        chosen.append(yarn)
+    cells = [c for c in (ppl or {}).get("cells", []) if c.get("complete") and c["patch"] in every
+             and c["patch"] not in chosen]
+    if cells:
+        longest = max(c["length"] for c in cells)
+        chosen.append(min((c for c in cells if c["length"] == longest), key=lambda c: c["ppl"])["patch"])
+    return chosen
 
 
 def needle(args: argparse.Namespace) -> int:
@@ -93,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("patches")
     a.add_argument("--best", help="best.json of the search (default: no found patch)")
     a.add_argument("--ratio", type=float, default=TARGET / WINDOW)
+    k = sub.add_parser("passkey-arms")
+    k.add_argument("--ppl", required=True, help="results.json of hfpatch eval ppl over the arms (`patches`); a "
+                   "missing file leaves the best other arm out")
+    k.add_argument("--best", help="best.json of the search (default: no found patch)")
+    k.add_argument("--ratio", type=float, default=TARGET / WINDOW)
     n = sub.add_parser("needle")
     n.add_argument("--patches", required=True)
     n.add_argument("--text-files", nargs="+", required=True)
@@ -102,10 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     n.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    if args.what == "patches":
+    if args.what in ("patches", "passkey-arms"):
         best = json.loads(Path(args.best).read_text()) if args.best else {}
         hfpatch.spec.request(**best) if best else None
-        print(",".join(arms(best, args.ratio)))
+        if args.what == "patches":
+            print(",".join(arms(best, args.ratio)))
+            return 0
+        ppl = Path(args.ppl)
+        if not ppl.is_file():
+            print(f"search_study passkey-arms: {ppl} is missing: the best other arm is left out", file=sys.stderr)
+        print(",".join(passkey_arms(json.loads(ppl.read_text()) if ppl.is_file() else None, best, args.ratio)))
         return 0
     return needle(args)
 
