@@ -395,6 +395,23 @@ def test_a_proxy_that_would_not_be_cheaper_or_cannot_hold_the_needles_is_named(t
     assert objective.proxy_misfit(tok, PROXY_TARGET, 64, PROXY_TOKENS, 4, 16) is None
 
 
+def test_a_proxy_sample_is_read_as_one_document_across_its_jumps(model, tok, long_docs):
+    """The last segment's tokens attend to the first segment's (transformers would read position ids that jump as
+    packed documents, and mask attention between them, unless told otherwise): changing the first segment's text
+    changes the needle tokens' loss."""
+    from hfpatch.lm.causal import causal_lm_parts
+
+    text = objective.calibration_ids(tok, long_docs)
+    sample = objective.build_proxy(tok, text, PROXY_TARGET, 64, PROXY_TOKENS, 4, 1, 16, seed=0)[0]
+    parts = causal_lm_parts(model)
+    first = objective.token_nll(parts, sample.ids, sample.positions)
+    changed = list(sample.ids)
+    changed[5:50] = [(t % 90) + 3 for t in reversed(changed[5:50])]
+    second = objective.token_nll(parts, changed, sample.positions)
+    end = sample.unscored[-1]
+    assert (first[end:] - second[end:]).abs().max() > 1e-6
+
+
 @pytest.mark.parametrize("family", list(space.FAMILIES))
 def test_every_family_reads_a_proxy_sample_by_its_positions(tok, long_docs, family):
     """Each family's starting point on a proxy sample (position ids that skip): the model's own attention path

@@ -200,7 +200,10 @@ def token_nll(parts: LMParts, ids: list[int], positions: list[int] | None = None
     x = torch.tensor([ids], device=parts.input_device)
     kwargs: dict[str, Any] = {}
     if positions is not None:
+        # with an explicit all-ones mask: without one, transformers reads position ids that jump as the starts of
+        # separate packed documents, and masks attention between them
         kwargs["position_ids"] = torch.tensor([positions[:-1]], device=parts.input_device)
+        kwargs["attention_mask"] = torch.ones_like(x[:, :-1])
     out = parts.base(input_ids=x[:, :-1], use_cache=False, **kwargs)
     h = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[0]
     targets = x[0, 1:]
