@@ -32,7 +32,7 @@ from .introspect import NO_LAYERNORM, summary
 from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS
 from .position.attention.temperature import TEMPERATURES
-from .position.registry import LAYER_SCHEMES, SCHEMES
+from .position.registry import LAYER_HOSTS, LAYER_SCHEMES, SCHEMES
 from .utils.files import cache_dir, source_hash
 
 if TYPE_CHECKING:
@@ -88,10 +88,10 @@ def tried_layers(model, result: dict) -> dict:
     whether a family's blocks hand their attention the rotary module's cos/sin is only seen by patching (each
     scheme in its first attention layer, the rest YaRN), and undone at once."""
     patches = result["patches"]
-    # under the scheme they are used with most (Llama 4 pairs NoPE layers with scaled RoPE), else plain RoPE
+    # under the first scheme of LAYER_HOSTS that applies (the one they are used with most, else plain RoPE)
     rest: dict[str, Any] | None = next(
         ({"position": s, **({"factor": 2.0} if SCHEMES[s].factor == "required" else {})}
-         for s in ("yarn", "rope") if s in patches["position"]), None)
+         for s in LAYER_HOSTS if s in patches["position"]), None)
     if not patches["position_layers"] or rest is None:
         return result
     first = (adapter_for(model).attention_layers or (0,))[0]

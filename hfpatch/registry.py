@@ -3,12 +3,14 @@ paths. A registry maps names to records, in registration order; registering a na
 claiming one scheme), and looking up a name it does not hold says which names it does hold.
 
 It is a read-only `Mapping` to everything but `register`, so code that reads a registry (`name in SCHEMES`,
-`SCHEMES[name]`, `SCHEMES.items()`) reads it as a dict.
+`SCHEMES[name]`, `SCHEMES.items()`) reads it as a dict. What is gathered from the records of a registry (the search
+families of the schemes that declare one, the serving engines' readings) is a `Derived` mapping, computed at each
+reading, so that a record registered later (from outside the package) is in it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -59,3 +61,23 @@ class Registry(Mapping[str, T], Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.what!r}: {', '.join(self._records)})"
+
+
+class Derived(Mapping[str, T], Generic[T]):
+    """A read-only mapping computed by `build` each time it is read: what the records of registries give, with the
+    records registered so far."""
+
+    def __init__(self, build: Callable[[], Mapping[str, T]]) -> None:
+        self._build = build
+
+    def __getitem__(self, name: str) -> T:
+        return self._build()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._build())
+
+    def __len__(self) -> int:
+        return len(self._build())
+
+    def __repr__(self) -> str:
+        return f"Derived({dict(self._build())!r})"

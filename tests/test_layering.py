@@ -31,7 +31,7 @@ LAYERS: dict[str, set[str]] = {
     "apply": {"spec", "adapters", "norm", "position", "edits", "patch_state", "save_marks", "utils"},  # patch / unpatch
     "introspect": {"apply", "spec", "adapters", "norm", "position"},  # describe, length limits, what applies
     # in and out: other formats and engines, loading by name
-    "interop": {"apply", "introspect", "spec", "adapters", "edits", "position", "utils"},  # io, gguf, serving
+    "interop": {"apply", "introspect", "spec", "adapters", "edits", "position", "registry", "utils"},  # io, gguf, serving
     "io": {"interop"},  # re-export of the old path, for one version
     "gguf": {"interop"},  # re-export of the old path, for one version
     "models": {"introspect", "interop", "apply", "utils"},  # load by name
@@ -42,7 +42,7 @@ LAYERS: dict[str, set[str]] = {
     "lm": {"apply", "introspect", "adapters", "models", "interop", "utils"},  # a causal LM as body + head; documents and tokenizers
     "evaluate": {"hfpatch", "introspect", "position", "apply", "spec", "adapters", "lm", "models", "interop", "registry", "utils"},
     # the search over patches: candidates, the objective, the resumable loop (over the evaluations' machinery)
-    "search": {"evaluate", "apply", "introspect", "adapters", "position", "lm", "models", "utils"},
+    "search": {"evaluate", "apply", "introspect", "adapters", "position", "lm", "models", "registry", "utils"},
     "train": {"hfpatch", "introspect", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models", "registry",
               "utils"},
     "cli": {"hfpatch", "introspect", "evaluate", "lm", "search", "norm", "spec", "models", "families", "apply", "interop", "position", "utils",
@@ -302,7 +302,7 @@ def test_names_imported_across_modules_are_public():
 def test_no_import_cycle_inside_a_folder():
     """Inside every folder, its modules and sub-folders import one way: none imports another that imports it back,
     whether at the top of a file, inside a function (an entry point's deferred import) or for the type checker. So
-    the entries of each folder have an order in which every import points down (position/: checks, rope/, attention/,
-    schemes/, signal, layers, registry)."""
+    the entries of each folder have an order in which every import points down (position/: checks, requirements,
+    search_space, spaces, rope/, attention/, schemes/, signal, layers, registry)."""
     found = folder_cycles()
     assert not found, "entries of a folder that import each other back:\n" + "\n".join(found)

@@ -46,13 +46,7 @@ from ..edits import Edits
 from ..position.registry import SCHEMES
 from ..position.rope import builders
 from ..position.rope import rotary as rot
-from ..position.rope.llamacpp import (
-    ROPE_FREQS_ARCHS,
-    TENSORS,
-    YARN_BETA_ARCHS,
-    YARN_BETA_DEFAULTS,
-    rope_numbers,
-)
+from ..position.rope.llamacpp import DEFAULT_SCALING_TYPE, TENSORS, Gguf, Refusal
 from ..position.signal import max_positions, rotaries_of
 from .gguf_file import MAGIC as MAGIC  # importable from here too
 from .gguf_file import check_output, field_value, open_gguf, write_copy
@@ -159,10 +153,8 @@ def refusal(name: str, req: dict | None = None, trained_window: Callable[[], int
     if scheme.gguf is not None:
         return None
     reason = scheme.gguf_refusal
-    if callable(reason):
-        if req is None or trained_window is None:
-            return "Self-Extend is a run-time setting of llama.cpp (--grp-attn-n/--grp-attn-w)"
-        return reason(req, trained_window())
+    if isinstance(reason, Refusal):
+        return reason.general if req is None or trained_window is None else reason.given(req, trained_window())
     return reason or f"{scheme.summary}: it {_NOT_ROPE}"
 
 
@@ -206,7 +198,7 @@ def plan(info: RopeInfo, pos: dict) -> Plan:
     assert scheme.rope is not None and scheme.gguf is not None, name  # request() refused the others
     params = scheme.rope(base, window, opts, info.n_rot)
     n_positions = max_positions(scheme, window, opts) or window
-    keys, tensors = scheme.gguf(info, params, opts, n_positions)
+    keys, tensors = scheme.gguf.write(info, params, opts, n_positions)
     # rope.freq_base always: the base the scheme was computed from (NTK's raised one), never one a source carried
     keys = {"context_length": (n_positions, "u32"), "rope.scaling.original_context_length": (window, "u32"),
             "rope.freq_base": (params["rope_theta"], "f32"), **keys}
@@ -341,71 +333,23 @@ def _from_record(info: RopeInfo) -> Found | None:
 
 
 def _from_metadata(info: RopeInfo) -> Found | None:
-    """llama.cpp's own reading of the scaling keys and tensors, as an hfpatch patch (a GGUF made elsewhere)."""
-    k = info.keys
-    kind = k.get("rope.scaling.type", "linear")  # llama.cpp's default when the key is absent
-    factor = k.get("rope.scaling.factor") or k.get("rope.scale_linear") or 0.0
-    attn = k.get("rope.scaling.attn_factor", 1.0)
-    window = info.window
-    opts: dict[str, object] = {"original_max_position_embeddings": window}
-    patch: dict[str, object] | None
-    if kind == "yarn" and factor > 1:
-        if k.get("rope.scaling.yarn_ext_factor", 1.0) != 1.0:
-            warnings.warn(f"yarn_ext_factor={k['rope.scaling.yarn_ext_factor']} has no transformers form; read as 1",
-                          stacklevel=3)
-        effective = attn * (1.0 + 0.1 * math.log(factor))  # what llama.cpp multiplies the angles by
-        if not math.isclose(attn, 1.0, rel_tol=1e-6):
-            opts["attention_factor"] = effective
-        if info.arch in YARN_BETA_ARCHS:
-            for name, default in YARN_BETA_DEFAULTS.items():
-                value = k.get(f"rope.scaling.yarn_{name}")
-                if value is not None and value != default:
-                    opts[name] = float(value)
-        patch = {"position": "yarn", "factor": float(factor), **opts}
-    elif kind == "longrope" and TENSORS["long"] in info.tensors and TENSORS["short"] in info.tensors:
-        ratio = info.context_length / window
-        if ratio <= 1:
-            warnings.warn(f"LongRoPE factors with a context length ({info.context_length}) no longer than the "
-                          f"original window ({window}): read as plain RoPE", stacklevel=3)
-            return None
-        patch = {"position": "longrope", "factor": ratio, "attention_factor": float(attn),
-                 "long_factor": info.tensors[TENSORS["long"]].tolist(),
-                 "short_factor": info.tensors[TENSORS["short"]].tolist(), **opts}
-    elif TENSORS["freqs"] in info.tensors and info.arch in ROPE_FREQS_ARCHS:
-        patch = _llama3_from_freqs(info)
-        if patch is None:
-            return None
-    elif kind == "linear" and factor > 1:
-        patch = {"position": "linear", "factor": float(factor), **opts}
-    else:
-        return None
-    return Found(info.freq_base, window, patch, "metadata")
+    """llama.cpp's own reading of the scaling keys and tensors, as an hfpatch patch (a GGUF made elsewhere): the
+    first scheme record whose GGUF reader recognises the file (position/rope/llamacpp.py says in which order)."""
+    kind = info.keys.get("rope.scaling.type", DEFAULT_SCALING_TYPE)
+    for name, forms in readers(kind):
+        assert forms.read is not None  # readers() gives the forms that read
+        options = forms.read(info)
+        if options is None:
+            continue
+        return Found(info.freq_base, info.window, {"position": name, **options}, "metadata") if options else None
+    return None
 
 
-def _llama3_from_freqs(info: RopeInfo) -> dict | None:
-    """Llama 3.1's parameters from a rope_freqs tensor (the converter writes no others): the largest divisor is the
-    factor; the divisors between 1 and it follow 1/f = (1 - t)/s + t with t linear in 1/wavelength, which gives
-    low/high_freq_factor for the window (Meta's convention low_freq_factor = 1 where the file names no window)."""
-    freqs = info.tensors[TENSORS["freqs"]]
-    s = float(freqs.max())
-    plain, _ = rope_numbers({"rope_type": "default", "rope_theta": info.freq_base}, info.n_rot, info.window)
-    u = plain / (2 * math.pi)  # 1 / wavelength
-    mid = (freqs > 1 + 1e-6) & (freqs < s * (1 - 1e-6))
-    if s <= 1 or mid.sum() < 2:
-        warnings.warn("a rope_freqs tensor that does not follow Llama 3.1's formula: read as plain RoPE", stacklevel=4)
-        return None
-    t = (1 / freqs[mid] - 1 / s) / (1 - 1 / s)
-    alpha, beta = np.polyfit(u[mid], t, 1)  # t = window/(high-low) * u - low/(high-low)
-    if "rope.scaling.original_context_length" in info.keys:
-        window = info.window
-        low = -beta * window / alpha
-    else:
-        low = 1.0
-        window = -alpha / beta
-    high = low + window / alpha
-    patch = {"position": "llama3", "factor": s, "low_freq_factor": float(round(low, 6)),
-             "high_freq_factor": float(round(high, 6)), "original_max_position_embeddings": round(window)}
-    return patch
+def readers(scaling_type: str) -> list[tuple[str, Gguf]]:
+    """(scheme, its GGUF forms) of the schemes whose records read a GGUF file, in the order a file of this
+    rope.scaling.type is tried: those of that type, then those that read tensors whatever the type."""
+    forms = [(name, s.gguf) for name, s in SCHEMES.items() if s.gguf is not None and s.gguf.read is not None]
+    return [f for f in forms if f[1].scaling_type == scaling_type] + [f for f in forms if f[1].scaling_type is None]
 
 
 def apply_to_loaded(model: PreTrainedModel, path: Path | str) -> None:

@@ -1,5 +1,6 @@
-"""What serving engines read of a saved checkpoint's RoPE, as data: the warnings of `hfpatch describe` on a saved
-folder and the table of docs/serving.md both come from `ROPE_READERS` below (one `RopeReader` per serving engine).
+"""What serving engines read of a saved checkpoint's RoPE: the warnings of `hfpatch describe` on a saved folder and
+the table of docs/serving.md both come from `ROPE_READERS` below (one `RopeReader` per serving engine), which gathers
+what each scheme record says of its saved form (`serving=`, position/rope/serving.py).
 
 A checkpoint that hfpatch saves carries its RoPE in transformers' own `rope_parameters` (config.json), which
 transformers reloads exactly. vLLM and SGLang build their rotary embeddings from the same dict, but each reads its own
@@ -8,10 +9,6 @@ way; where that gives another number than transformers, the engine serves a diff
 exists that makes it serve the model as transformers does (LongRoPE's `short_mscale` / `long_mscale`, which vLLM and
 SGLang read in place of `attention_factor`), `hfpatch.save_pretrained` writes it beside transformers' own keys
 (`serving_keys`); what no key can fix, it says (`differences`).
-
-Read from the engines' source (vLLM 0.32: vllm/model_executor/layers/rotary_embedding/, get_rope and the YaRN,
-LongRoPE and dynamic NTK classes; SGLang: python/sglang/srt/layers/rotary_embedding/, get_rope in factory.py,
-yarn.py, rope_variant.py). Engines change: check the version you serve with.
 """
 
 from __future__ import annotations
@@ -26,47 +23,13 @@ from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..position.registry import SCHEMES
-
-
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction 0.1 * mscale * ln(s) + 1 (1 for s <= 1), as every engine writes it."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _longrope_attention(p: dict, max_positions: int) -> float:
-    """Phi-3's LongRoPE magnitude from the served window: sqrt(1 + ln s / ln L), s = max_position_embeddings / L."""
-    original = p["original_max_position_embeddings"]
-    scale = max_positions / original
-    return 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
-
-
-def _vllm_yarn(p: dict, max_positions: int) -> float:
-    if p.get("attention_factor") is not None:
-        return float(p["attention_factor"])
-    if p.get("mscale") and p.get("mscale_all_dim"):
-        return yarn_mscale(p["factor"], p["mscale"]) / yarn_mscale(p["factor"], p["mscale_all_dim"])
-    return yarn_mscale(p["factor"])
-
-
-def _mscale_longrope(p: dict, max_positions: int) -> float:
-    """LongRoPE's magnitude in vLLM and SGLang: their own short_mscale / long_mscale keys, else the default."""
-    return float(p.get("long_mscale") or _longrope_attention(p, max_positions))
-
-
-def _sglang_yarn(p: dict, max_positions: int) -> float:
-    m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-    base = yarn_mscale(p["factor"], m) / yarn_mscale(p["factor"], m_all) if m is not None and m_all is not None \
-        else yarn_mscale(p["factor"])
-    return base * p.get("attn_factor", 1.0)
-
-
-LONGROPE_TEXT = ("sqrt(1 + ln s / ln L), s = max_position_embeddings / L, L = original_max_position_embeddings "
-                 "(short_mscale / long_mscale, its own keys, replace it)")
+from ..position.rope.serving import ENGINES, Serving
+from ..registry import Derived
 
 
 @dataclass(frozen=True)
 class RopeReader:
-    """How one serving engine reads a saved checkpoint's RoPE (its config.json), from the engine's source."""
+    """How one serving engine reads a saved checkpoint's RoPE (its config.json), gathered from the scheme records."""
 
     source: str
     reads: dict  # rope_type -> the rope_parameters keys the engine reads for it
@@ -80,59 +43,32 @@ class RopeReader:
     window_factor: tuple = ()
 
 
-ROPE_READERS: dict[str, RopeReader] = {
-    "vLLM": RopeReader(
-        source="vllm/model_executor/layers/rotary_embedding/__init__.py (get_rope)",
-        reads={
-            "default": ("rope_theta", "partial_rotary_factor"),
-            "linear": ("rope_theta", "factor"),
-            "dynamic": ("rope_theta", "factor", "alpha"),
-            "yarn": ("rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
-                     "attention_factor", "mscale", "mscale_all_dim"),
-            "llama3": ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-                       "original_max_position_embeddings"),
-            "longrope": ("rope_theta", "short_factor", "long_factor", "original_max_position_embeddings",
-                         "short_mscale", "long_mscale"),
-        },
-        attention={"yarn": (_vllm_yarn, "attention_factor; else (0.1 mscale ln factor + 1) / (0.1 mscale_all_dim "
-                                        "ln factor + 1) when both are given; else 0.1 ln factor + 1 (as "
-                                        "transformers)"),
-                   "longrope": (_mscale_longrope, LONGROPE_TEXT)},
-        behaviour={
-            "dynamic": "plain RoPE at every length: its base for max_position_embeddings x factor positions, "
-                       "theta * (s - (s - 1))^(d/(d-2)), is theta itself; transformers grows the base with each "
-                       "sequence's length past the trained window",
-            "longrope": "the long factors for every sequence once the served length (max_model_len) exceeds "
-                        "original_max_position_embeddings; transformers switches per sequence",
-        },
-        window_only=("dynamic",), window_factor=("linear", "dynamic")),
-    "SGLang": RopeReader(
-        source="python/sglang/srt/layers/rotary_embedding/factory.py (get_rope)",
-        reads={
-            "default": ("rope_theta",),
-            "linear": ("rope_theta", "factor"),
-            "dynamic": ("rope_theta", "factor", "alpha"),
-            "yarn": ("rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
-                     "attn_factor", "extrapolation_factor", "mscale", "mscale_all_dim"),
-            "llama3": ("rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-                       "original_max_position_embeddings"),
-            "longrope": ("rope_theta", "short_factor", "long_factor", "original_max_position_embeddings",
-                         "short_mscale", "long_mscale"),
-        },
-        attention={"yarn": (_sglang_yarn, "(0.1 mscale ln factor + 1) / (0.1 mscale_all_dim ln factor + 1) when "
-                                          "both are given, else 0.1 ln factor + 1; times attn_factor (its own key, "
-                                          "default 1)"),
-                   "longrope": (_mscale_longrope, LONGROPE_TEXT)},
-        behaviour={
-            "dynamic": "one RoPE for every length, with the base transformers uses at a length of "
-                       "max_position_embeddings x factor (plain RoPE when the factor is 1); transformers grows the "
-                       "base with each sequence's length",
-        }),
-}
+def saved_forms() -> dict[str, Serving]:
+    """rope_type -> what the engines read of it, from the scheme records (in registry order; the schemes saved as one
+    rope_type share its form)."""
+    forms: dict[str, Serving] = {}
+    for scheme in SCHEMES.values():
+        if scheme.serving is not None:
+            forms.setdefault(scheme.serving.rope_type, scheme.serving)
+    return forms
 
-# The rope_parameters keys of a scaling scheme that an engine may not read (the ones every engine reads are left out)
-_CHECKED = ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
-            "mscale_all_dim", "truncate", "low_freq_factor", "high_freq_factor", "short_factor", "long_factor")
+
+def _reader(engine: str) -> RopeReader:
+    read = {kind: form.engines[engine] for kind, form in saved_forms().items() if engine in form.engines}
+    return RopeReader(ENGINES[engine], reads={kind: r.reads for kind, r in read.items()},
+                      attention={kind: r.attention for kind, r in read.items() if r.attention},
+                      behaviour={kind: r.behaviour for kind, r in read.items() if r.behaviour},
+                      window_only=tuple(kind for kind, r in read.items() if r.window_only),
+                      window_factor=tuple(kind for kind, r in read.items() if r.window_factor))
+
+
+ROPE_READERS: Derived[RopeReader] = Derived(lambda: {engine: _reader(engine) for engine in ENGINES})
+
+
+def _checked() -> tuple[str, ...]:
+    """The rope_parameters keys of a scaling scheme that an engine may not read (the ones every engine reads are
+    left out): every key transformers reads for a saved scheme."""
+    return tuple(dict.fromkeys(k for form in saved_forms().values() for k in form.transformers))
 
 
 def transformers_attention(config, layer_type=None) -> float:
@@ -151,17 +87,18 @@ def differences(config) -> list[str]:
     if not isinstance(params, dict):
         return []
     nested = "rope_type" not in params
+    checked, readers = _checked(), dict(ROPE_READERS)
     out = []
     for layer_type, p in (params.items() if nested else [(None, params)]):
         if not isinstance(p, dict) or p.get("rope_type") in (None, "default"):
             continue
         where = f" ({layer_type} layers)" if layer_type else ""
         kind = p["rope_type"]
-        for name, engine in ROPE_READERS.items():
+        for name, engine in readers.items():
             if kind not in engine.reads:
                 out.append(f"{name} has no rope_type {kind!r}{where}")
                 continue
-            unread = [k for k in _CHECKED if k in p and k not in engine.reads[kind]]
+            unread = [k for k in checked if k in p and k not in engine.reads[kind]]
             fn, _ = engine.attention.get(kind, (None, None))
             if fn is not None:
                 theirs = fn(p, config.max_position_embeddings)
@@ -177,7 +114,8 @@ def differences(config) -> list[str]:
 
 # rope_type -> the engine keys that carry the attention factor (cos/sin magnitude) in place of transformers'
 # attention_factor: vLLM and SGLang read LongRoPE's from these, and compute another default without them
-ATTENTION_KEYS: dict[str, tuple[str, ...]] = {"longrope": ("short_mscale", "long_mscale")}
+ATTENTION_KEYS: Derived[tuple[str, ...]] = Derived(lambda: {kind: form.attention_keys for kind, form in
+                                                            saved_forms().items() if form.attention_keys})
 
 
 def longest_served(engine: str, config) -> int | None:
@@ -234,27 +172,27 @@ def folder_differences(path) -> list[str]:
 
 def saved_rope_types() -> dict[str, str]:
     """hfpatch scheme -> the rope_type it saves, for the native RoPE rescalings that take a factor: what each
-    record's builder writes (with sample options: only the type is read)."""
-    base = {"rope_type": "default", "rope_theta": 10000.0}
-    sample = {"factor": 2.0, "short_factor": [1.0] * 32, "long_factor": [1.0] * 32}
-    return {name: scheme.rope(base, 4096, sample, 64)["rope_type"] for name, scheme in SCHEMES.items()
-            if scheme.rope is not None and scheme.native and scheme.factor != "none"}
+    record's saved form names."""
+    return {name: scheme.serving.rope_type for name, scheme in SCHEMES.items()
+            if scheme.serving is not None and scheme.native and scheme.factor != "none"}
 
 
 def markdown() -> str:
     """The tables of docs/serving.md: the keys each engine does not read, per saved scheme, and how each engine
     computes the attention factor or runs a scheme differently."""
     rows = []
+    forms, readers = saved_forms(), dict(ROPE_READERS)
     for scheme, kind in saved_rope_types().items():
-        cells = [f"`{scheme}`", f"`{kind}`", ", ".join(f"`{k}`" for k in _TRANSFORMERS_KEYS[kind]) or "(theta only)"]
-        for engine in ROPE_READERS.values():
+        transformers_keys = forms[kind].transformers
+        cells = [f"`{scheme}`", f"`{kind}`", ", ".join(f"`{k}`" for k in transformers_keys) or "(theta only)"]
+        for engine in readers.values():
             reads = engine.reads.get(kind, ())
-            cells.append(", ".join(f"`{k}`" for k in _TRANSFORMERS_KEYS[kind] if k not in reads) or "-")
+            cells.append(", ".join(f"`{k}`" for k in transformers_keys if k not in reads) or "-")
         rows.append(cells)
     keys = markdown_table(["hfpatch scheme", "rope_type", "transformers reads", *(f"{e} does not read"
                                                                                   for e in ROPE_READERS)], rows)
     rows = []
-    for name, engine in ROPE_READERS.items():
+    for name, engine in readers.items():
         for kind, (_, how) in engine.attention.items():
             rows.append([name, f"`{kind}`", f"attention factor (cos/sin magnitude) = {how}"])
         for kind, how in engine.behaviour.items():
@@ -266,18 +204,6 @@ def markdown_table(header: list, rows: list[list]) -> str:
     # the evaluations' table helper lives above this layer (evaluate/report.py, with matplotlib); this is the same
     lines = ["| " + " | ".join(str(h) for h in header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
-
-
-# rope_type -> the scheme keys transformers reads for it (which the table checks the engines against)
-_TRANSFORMERS_KEYS = {
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim", "truncate"),
-    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
-    "longrope": ("factor", "original_max_position_embeddings", "attention_factor", "short_factor", "long_factor"),
-    "default": (),
-}
 
 
 def main(argv=None) -> int:

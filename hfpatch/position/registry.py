@@ -1,6 +1,7 @@
 """The registry of position schemes: one record per scheme, read by validation (`spec`), application (`apply`),
 `supported()` / `describe()`, saving (`io`), the evaluations' length limits and the recipes' sequence splitting.
-Adding a scheme is adding one record here and its applier (docs/extending.md); nothing else branches on its name.
+Adding a scheme is its applier and one `register(name, Scheme(...))` call, here or from the scheme's own module
+(outside the package too: docs/extending.md); nothing else branches on its name.
 
 A record says:
 - `apply(model, adapter, req, scheme, edits)`: how it is put into a model (every change through `edits`);
@@ -19,7 +20,16 @@ A record says:
 - `native`: whether plain transformers reloads the patched model as it is (native `rope_parameters`, or a plain
   checkpoint such as an interpolated table);
 - `changes_weights`: whether it changes which weights exist (reloads by loading into the patched structure);
-- `split`: why it cannot train with each sequence split over processes (context parallelism, Ulysses), or None.
+- `split`: why it cannot train with each sequence split over processes (context parallelism, Ulysses), or None;
+- `paths`: the ways its own attention function computes a call, fastest first, registered with attention/paths.py
+  when the record is;
+- `gguf` (position/rope/llamacpp.py `Gguf`): its GGUF forms both ways, llama.cpp's metadata written from the request
+  and read back into a patch; or `gguf_refusal`: why a GGUF cannot carry it (a text, or a `Refusal` whose text names
+  the settings to run instead);
+- `serving` (position/rope/serving.py `Serving`): what vLLM and SGLang read of it, saved as one of transformers'
+  rope_types;
+- `search` (position/search_space.py `Space` or `Operators`): what `hfpatch search` varies of it, and
+  `per_pair_seed`: whether its per-pair factors start the per-pair (LongRoPE) family's population.
 """
 
 from __future__ import annotations
@@ -30,18 +40,22 @@ from typing import Any
 
 from ..adapters import Adapter
 from ..registry import Registry
-from . import layers
+from . import layers, spaces
 from .attention import paths
 from .checks import number, positive_int
+from .requirements import REQUIREMENTS
 from .rope import builders as rope
 from .rope import llamacpp as cpp
+from .rope import serving
 from .rope.rotary import make_dynamic_yarn
+from .rope.serving import Serving
 from .schemes import alibi, dual_chunk, relative, self_extend
 from .schemes.alibi import apply_alibi
 from .schemes.dual_chunk import apply_dual_chunk
 from .schemes.learned import apply_learned
 from .schemes.relative import apply_t5, apply_xl, check_t5
 from .schemes.self_extend import apply_self_extend
+from .search_space import Operators, Space
 from .signal import apply_interpolate, apply_nope, apply_rope, apply_sinusoidal, keep_high_frequencies
 
 # ------------------------------------------------------------------------------------------------ option checks
@@ -189,62 +203,6 @@ def _longrope(req: dict) -> None:
                          "(rotary_dim / 2 numbers each)")
 
 
-# ------------------------------------------------------------------------------------------------- requirements
-
-
-@dataclass(frozen=True)
-class Requirement:
-    test: Callable  # (adapter, request) -> bool; the request is {} when asked what applies in general
-    why: Callable  # (adapter, scheme name) -> the reason it does not apply
-
-
-REQUIREMENTS: dict[str, Requirement] = {
-    "rope": Requirement(
-        lambda a, r: a.has_rope,
-        lambda a, s: (f"position={s!r} is a RoPE scheme, but {a.model_type} has {_signal(a)} and no RoPE; RoPE "
-                      "schemes apply to models with a rotary module (an inv_freq buffer)")),
-    "window": Requirement(
-        lambda a, r: a.window is not None or bool(r.get("original_max_position_embeddings")),
-        lambda a, s: (f"position={s!r} needs the trained window, and {a.model_type}'s config names none (no "
-                      "max_position_embeddings): pass original_max_position_embeddings=")),
-    # schemes whose defaults and length limit are fractions and multiples of the trained window, with no option
-    # that stands in for it
-    "trained_window": Requirement(
-        lambda a, r: a.window is not None,
-        lambda a, s: (f"position={s!r} takes its defaults and the patched model's length limit from the trained "
-                      f"window, and {a.model_type}'s config names none (no max_position_embeddings: its attention "
-                      "is local only)")),
-    "table": Requirement(
-        lambda a, r: a.position_table is not None,
-        lambda a, s: (f"position={s!r} stretches a learned absolute position table; {a.model_type} has "
-                      f"{_signal(a)} (for RoPE use linear, ntk, yarn, ...)")),
-    # the model's own position signal is known (a rotary module, a learned table, or none at all), so it can be
-    # taken out and replaced
-    "known_positions": Requirement(
-        lambda a, r: a.layers is not None and a.position_signal != "unknown" and "removal" not in a.notes,
-        lambda a, s: (f"position={s!r} replaces the model's position signal, but {a.model_type}'s cannot be "
-                      "taken out: "
-                      + (a.notes.get("positions") or a.notes.get("removal") or a.notes.get("blocks", "")))),
-    "attention_interface": Requirement(
-        lambda a, r: a.attention_interface,
-        lambda a, s: (f"position={s!r} runs its own attention function, but {a.model_type}'s attention does not "
-                      f"go through transformers' attention interface ({a.notes.get('attention', '')})")),
-    "causal": Requirement(
-        lambda a, r: a.causal,
-        lambda a, s: f"position={s!r} is defined for causal (decoder) attention; {a.model_type} attends both ways"),
-    # a new absolute table goes where there is none (a model with a table has interpolate for it)
-    "no_table": Requirement(
-        lambda a, r: a.position_table is None,
-        lambda a, s: (f"position={s!r} adds a learned absolute position table to a model without one, but "
-                      f"{a.model_type} already has one ({a.position_table}; position='interpolate' stretches it)")),
-}
-
-
-def _signal(a: Adapter) -> str:
-    return {"rope": "RoPE positions", "learned": "learned absolute position embeddings", "none": "no position "
-            "embeddings", "unknown": "a position encoding hfpatch cannot find"}[a.position_signal]
-
-
 # ------------------------------------------------------------------------------------------------------ schemes
 
 
@@ -268,10 +226,13 @@ class Scheme:
     frequencies: Callable | None = None
     native_for: Callable | None = None  # (a layer type's base rope_parameters) -> whether native there (p-RoPE)
     paths: tuple = ()  # its own attention function's ways to compute a call, fastest first (attention/paths.py)
-    # GGUF: the form that writes it as llama.cpp's RoPE metadata (position/rope/llamacpp.py), or why a GGUF cannot
-    # carry it (a text, or (request, trained window) -> text naming what to run instead); neither: not RoPE
-    gguf: Callable | None = None
-    gguf_refusal: str | Callable[[dict, int], str] | None = None
+    # GGUF: its forms both ways (position/rope/llamacpp.py), or why a GGUF cannot carry it (a text, or a Refusal
+    # naming what to run instead); neither: not RoPE
+    gguf: cpp.Gguf | None = None
+    gguf_refusal: str | cpp.Refusal | None = None
+    serving: Serving | None = None  # what serving engines read of it, saved natively (rope/serving.py)
+    search: Space | Operators | None = None  # what hfpatch search varies of it (search_space.py)
+    per_pair_seed: bool = False  # its per-pair factors start the per-pair family's population
 
 
 # Why a scheme cannot train with its sequences split over processes (train/parallel.py): each process then holds a
@@ -284,14 +245,12 @@ def _own_attention(what: str) -> str:
             "sequence")
 
 
-def _rope(builder: Callable, summary: str, factor: str = "required", options: dict[str, Option] | None = None,
-          check: Callable | None = None, max_positions: str = "extended", limit: str | None = "window",
-          native: bool = True, requires: tuple[str, ...] = ("rope", "window"), per_forward: Callable | None = None,
-          split: str | None = None, frequencies: Callable | None = None, native_for: Callable | None = None,
-          gguf: Callable | None = None, gguf_refusal: str | Callable[[dict, int], str] | None = None) -> Scheme:
-    return Scheme(apply_rope, requires, summary, factor, {**ROPE_COMMON, **(options or {})}, check, builder,
-                  per_forward, max_positions, limit, native, split=split, frequencies=frequencies,
-                  native_for=native_for, gguf=gguf, gguf_refusal=gguf_refusal)
+def rope_scaling(builder: Callable, summary: str, factor: str = "required", options: dict[str, Option] | None = None,
+                 requires: tuple[str, ...] = ("rope", "window"), **fields: Any) -> Scheme:
+    """The record of a RoPE rescaling: `builder` (base rope_parameters, trained window, options, rotated channels) ->
+    the new rope_parameters, applied by `apply_rope`, with the options every RoPE rescaling takes (ROPE_COMMON) and
+    the record's other `fields` (check, gguf, serving, search, ...)."""
+    return Scheme(apply_rope, requires, summary, factor, {**ROPE_COMMON, **(options or {})}, rope=builder, **fields)
 
 
 # Why a GGUF cannot carry a RoPE whose frequencies follow the sequence length
@@ -300,34 +259,74 @@ _FIXED_AT_CONTEXT = "llama.cpp's frequencies are fixed when the context is creat
 
 _REPLACE = ("known_positions",)
 
-SCHEMES: Registry[Scheme] = Registry("position scheme")
+class Schemes(Registry[Scheme]):
+    """The registry of position schemes: registering a record checks that its parts fit together and registers its
+    attention paths (attention/paths.py), so that a scheme registered from outside the package is whole too."""
+
+    def register(self, name: str, record: Scheme) -> Scheme:
+        if name not in self:  # else the registry's own error: registered twice
+            _check_record(name, record, self)
+            if record.paths:
+                paths.register(name, record.paths)
+        return super().register(name, record)
+
+
+def _check_record(name: str, record: Scheme, registered: Registry[Scheme]) -> None:
+    """ValueError for a record whose fields do not fit together."""
+    rope_only = [f for f in ("gguf", "serving", "per_pair_seed") if getattr(record, f)]
+    if rope_only and record.rope is None:
+        raise ValueError(f"position scheme {name!r}: {'=, '.join(rope_only)}= describe a RoPE rescaling, and its "
+                         "record has no rope= builder (position.registry.rope_scaling makes one)")
+    if record.per_pair_seed and record.factor == "none":
+        raise ValueError(f"position scheme {name!r}: per_pair_seed=True starts the per-pair family at the search's "
+                         "extension ratio, which the scheme takes as factor=; it takes none")
+    for other, rec in registered.items():
+        if record.serving is not None and rec.serving is not None and rec.serving != record.serving \
+                and rec.serving.rope_type == record.serving.rope_type:
+            raise ValueError(f"position scheme {name!r} saves as rope_type {record.serving.rope_type!r}, which "
+                             f"{other!r} saves as with other engine readings: give it {other!r}'s serving= form")
+    if isinstance(record.search, Space):
+        takes = set(record.options) | ({"factor"} if record.factor != "none" else set())
+        unknown = sorted(set(record.search.params) - takes)
+        if unknown:
+            raise ValueError(f"position scheme {name!r}: its search space varies {', '.join(unknown)}, which it does "
+                             f"not take (it takes {', '.join(sorted(takes)) or 'no options'})")
+
+
+SCHEMES = Schemes("position scheme")
 register = SCHEMES.register
 
-register("rope", _rope(rope.plain, "plain RoPE at the original theta (undoes a checkpoint's scaling)", factor="none",
-                       max_positions="window", requires=("rope",), gguf=cpp.rope_form))
-register("linear", _rope(rope.linear, "position interpolation (Chen et al. 2023): positions / factor",
-                         gguf=cpp.linear_form))
-register("ntk", _rope(rope.ntk, "NTK-aware base change: theta * factor^(d/(d-2))", gguf=cpp.ntk_form))
-register("dynamic", _rope(rope.dynamic, "dynamic NTK: the base grows with the sequence past the window",
-                          factor="optional", max_positions="window", limit=None, split=_DYNAMIC,
-                          gguf_refusal=(f"dynamic NTK changes the RoPE base with the sequence length, and "
-                                        f"{_FIXED_AT_CONTEXT}; export ntk (the base for one length) or yarn instead")))
-register("yarn", _rope(rope.yarn, "YaRN (Peng et al. 2023): NTK-by-parts + attention scaling", options=YARN_OPTIONS,
-                       check=_betas, gguf=cpp.yarn_form))
-register("dynamic-yarn", _rope(
+register("rope", rope_scaling(
+    rope.plain, "plain RoPE at the original theta (undoes a checkpoint's scaling)", factor="none",
+    max_positions="window", requires=("rope",), gguf=cpp.PLAIN, serving=serving.DEFAULT))
+register("linear", rope_scaling(rope.linear, "position interpolation (Chen et al. 2023): positions / factor",
+                                gguf=cpp.LINEAR, serving=serving.LINEAR, per_pair_seed=True))
+register("ntk", rope_scaling(rope.ntk, "NTK-aware base change: theta * factor^(d/(d-2))", gguf=cpp.NTK,
+                             serving=serving.DEFAULT, per_pair_seed=True))
+register("dynamic", rope_scaling(
+    rope.dynamic, "dynamic NTK: the base grows with the sequence past the window", factor="optional",
+    max_positions="window", limit=None, split=_DYNAMIC, serving=serving.DYNAMIC,
+    gguf_refusal=(f"dynamic NTK changes the RoPE base with the sequence length, and {_FIXED_AT_CONTEXT}; export ntk "
+                  "(the base for one length) or yarn instead")))
+register("yarn", rope_scaling(
+    rope.yarn, "YaRN (Peng et al. 2023): NTK-by-parts + attention scaling", options=YARN_OPTIONS, check=_betas,
+    gguf=cpp.YARN, serving=serving.YARN, search=spaces.YARN, per_pair_seed=True))
+register("dynamic-yarn", rope_scaling(
     rope.dynamic_yarn, "YaRN with s = max(1, L / window), recomputed per forward", factor="optional", limit=None,
     native=False, check=_betas, per_forward=make_dynamic_yarn, split=_DYNAMIC,
     options={k: YARN_OPTIONS[k] for k in ("attention_factor", "beta_fast", "beta_slow", "truncate")},
     gguf_refusal=(f"dynamic YaRN changes the scale with the sequence length, and {_FIXED_AT_CONTEXT}; export yarn "
                   "with the factor you serve at")))
-register("llama3", _rope(
-    rope.llama3, "Llama 3.1's frequency-dependent interpolation", check=_llama3, gguf=cpp.llama3_form,
+register("llama3", rope_scaling(
+    rope.llama3, "Llama 3.1's frequency-dependent interpolation", check=_llama3, gguf=cpp.LLAMA3,
+    serving=serving.LLAMA3, per_pair_seed=True,
     options={"low_freq_factor": Option(positive, "wavelengths longer than window / this are interpolated fully "
                                                  "(default 1)"),
              "high_freq_factor": Option(positive, "wavelengths shorter than window / this keep their frequency "
                                                   "(default 4)")}))
-register("longrope", _rope(
-    rope.longrope, "LongRoPE: per-frequency factors (short/long)", check=_longrope, gguf=cpp.longrope_form,
+register("longrope", rope_scaling(
+    rope.longrope, "LongRoPE: per-frequency factors (short/long)", check=_longrope, gguf=cpp.LONGROPE,
+    serving=serving.LONGROPE, search=spaces.PER_PAIR,
     options={"short_factor": Option(numbers_list, "one rescale factor per rotary pair, within the trained window",
                                     "numbers"),
              "long_factor": Option(numbers_list, "one rescale factor per rotary pair, past the trained window",
@@ -335,7 +334,7 @@ register("longrope", _rope(
              "attention_factor": Option(at_most(100.0, "it multiplies every attention logit by its square"),
                                         "the factor cos and sin are multiplied by (default "
                                         "sqrt(1 + ln(factor) / ln(window)))")}))
-register("p-rope", _rope(
+register("p-rope", rope_scaling(
     rope.p_rope, "p-RoPE (Barbero et al. 2025): only the highest-frequency fraction `keep` of the rotary pairs "
     "rotates (default 0.75), the rest carry no position", factor="none", max_positions="window", requires=("rope",),
     options={"keep": Option(_fraction, "the fraction of rotary pairs that keep rotating, highest frequencies first "
@@ -399,7 +398,9 @@ register("self-extend", Scheme(
              "window": Option(positive_int, "W: the neighbour window kept at exact positions (default 1/8 of the "
                                             "trained window)", "integer")},
     native=False, paths=self_extend.PATHS, split=_own_attention("tells neighbour keys from grouped ones"),
-    gguf_refusal=self_extend.llamacpp_refusal))
+    gguf_refusal=cpp.Refusal("Self-Extend is a run-time setting of llama.cpp (--grp-attn-n/--grp-attn-w)",
+                             self_extend.llamacpp_refusal),
+    search=spaces.SELF_EXTEND))
 # Dual Chunk Attention (schemes/dual_chunk.py): positions inside chunks, the query moved for earlier chunks
 register("dual-chunk", Scheme(
     apply_dual_chunk, ("rope", "trained_window", "attention_interface", "causal"),
@@ -409,11 +410,12 @@ register("dual-chunk", Scheme(
     options={"chunk_size": Option(positive_int, "the chunk size (default 3/4 of the trained window)", "integer"),
              "local_window": Option(positive_int, "the neighbour window of successive chunks (default 1/16 of the "
                                                   "trained window)", "integer")},
-    native=False, limit=None, paths=dual_chunk.PATHS, split=_own_attention("tells chunks apart")))
+    native=False, limit=None, paths=dual_chunk.PATHS, split=_own_attention("tells chunks apart"),
+    search=spaces.DUAL_CHUNK))
 
-for _name, _scheme in SCHEMES.items():  # a scheme's attention paths are its record's
-    if _scheme.paths:
-        paths.register(_name, _scheme.paths)
+# The schemes supported() tries per-layer positions under, the first that applies: the one they are used with most
+# (Llama 4 pairs NoPE layers with scaled RoPE), else plain RoPE.
+LAYER_HOSTS = ("yarn", "rope")
 
 
 def options_of(name: str) -> set[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,15 +86,26 @@ def parse_budget(text: str) -> Budget:
     return Budget(evaluations, seconds)
 
 
+def families_offered() -> tuple[str, ...]:
+    """The families of the search space: FAMILY_NAMES, then, once the scheme registry is imported, the other schemes
+    whose records declare a search space (one registered at run time included), in registry order."""
+    registry = sys.modules.get("hfpatch.position.registry")
+    if registry is None:
+        return FAMILY_NAMES
+    return FAMILY_NAMES + tuple(name for name, scheme in registry.SCHEMES.items()
+                                if scheme.search is not None and name not in FAMILY_NAMES)
+
+
 def parse_families(text: str | None) -> list[str]:
-    """'longrope,yarn' -> the names, checked against FAMILY_NAMES (None: all of them)."""
+    """'longrope,yarn' -> the names, checked against families_offered() (None: all of them)."""
+    offered = families_offered()
     if text is None:
-        return list(FAMILY_NAMES)
+        return list(offered)
     names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in FAMILY_NAMES]
+    unknown = [n for n in names if n not in offered]
     if unknown or not names:
         raise ValueError(f"--families: unknown {', '.join(unknown) or '(none given)'}; valid: "
-                         f"{', '.join(FAMILY_NAMES)}")
+                         f"{', '.join(offered)}")
     return list(dict.fromkeys(names))
 
 
@@ -211,7 +223,7 @@ class SearchOptions:
 
     @property
     def family_names(self) -> list[str]:
-        return list(self.families) if self.families is not None else list(FAMILY_NAMES)
+        return list(self.families) if self.families is not None else list(families_offered())
 
     def identity(self) -> dict:
         """The options that decide the numbers, as the results file records them."""

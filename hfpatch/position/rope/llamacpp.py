@@ -1,11 +1,18 @@
-"""llama.cpp's RoPE metadata for each RoPE scheme hfpatch has: which keys and tensors carry it, computed from the same
-rope_parameters `hfpatch.patch` builds (position/rope/builders.py) and transformers' RoPE functions. Pure functions
-of numbers (no GGUF file is read or written here): the scheme records (position/registry.py) name their form, and
-interop/gguf.py writes it.
+"""llama.cpp's RoPE metadata for each RoPE scheme hfpatch has, both ways: which keys and tensors carry it, computed
+from the same rope_parameters `hfpatch.patch` builds (position/rope/builders.py) and transformers' RoPE functions,
+and how a file's metadata reads back as the scheme. Pure functions of numbers (no GGUF file is read or written
+here): each scheme record (position/registry.py) names its `Gguf` forms, and interop/gguf.py writes and reads them.
 
-A form takes (info: what the GGUF says of its RoPE — arch, n_rot —, the scheme's rope_parameters, the options, the
-extended window) and returns (metadata keys without the "{arch}." prefix: {key: (value, type)}, {tensor: float32
-array}), or raises ValueError saying why this architecture's llama.cpp loader cannot carry it.
+A writing form takes (info: what the GGUF says of its RoPE — arch, n_rot —, the scheme's rope_parameters, the
+options, the extended window) and returns (metadata keys without the "{arch}." prefix: {key: (value, type)},
+{tensor: float32 array}), or raises ValueError saying why this architecture's llama.cpp loader cannot carry it.
+
+A reading form takes the file's RoPE (interop/gguf.py's RopeInfo: arch, freq_base, context_length, window, n_rot,
+the scaling `keys` present, the RoPE `tensors` present) and returns the patch's options (the keyword arguments of
+`hfpatch.patch` but `position`), {} when the file is in this form but carries no scaling (read as plain RoPE), or
+None when the file is not in this form. A file's rope.scaling.type names its scaling: the readers of that type are
+tried first, then those that read tensors whatever the type (`Gguf.scaling_type` None: Llama 3.1's rope_freqs,
+which converters write without a type).
 
 Read off llama.cpp's source (src/llama-model.cpp, src/llama-context.cpp, src/models/*.cpp) as vendored by
 llama-cpp-python 0.3.36.
@@ -14,6 +21,9 @@ llama-cpp-python 0.3.36.
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,6 +50,29 @@ YARN_BETA_ARCHS = frozenset({"grok", "mistral3"})
 YARN_BETA_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0}
 
 TENSORS = {"freqs": "rope_freqs.weight", "long": "rope_factors_long.weight", "short": "rope_factors_short.weight"}
+
+DEFAULT_SCALING_TYPE = "linear"  # llama.cpp's reading of a file that names no rope.scaling.type
+
+
+@dataclass(frozen=True)
+class Gguf:
+    """A scheme's GGUF forms: `write` (info, rope_parameters, options, extended window) -> (keys, tensors), `read`
+    (the file's RoPE) -> the patch's options, {} or None (see above), and the rope.scaling.type it writes and reads
+    (None: its reader reads tensors whatever the type)."""
+
+    write: Callable[[Any, dict, dict, int], tuple[dict, dict]]
+    read: Callable[[Any], dict | None] | None = None
+    scaling_type: str | None = None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a GGUF cannot carry a scheme whose reason names settings that follow the request: `general` without a
+    request, `given(request, trained window)` with one."""
+
+    general: str
+    given: Callable[[dict, int], str]
+
 
 def rope_numbers(params: dict, n_rot: int, n_positions: int):
     """(inverse frequencies as float64, attention factor) of transformers' RoPE function for `params`."""
@@ -114,3 +147,94 @@ def longrope_form(info: Any, params: dict, opts: dict, n_positions: int):
 def group_attention_flags(group_size: int, window: int) -> str:
     """llama.cpp's run-time form of Self-Extend (G = group_size, W = window)."""
     return f"--grp-attn-n {group_size} --grp-attn-w {window}"
+
+
+# ------------------------------------------------------------------------------------------------- reading back
+
+def scaling_factor(info: Any) -> float:
+    """The scaling factor a file names (rope.scaling.factor, else the older rope.scale_linear), 0 where none."""
+    return info.keys.get("rope.scaling.factor") or info.keys.get("rope.scale_linear") or 0.0
+
+
+def carries_rope_freqs(info: Any) -> bool:
+    """Whether the file has a rope_freqs tensor that its architecture's llama.cpp loader reads."""
+    return TENSORS["freqs"] in info.tensors and info.arch in ROPE_FREQS_ARCHS
+
+
+def read_linear(info: Any) -> dict | None:
+    """Position interpolation: a factor above 1, and no rope_freqs tensor the architecture reads (a file with one
+    is Llama 3.1's scaling)."""
+    factor = scaling_factor(info)
+    if factor <= 1 or carries_rope_freqs(info):
+        return None
+    return {"factor": float(factor), "original_max_position_embeddings": info.window}
+
+
+def read_yarn(info: Any) -> dict | None:
+    k = info.keys
+    factor = scaling_factor(info)
+    if factor <= 1:
+        return None
+    if k.get("rope.scaling.yarn_ext_factor", 1.0) != 1.0:
+        warnings.warn(f"yarn_ext_factor={k['rope.scaling.yarn_ext_factor']} has no transformers form; read as 1",
+                      stacklevel=4)
+    attn = k.get("rope.scaling.attn_factor", 1.0)
+    opts: dict[str, Any] = {"factor": float(factor), "original_max_position_embeddings": info.window}
+    if not math.isclose(attn, 1.0, rel_tol=1e-6):
+        opts["attention_factor"] = attn * (1.0 + 0.1 * math.log(factor))  # what llama.cpp multiplies the angles by
+    if info.arch in YARN_BETA_ARCHS:
+        for name, default in YARN_BETA_DEFAULTS.items():
+            value = k.get(f"rope.scaling.yarn_{name}")
+            if value is not None and value != default:
+                opts[name] = float(value)
+    return opts
+
+
+def read_longrope(info: Any) -> dict | None:
+    if TENSORS["long"] not in info.tensors or TENSORS["short"] not in info.tensors:
+        return None
+    ratio = info.context_length / info.window
+    if ratio <= 1:
+        warnings.warn(f"LongRoPE factors with a context length ({info.context_length}) no longer than the original "
+                      f"window ({info.window}): read as plain RoPE", stacklevel=4)
+        return {}
+    return {"factor": ratio, "attention_factor": float(info.keys.get("rope.scaling.attn_factor", 1.0)),
+            "long_factor": info.tensors[TENSORS["long"]].tolist(),
+            "short_factor": info.tensors[TENSORS["short"]].tolist(), "original_max_position_embeddings": info.window}
+
+
+def read_llama3(info: Any) -> dict | None:
+    """Llama 3.1's parameters from a rope_freqs tensor (the converter writes no others): the largest divisor is the
+    factor; the divisors between 1 and it follow 1/f = (1 - t)/s + t with t linear in 1/wavelength, which gives
+    low/high_freq_factor for the window (Meta's convention low_freq_factor = 1 where the file names no window)."""
+    if not carries_rope_freqs(info):
+        return None
+    freqs = info.tensors[TENSORS["freqs"]]
+    s = float(freqs.max())
+    plain, _ = rope_numbers({"rope_type": "default", "rope_theta": info.freq_base}, info.n_rot, info.window)
+    u = plain / (2 * math.pi)  # 1 / wavelength
+    mid = (freqs > 1 + 1e-6) & (freqs < s * (1 - 1e-6))
+    if s <= 1 or mid.sum() < 2:
+        warnings.warn("a rope_freqs tensor that does not follow Llama 3.1's formula: read as plain RoPE", stacklevel=4)
+        return {}
+    t = (1 / freqs[mid] - 1 / s) / (1 - 1 / s)
+    alpha, beta = np.polyfit(u[mid], t, 1)  # t = window/(high-low) * u - low/(high-low)
+    if "rope.scaling.original_context_length" in info.keys:
+        window = info.window
+        low = -beta * window / alpha
+    else:
+        low = 1.0
+        window = -alpha / beta
+    high = low + window / alpha
+    return {"factor": s, "low_freq_factor": float(round(low, 6)), "high_freq_factor": float(round(high, 6)),
+            "original_max_position_embeddings": round(window)}
+
+
+# ---------------------------------------------------------------------------------------- the records' forms
+
+PLAIN = Gguf(rope_form)
+LINEAR = Gguf(linear_form, read_linear, "linear")
+NTK = Gguf(ntk_form)  # the raised base reads as the model's own: no reader tells it apart
+YARN = Gguf(yarn_form, read_yarn, "yarn")
+LLAMA3 = Gguf(llama3_form, read_llama3)
+LONGROPE = Gguf(longrope_form, read_longrope, "longrope")
