@@ -922,25 +922,7 @@ SEARCH_VALUES = {  # form -> (Python bad values, command-line bad texts); a tupl
 # Cases that fail today in hfpatch/search (its owner fixes them there): a pattern of case ids -> what goes wrong.
 # Each is an expected failure that must fail (strict): once fixed, the case passes, the mark fails, and its line
 # here goes.
-SEARCH_KNOWN: dict[str, str] = {
-    r"(search:target_length|hfpatch-search:--target-length)=2\*\*63":
-        "a target past 65536 x the window is refused by a starting point's factor bound (\"patch spec 'linear': "
-        "factor must be at most 65536\"), which does not name the target length",
-    r"(search:out|hfpatch-search:--out)=empty-string":
-        "an empty out is taken as the current folder: results.json, best.json and table.md are written there",
-    r"search:families=int": "families=5: TypeError \"'int' object is not iterable\", naming nothing",
-    r"search:(overwrite|plot|progress|memory_check)=(str|int|dict|list|nan)":
-        "a bool option given another value is read by its truth (overwrite='no' discards the results file)",
-    r"hfpatch-search:--device=(str|blank|word|comma|negative|zero|nan|inf|1e308|2\*\*63)":
-        "a --device torch does not know: a RuntimeError traceback from torch.device when the model is moved",
-    r"hfpatch-search:--device=empty": "--device '' is taken as no --device (the default device)",
-    r"search:text_files=empty-list": "text_files=[] is taken as none given: the default corpus is read",
-    r"search:text_files=int": "text_files=5: TypeError \"'int' object is not iterable\", naming nothing",
-    r"search:text_files=dict": "text_files={'a': 1}: its keys are read as paths (\"no such file or folder: a\")",
-    r"hfpatch-search:--model=empty-string":
-        "--model '' reaches the tokenizer loader: \"could not load a tokenizer for '': Repo id must use alphanumeric "
-        "chars ...\", naming neither --model nor what it takes",
-}
+SEARCH_KNOWN: dict[str, str] = {}
 
 
 def search_form(f: dataclasses.Field) -> str:

@@ -21,6 +21,7 @@ from ..lm import budget as costs
 from ..lm import text as texts
 from ..lm.causal import causal_lm_parts
 from ..lm.text import Document, tokenizer_fingerprint
+from ..position.registry import MAX_FACTOR
 from ..utils.files import write_text
 from ..utils.modes import evaluating
 from . import objective, report, space
@@ -30,6 +31,7 @@ from .report import label
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
 
 
 def model_identity(model: PreTrainedModel) -> dict:
@@ -129,6 +131,9 @@ def _window(model: PreTrainedModel, opts: SearchOptions) -> int:
     window = opts.window or trained_window(unwrap(model).config)
     if window is None:
         raise ValueError("the model's config names no trained window (max_position_embeddings): pass window=")
+    if opts.target_length > window * MAX_FACTOR:
+        raise ValueError(f"the target length ({opts.target_length}) is more than {MAX_FACTOR:g} times the trained "
+                         f"window ({window}), the largest extension the position schemes take")
     if opts.target_length <= window:
         raise ValueError(f"the target length ({opts.target_length}) must be longer than the trained window "
                          f"({window}): within it the model needs no extension")

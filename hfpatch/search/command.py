@@ -22,9 +22,12 @@ def _main(argv: list[str] | None) -> int:
     started = time.perf_counter()  # the wall-time budget counts the loading too
     args = build_parser(PROG).parse_args(argv)
     opts = SearchOptions.from_args(args)  # every option checked before the model is loaded (seconds to minutes)
+    from ..evaluate.common import check_device
     from ..lm.tokenizer import load_tokenizer
     from ..models import model_fingerprint
     from .api import search
+
+    check_device(opts.device)
 
     tok = load_tokenizer(opts.model)
     model = _load(opts)

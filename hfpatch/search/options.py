@@ -26,6 +26,7 @@ FAMILY_NAMES = ("longrope", "yarn", "self-extend", "dual-chunk")
 # with bf16, a CPU with AMX or AVX-512 BF16), else fp32.
 DTYPES = ("fast", "fp32", "bf16", "fp16", "auto")
 _UNITS = {"s": 1, "m": 60, "min": 60, "h": 3600}
+MAX_TARGET = 2**31 - 1  # position ids are int32 in some kernels
 
 
 # ------------------------------------------------------------------------------------------------------- budget
@@ -192,17 +193,11 @@ class SearchOptions:
                                 default_text="cuda if available, else cpu")
 
     def __post_init__(self) -> None:
-        if isinstance(self.budget, str):
-            object.__setattr__(self, "budget", parse_budget(self.budget))
-        if not isinstance(self.budget, Budget):
-            raise TypeError(f"budget must be a Budget or a string such as '2h' or '30m,200', got {self.budget!r}")
-        if isinstance(self.families, str):
-            object.__setattr__(self, "families", parse_families(self.families))
-        elif self.families is not None:
-            object.__setattr__(self, "families", parse_families(",".join(map(str, self.families))))
-        if isinstance(self.text_files, (str, Path)):
-            object.__setattr__(self, "text_files", [str(self.text_files)])
+        self._check_budget()
+        self._check_lists()
         _count("target_length", self.target_length, 2)
+        if self.target_length > MAX_TARGET:
+            raise ValueError(f"target_length must be at most {MAX_TARGET} tokens, got {self.target_length}")
         for name in ("population", "parents", "samples", "proxy_samples", "finalists"):
             _count(name, getattr(self, name), 1)
         _count("proxy_segments", self.proxy_segments, 2)
@@ -213,8 +208,43 @@ class SearchOptions:
                 _count(name, getattr(self, name), 1)
         _fraction("needle_weight", self.needle_weight, 0.0, 1.0)
         _fraction("guard", self.guard, 0.0, 10.0, closed=False)
-        if not isinstance(self.out, (str, Path)):
-            raise TypeError(f"out must be a folder path, got {self.out!r}")
+        for name in ("overwrite", "plot", "progress", "memory_check"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name, what in (("out", "a folder path"), ("model", "a hub id, a folder, a .gguf file or smollm2")):
+            value = getattr(self, name)
+            if not isinstance(value, (str, Path)) or not str(value).strip():
+                raise (TypeError if not isinstance(value, (str, Path)) else ValueError)(
+                    f"{name} must be {what}, got {value!r}")
+        if self.device is not None and (not isinstance(self.device, str) or not self.device.strip()):
+            raise ValueError(f"device must be a device such as cpu, cuda or cuda:1, got {self.device!r}")
+
+    def _check_budget(self) -> None:
+        if isinstance(self.budget, str):
+            object.__setattr__(self, "budget", parse_budget(self.budget))
+        if not isinstance(self.budget, Budget):
+            raise TypeError(f"budget must be a Budget or a string such as '2h' or '30m,200', got {self.budget!r}")
+
+    def _check_lists(self) -> None:
+        """families: a comma-separated string or a list of names; text_files: a path or a non-empty list of them."""
+        if isinstance(self.families, str):
+            object.__setattr__(self, "families", parse_families(self.families))
+        elif self.families is not None:
+            if not isinstance(self.families, (list, tuple)) or not all(isinstance(f, str) for f in self.families):
+                raise TypeError(f"families must be a comma-separated string or a list of family names "
+                                f"({', '.join(FAMILY_NAMES)}), got {self.families!r}")
+            object.__setattr__(self, "families", parse_families(",".join(self.families)))
+        if isinstance(self.text_files, (str, Path)):
+            object.__setattr__(self, "text_files", [str(self.text_files)])
+        elif self.text_files is not None:
+            if not isinstance(self.text_files, (list, tuple)) or not all(
+                    isinstance(t, (str, Path)) for t in self.text_files):
+                raise TypeError(f"text_files must be a path or a list of paths (files or folders of .txt files), got "
+                                f"{self.text_files!r}")
+            if not self.text_files or not all(str(t).strip() for t in self.text_files):
+                raise ValueError("text_files is empty: give files or folders of .txt files, or leave text_files out "
+                                 "for the default corpus")
+            object.__setattr__(self, "text_files", [str(t) for t in self.text_files])
 
     @property
     def the_budget(self) -> Budget:
