@@ -107,6 +107,8 @@ class Operators:
     spec: Callable[[dict, Where], dict]
     short: tuple[str, ...]
     needs_pairs: bool = False
+    # a candidate in a few words, after the family's name (None: its spec's options)
+    label: Callable[[dict], str] | None = None
 
 
 def log_step(rng: random.Random, value: float, sigma: float, low: float, high: float) -> float:

@@ -138,7 +138,13 @@ def _per_pair_spec(p: dict, s: Where) -> dict:
             "long_factor": list(p["factors"]), "attention_factor": p["attention_factor"]}
 
 
+def _per_pair_label(p: dict) -> str:
+    """Where the factors come from, the first and last factor, the attention factor."""
+    f = p["factors"]
+    return f"[{p['from']}] λ {f[0]:.3g}..{f[-1]:.3g} a={p['attention_factor']:.3g}"
+
+
 # the short factors stay 1 (the model's own frequencies up to the window); the attention factor applies at every
 # length
 PER_PAIR = Operators(_per_pair_start, _per_pair_mutate, _per_pair_cross, _per_pair_why, _per_pair_spec,
-                     short=("attention_factor",), needs_pairs=True)
+                     short=("attention_factor",), needs_pairs=True, label=_per_pair_label)

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..evaluate.parsing import length_label
 from ..evaluate.plots import figure
 from ..evaluate.report import markdown_table, number
-from . import objective
+from . import objective, space
 
 REFERENCE = "g0c0"  # the unpatched model: the guard's reference, and the score a patch must beat
 FULL = "/full"  # the suffix of a candidate's name in its full-length cell
@@ -21,9 +21,9 @@ def label(cell: dict) -> str:
     p, fam = cell["params"], cell["family"]
     if fam == "none":
         return "none"
-    if fam == "longrope":
-        f = p["factors"]
-        text = f"longrope[{p['from']}] λ {f[0]:.3g}..{f[-1]:.3g} a={p['attention_factor']:.3g}"
+    own = space.FAMILIES[fam].label if fam in space.FAMILIES else None
+    if own is not None:
+        text = fam + own(p)
     else:
         shown = {k: v for k, v in cell["spec"].items() if k not in ("position", "original_max_position_embeddings",
                                                                     "attention_temperature")}

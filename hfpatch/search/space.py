@@ -175,7 +175,7 @@ def _operators_family(name: str, ops: Operators) -> Family:
 
     return Family(start, lambda rng, p, s: _temperature(rng, ops.mutate(rng, p, s)), cross, ops.why_not,
                   lambda p, s: _with_temperature(p, {"position": name, **ops.spec(p, s)}), short=ops.short,
-                  needs_pairs=ops.needs_pairs)
+                  needs_pairs=ops.needs_pairs, label=ops.label)
 
 
 # --------------------------------------------------------------------------------------------------- registry
@@ -193,6 +193,7 @@ class Family:
     # among them: it scales no query inside the window)
     short: tuple[str, ...]
     needs_pairs: bool = False  # needs a rotary module with one flat inv_freq (per-pair factors)
+    label: Callable[[dict], str] | None = None  # a candidate in a few words after the name (None: its spec)
 
     def short_key(self, params: dict) -> dict:
         return {k: params[k] for k in self.short}
