@@ -3,8 +3,10 @@ perplexity cells with the committed CPU ones, and writes the summary).
 
     python -m eval.gpu_check wheels --dir .whl [--try-import DIR]   # every pinned wheel present, its metadata right
     python -m eval.gpu_check pack --wheels .whl --model GGUF --out .gpu-stage   # the carried files in parts
-    python -m eval.gpu_check stage --parts .gpu-stage --staged DIR  # stage the carried parts; join them once whole
-    python -m eval.gpu_check staged --staged DIR --group model|wheels|fa4      # the joined files of a group
+    python -m eval.gpu_check parts --parts .gpu-stage --group wheels model     # the parts that hold these groups
+    python -m eval.gpu_check stage --parts .gpu-stage --staged DIR [--group G ...]  # stage the carried parts, join
+                                                                    # every file whose parts are all staged
+    python -m eval.gpu_check staged --staged DIR --group wheels [model fa4]    # the joined files of the groups
     python -m eval.gpu_check ppl-compare RESULTS --reference FILE ... --out FILE
     python -m eval.gpu_check summary --steps FILE --out OUT          # OUT/summary.json, OUT/summary.md
 
@@ -40,11 +42,15 @@ WHEEL_LIST = HERE / "gpu_wheels.txt"
 # (3 % of perplexity) leaves room for that and still catches a wrong path, which moves it by tenths of a nat or more.
 NLL_TOLERANCE = 0.03
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# One carried part of the staged files (the wheels, SmolLM2's GGUF, FlashAttention-4's wheels, one byte stream):
-# 46 MiB, so that a call's 64 MiB holds a part, the tree (9 MiB tracked) and the texts (.gpu-data, 4 MiB).
+# One carried part of the staged files (hfpatch's wheels, SmolLM2's GGUF, FlashAttention-4's wheels, one byte
+# stream): 46 MiB, so that a call's 64 MiB holds a part, the tree (9 MiB tracked) and the texts (.gpu-data, 4 MiB).
 PART_SIZE = 46 * 1024**2
 CALL_LIMIT = 64 * 1024**2
 FA4_MARK = "# [fa4]"  # eval/gpu_wheels.txt: the wheels after this line are FlashAttention-4's
+# The stream's order: what every study installs first (hfpatch's wheels, the model), FlashAttention-4's wheels (the
+# check's alone) last, so that a study needs only the first parts
+GROUPS = ("wheels", "model", "fa4")
+JOINED = "JOINED.json"  # staged/files/JOINED.json: {name: SHA-256} of the files joined and checked
 
 
 # ------------------------------------------------------------------------------------------------------- wheels
@@ -140,14 +146,17 @@ def group_of(path: Path) -> str:
 
 
 def pack(files: list[Path], parts: Path, part_size: int = PART_SIZE) -> list[Path]:
-    """The files one after another as one byte stream, cut into parts of part_size bytes, each in a folder of its
-    own (one carried path per call): parts/N/part and parts/N/MANIFEST.json = {"files": [{"name", "group", "bytes",
-    "sha256"}, ...] in stream order, "bytes", "parts"}. Written whole or not at all."""
-    entries: list[dict] = [{"name": f.name, "group": group_of(f), "bytes": f.stat().st_size, "sha256": sha256(f)}
-                           for f in files]
+    """The files one after another as one byte stream, group by group in GROUPS' order (within a group, as given),
+    cut into parts of part_size bytes, each in a folder of its own (one carried path per call): parts/N/part and
+    parts/N/MANIFEST.json = {"files": [{"name", "group", "bytes", "sha256"}, ...] in stream order, "bytes",
+    "parts", "part_bytes"}. Written whole or not at all."""
+    grouped = sorted(((group_of(f), f) for f in files), key=lambda gf: GROUPS.index(gf[0]))
+    files = [f for _, f in grouped]
+    entries: list[dict] = [{"name": f.name, "group": g, "bytes": f.stat().st_size, "sha256": sha256(f)}
+                           for g, f in grouped]
     total = sum(f.stat().st_size for f in files)
     count = max(1, -(-total // part_size))
-    manifest = json.dumps({"files": entries, "bytes": total, "parts": count})
+    manifest = json.dumps({"files": entries, "bytes": total, "parts": count, "part_bytes": part_size})
     tmp = parts.with_name(parts.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     for i in range(1, count + 1):
@@ -193,74 +202,195 @@ class _PartWriter:
 
 def stage(parts: Path, staged: Path) -> dict:
     """Copy the carried parts (parts/N/part) into `staged` (outside the tree: it outlives a call on a warm
-    machine), and, once every part is there, cut the stream back into staged/files/<name>, each file checked
-    against the manifest's SHA-256. Returns {"complete", "missing": [part numbers], "detail"}."""
+    machine) and cut every file whose bytes are all staged back out of the stream, into staged/files/<name>, each
+    checked against the manifest's SHA-256 (a file that differs is not kept). A part of another pack (another
+    manifest) replaces what was staged. Returns {"complete": every file joined, "missing": [parts not staged],
+    "groups": {group: [its parts not staged]}, "bad": [files that differ], "detail"}."""
     staged.mkdir(parents=True, exist_ok=True)
     for folder in sorted(parts.glob("*")) if parts.is_dir() else []:
         if (folder / "part").is_file():
+            manifest_text = (folder / "MANIFEST.json").read_text()
+            if _manifest_text(staged) not in (None, manifest_text):
+                _clear(staged)
             shutil.copyfile(folder / "part", staged / f"part.{folder.name}")
-            shutil.copyfile(folder / "MANIFEST.json", staged / "MANIFEST.json")
-    if not (staged / "MANIFEST.json").is_file():
-        return {"complete": False, "missing": [], "detail": "no part was carried (bash eval/gpu_wheels.sh makes them "
-                "in .gpu-stage/)"}
-    manifest = json.loads((staged / "MANIFEST.json").read_text())
-    missing = [i for i in range(1, manifest["parts"] + 1) if not (staged / f"part.{i}").is_file()]
-    if missing:
-        return {"complete": False, "missing": missing,
-                "detail": f"parts {missing} of {manifest['parts']} not carried yet"}
-    done = staged / "files" / "COMPLETE"
-    if done.is_file() and done.read_text() == (staged / "MANIFEST.json").read_text():
-        return {"complete": True, "missing": [], "detail": "staged already"}
-    files = staged / "files"
-    shutil.rmtree(files, ignore_errors=True)
-    files.mkdir()
-    reader = _PartReader(staged, manifest["parts"])
-    bad = []
-    for entry in manifest["files"]:
-        target = files / entry["name"]
-        with open(target, "wb") as out:
-            reader.copy(entry["bytes"], out)
-        if sha256(target) != entry["sha256"]:
-            bad.append(entry["name"])
-    reader.close()
-    if bad:
-        shutil.rmtree(files, ignore_errors=True)
-        return {"complete": False, "missing": [], "detail": f"joined files differ from the manifest's SHA-256: {bad}"}
-    done.write_text((staged / "MANIFEST.json").read_text())
-    return {"complete": True, "missing": [], "detail": f"{manifest['parts']} parts joined into "
-            f"{len(manifest['files'])} files, SHA-256 checked"}
+            (staged / "MANIFEST.json").write_text(manifest_text)
+    manifest = _manifest(staged)
+    if manifest is None:
+        return {"complete": False, "missing": [], "groups": {}, "bad": [], "detail": "no part was carried (bash "
+                "eval/gpu_wheels.sh makes them in .gpu-stage/)"}
+    bad = _join(staged, manifest)
+    missing = _missing(staged, manifest, range(1, manifest["parts"] + 1))
+    groups = {g: _missing(staged, manifest, parts_of(manifest, [g])) for g in GROUPS if _entries(manifest, g)}
+    joined = [g for g in groups if staged_files(staged, g)]
+    detail = (f"parts {_numbers(staged_parts(staged, manifest))} of {manifest['parts']} staged; joined, SHA-256 "
+              f"checked: {', '.join(joined) or 'no group yet'}"
+              + "".join(f"; {g} waits for parts {_numbers(m)}" for g, m in groups.items() if m)
+              + (f"; joined files differ from the manifest's SHA-256 (carry their parts again): {bad}" if bad else ""))
+    return {"complete": not missing and not bad and len(joined) == len(groups), "missing": missing,
+            "groups": groups, "bad": bad, "detail": detail}
 
 
-class _PartReader:
-    """Reads the stream back from staged/part.1, part.2, ..."""
+def parts_of(manifest: dict, groups: list[str]) -> list[int]:
+    """The parts (numbered from 1) that hold bytes of the groups' files."""
+    return sorted({i for entry, start in _spans(manifest) if entry["group"] in groups
+                   for i in _span_parts(start, entry["bytes"], manifest["part_bytes"])})
 
-    def __init__(self, staged: Path, count: int):
-        self.paths = [staged / f"part.{i}" for i in range(1, count + 1)]
-        self.file: BinaryIO | None = None
 
-    def copy(self, n: int, out: BinaryIO) -> None:
-        while n:
-            if self.file is None:
-                self.file = open(self.paths.pop(0), "rb")  # noqa: SIM115 (closed when spent)
-            data = self.file.read(min(n, 1 << 22))
-            if not data:
-                self.file.close()
-                self.file = None
-                continue
-            out.write(data)
-            n -= len(data)
+def staged_parts(staged: Path, manifest: dict) -> list[int]:
+    """The parts staged whole (a part of another size counts as not carried)."""
+    return [i for i in range(1, manifest["parts"] + 1) if (staged / f"part.{i}").is_file()
+            and (staged / f"part.{i}").stat().st_size == _part_size(manifest, i)]
 
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
+
+def _part_size(manifest: dict, i: int) -> int:
+    return min(manifest["part_bytes"], manifest["bytes"] - (i - 1) * manifest["part_bytes"])
+
+
+def missing_parts(staged: Path, groups: list[str]) -> list[int]:
+    """The parts holding bytes of the groups that are not staged yet ([] when no part is: no manifest names them)."""
+    manifest = _manifest(staged)
+    if manifest is None:
+        return []
+    return _missing(staged, manifest, parts_of(manifest, groups))
 
 
 def staged_files(staged: Path, group: str) -> list[Path]:
-    """The joined files of a group ("model", "wheels", "fa4"), in stream order; [] unless staging is complete."""
-    if not (staged / "files" / "COMPLETE").is_file():
+    """The joined files of a group ("model", "wheels", "fa4"), in stream order, once every one of them is joined
+    from its staged parts and checked against the manifest's SHA-256 (stage() joins them); [] until then."""
+    manifest = _manifest(staged)
+    if manifest is None:
         return []
-    manifest = json.loads((staged / "MANIFEST.json").read_text())
-    return [staged / "files" / e["name"] for e in manifest["files"] if e["group"] == group]
+    entries = _entries(manifest, group)
+    done = _joined(staged)
+    files = staged / "files"
+    if not entries or any(done.get(e["name"]) != e["sha256"] or not (files / e["name"]).is_file() for e in entries):
+        return []
+    return [files / e["name"] for e in entries]
+
+
+def why_not_staged(staged: Path, group: str) -> str:
+    """Why staged_files(staged, group) is empty, in one line."""
+    manifest = _manifest(staged)
+    if manifest is None:
+        return f"nothing is staged in {staged} (carry .gpu-stage parts: bash eval/gpu_check.sh --stage)"
+    if not _entries(manifest, group):
+        return f"the staged files hold no {group} (bash eval/gpu_wheels.sh left it out: see what it printed)"
+    missing = missing_parts(staged, [group])
+    if missing:
+        return (f"{group} needs parts {_numbers(missing)} of {manifest['parts']}, not carried yet (bash "
+                "eval/gpu_check.sh --stage carrying .gpu-stage/N)")
+    return f"{group}'s parts are staged but its files differ from the manifest's SHA-256: carry its parts again"
+
+
+def _manifest_text(staged: Path) -> str | None:
+    path = staged / "MANIFEST.json"
+    return path.read_text() if path.is_file() else None
+
+
+def _manifest(staged: Path) -> dict | None:
+    text = _manifest_text(staged)
+    return read_manifest(text, staged / "MANIFEST.json") if text is not None else None
+
+
+def read_manifest(text: str, where: Path) -> dict:
+    """A MANIFEST.json of pack(), refusing one without the part size (an older gpu_wheels.sh's)."""
+    manifest = json.loads(text)
+    if "part_bytes" not in manifest:
+        raise ValueError(f"{where} names no part size: its parts were made by an older eval/gpu_wheels.sh; run it "
+                         "again and carry the new parts")
+    return manifest
+
+
+def _clear(staged: Path) -> None:
+    """Forget another pack's staged parts and files."""
+    for old in staged.glob("part.*"):
+        old.unlink()
+    shutil.rmtree(staged / "files", ignore_errors=True)
+
+
+def _entries(manifest: dict, group: str) -> list[dict]:
+    return [e for e in manifest["files"] if e["group"] == group]
+
+
+def _spans(manifest: dict) -> list[tuple[dict, int]]:
+    """(entry, its first byte's offset in the stream), in stream order."""
+    out, start = [], 0
+    for entry in manifest["files"]:
+        out.append((entry, start))
+        start += entry["bytes"]
+    return out
+
+
+def _span_parts(start: int, n: int, part_bytes: int) -> range:
+    """The parts (from 1) holding stream bytes [start, start + n)."""
+    return range(start // part_bytes + 1, (start + n - 1) // part_bytes + 2) if n else range(0)
+
+
+def _missing(staged: Path, manifest: dict, numbers: range | list[int]) -> list[int]:
+    have = set(staged_parts(staged, manifest))
+    return [i for i in numbers if i not in have]
+
+
+def _numbers(numbers: list[int]) -> str:
+    return ", ".join(map(str, numbers)) or "none"
+
+
+def _joined(staged: Path) -> dict[str, str]:
+    path = staged / "files" / JOINED
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _join(staged: Path, manifest: dict) -> list[str]:
+    """Cut out of the staged parts every file not joined yet whose parts are all staged, and keep it if its SHA-256
+    is the manifest's (recorded in files/JOINED.json); returns the names of those that differ."""
+    files = staged / "files"
+    files.mkdir(exist_ok=True)
+    done, bad = _joined(staged), []
+    have = set(staged_parts(staged, manifest))
+    for entry, start in _spans(manifest):
+        target = files / entry["name"]
+        needed = _span_parts(start, entry["bytes"], manifest["part_bytes"])
+        if (done.get(entry["name"]) == entry["sha256"] and target.is_file()) or not set(needed) <= have:
+            continue
+        tmp = target.with_name(target.name + ".tmp")
+        with open(tmp, "wb") as out:
+            _copy_span(staged, manifest["part_bytes"], start, entry["bytes"], out)
+        if sha256(tmp) != entry["sha256"]:
+            tmp.unlink()
+            bad.append(entry["name"])
+            continue
+        tmp.replace(target)
+        done[entry["name"]] = entry["sha256"]
+        write_json = files / (JOINED + ".tmp")
+        write_json.write_text(json.dumps(done))
+        write_json.replace(files / JOINED)
+    return bad
+
+
+def _copy_span(staged: Path, part_bytes: int, start: int, n: int, out: BinaryIO) -> None:
+    """Stream bytes [start, start + n) from staged/part.1, part.2, ... into `out`."""
+    while n:
+        index, offset = divmod(start, part_bytes)
+        with open(staged / f"part.{index + 1}", "rb") as f:
+            f.seek(offset)
+            while n and offset < part_bytes:
+                data = f.read(min(n, part_bytes - offset, 1 << 22))
+                if not data:  # staged_parts counts only parts of their full size: this one changed since
+                    raise ValueError(f"{staged}/part.{index + 1} is shorter than the manifest says: carry it again")
+                out.write(data)
+                n, start, offset = n - len(data), start + len(data), offset + len(data)
+
+
+def print_staged(staged: Path, groups: list[str]) -> int:
+    """The joined files of the groups on stdout, one per line; else nothing there, and on stderr why not, a line per
+    group that is not joined (exit 1)."""
+    files = {g: staged_files(staged, g) for g in groups}
+    why = [f"gpu_check staged: {why_not_staged(staged, g)}" for g in groups if not files[g]]
+    if why:
+        print("\n".join(why), file=sys.stderr)
+        return 1
+    print("\n".join(str(f) for g in groups for f in files[g]))
+    return 0
 
 
 def sha256(path: Path) -> str:
@@ -388,12 +518,18 @@ def main(argv: list[str] | None = None) -> int:
     pk.add_argument("--model", help="the GGUF (left out when not given)")
     pk.add_argument("--out", default=str(ROOT / ".gpu-stage"))
     pk.add_argument("--part-mib", type=float, default=PART_SIZE / 1024**2)
-    st = sub.add_parser("stage", help="stage the carried parts; join them once every part is there")
+    pt = sub.add_parser("parts", help="print the numbers of the parts that hold the groups' files")
+    pt.add_argument("--parts", default=str(ROOT / ".gpu-stage"))
+    pt.add_argument("--group", nargs="+", choices=GROUPS, required=True)
+    st = sub.add_parser("stage", help="stage the carried parts; join every file whose parts are all staged")
     st.add_argument("--parts", default=str(ROOT / ".gpu-stage"))
     st.add_argument("--staged", default="/tmp/hfpatch-gpu-stage")
-    sd = sub.add_parser("staged", help="print the joined files of a group, one per line (exit 1 if not staged)")
+    st.add_argument("--group", nargs="+", choices=GROUPS, help="exit 0 once these groups are joined (default: "
+                    "every group)")
+    sd = sub.add_parser("staged", help="print the joined files of the groups, one per line, group by group (exit 1 "
+                        "naming the parts a group still needs)")
     sd.add_argument("--staged", default="/tmp/hfpatch-gpu-stage")
-    sd.add_argument("--group", choices=["model", "wheels", "fa4"], required=True)
+    sd.add_argument("--group", nargs="+", choices=GROUPS, required=True)
     c = sub.add_parser("ppl-compare", help="compare a perplexity results file with reference cells")
     c.add_argument("results")
     c.add_argument("--reference", nargs="+", required=True)
@@ -405,7 +541,14 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("env", help="print the versions and the device")
     e.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:  # a manifest of an older pack
+        print(f"gpu_check {args.command}: {e}", file=sys.stderr)
+        return 2
 
+
+def run(args: argparse.Namespace) -> int:
     if args.command == "wheels":
         result = check_wheels(Path(args.dir))
         if not result["wheels"]:
@@ -416,19 +559,27 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=1))
         return 1 if result["problems"] or result.get("imported_from_elsewhere") else 0
     if args.command == "pack":
-        files = sorted(Path(args.wheels).glob("*.whl"), key=lambda w: (group_of(w), w.name))
+        files = sorted(Path(args.wheels).glob("*.whl"), key=lambda w: w.name)
         files += [Path(args.model)] if args.model else []
         for part in pack(files, Path(args.out), int(args.part_mib * 1024**2)):
             print(part)
         return 0
+    if args.command == "parts":
+        found = sorted(Path(args.parts).glob("*/MANIFEST.json"))
+        if not found:
+            print(f"no parts in {args.parts}: run bash eval/gpu_wheels.sh first", file=sys.stderr)
+            return 2
+        print(" ".join(map(str, parts_of(read_manifest(found[0].read_text(), found[0]), args.group))))
+        return 0
     if args.command == "stage":
         result = stage(Path(args.parts), Path(args.staged))
         print(result["detail"], file=sys.stderr)
-        return 0 if result["complete"] else 1
+        wanted = args.group or list(result["groups"])
+        done = not result["bad"] and bool(result["groups"]) and all(
+            staged_files(Path(args.staged), g) for g in wanted)
+        return 0 if done else 1
     if args.command == "staged":
-        found = staged_files(Path(args.staged), args.group)
-        print("\n".join(map(str, found)))
-        return 0 if found else 1
+        return print_staged(Path(args.staged), args.group)
     if args.command == "ppl-compare":
         result = ppl_compare(Path(args.results), [Path(r) for r in args.reference])
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -6,7 +6,8 @@
 #   summary.md. Each step runs under `timeout` with its own budget (BUDGET below); a step that fails or runs
 #   out of time is recorded and the next one runs.
 #   bash eval/gpu_wheels.sh                 # here, once: .whl/, .gpu-data/, .gpu-stage/1..N (wheels + GGUF in parts)
-#   bash eval/gpu_check.sh --stage          # on the GPU machine, once per carried part but the last
+#   bash eval/gpu_check.sh --stage          # on the GPU machine, a call per carried part but the last (after a
+#                                           # study on the same warm machine, the parts it did not carry)
 #   bash eval/gpu_check.sh [--steps LIST]   # on the GPU machine, carrying .gpu-data and the last part
 #   bash eval/gpu_check.sh --dry-run        # here, on the CPU: the same steps on tiny shapes, CUDA-only ones skipped
 # --steps: which of tests, bench-infer, bench-train, recipe, ppl run (default: tests,bench-infer,bench-train, the
@@ -89,12 +90,11 @@ step() {  # name budget_s detail_on_success command...: the command under timeou
 if [ "$MODE" = gpu ]; then
   step stage "${BUDGET[stage]}" "every carried part staged and joined, SHA-256 checked" \
     $PY -m eval.gpu_check stage --parts .gpu-stage --staged "$STAGED"
-  WHEELS=$($PY -m eval.gpu_check staged --staged "$STAGED" --group wheels; \
-           $PY -m eval.gpu_check staged --staged "$STAGED" --group fa4)
-  if [ -z "$WHEELS" ]; then  # nothing runs without them: stop here, saying why (check.log has the step)
-    echo "gpu_check.sh: the staged files are not complete: carry every .gpu-stage part (bash eval/gpu_check.sh --stage)" | tee -a "$LOG" >&2
+  # nothing runs without the wheels: stop here, naming the parts still to carry (check.log has the step)
+  WHEELS=$($PY -m eval.gpu_check staged --staged "$STAGED" --group wheels fa4 2> >(tee -a "$LOG" >&2)) || {
+    echo "gpu_check.sh: the staged files are not complete: carry the parts named above (bash eval/gpu_check.sh --stage)" | tee -a "$LOG" >&2
     exit 1
-  fi
+  }
   # shellcheck disable=SC2086
   step install "${BUDGET[install]}" "the staged wheels (hfpatch's and FlashAttention-4's) in $WORK/site" \
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" $WHEELS

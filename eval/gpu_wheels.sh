@@ -6,10 +6,14 @@
 #   .gpu-data/   the texts: Moby-Dick (the check's perplexity cell and the studies' evaluations), Dracula (the
 #                search study's calibration text) and Emma and Jane Eyre (the heal study's training text), which
 #                the evaluations never see; never committed;
-#   .gpu-stage/  the wheels and SmolLM2's GGUF (98 MB) as one byte stream cut into 46 MiB parts, .gpu-stage/1 .. N,
-#                each carried by one call (docs/maintenance.md: "The GPU check"): N - 1 staging calls, then the
-#                study's or the check's call carries the last part with .gpu-data.
-# All three are git-ignored. Prints each one's size and the calls; exit 1 if a call would carry more than 64 MiB.
+#   .gpu-stage/  hfpatch's wheels, SmolLM2's GGUF (98 MB) and FlashAttention-4's wheels, in that order, as one byte
+#                stream cut into 46 MiB parts, .gpu-stage/1 .. N, each carried by one call (docs/maintenance.md: "A
+#                GPU session, call by call"): a study needs only the first parts, those that hold hfpatch's wheels
+#                and the model (1 .. S: S - 1 staging calls, then the study's call carries part S with .gpu-data);
+#                the check needs them all (the calls after the study stage S + 1 .. N - 1, the check's call carries
+#                part N with .gpu-data).
+# All three are git-ignored. Prints each one's size and a session's calls; exit 1 if a call would carry more than
+# 64 MiB.
 #   bash eval/gpu_wheels.sh [--books DIR]     (default DIR: ../shared/data/books, else /work/shared/data/books)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,14 +64,22 @@ echo "wheels: $(ls .whl/*.whl | wc -l) in .whl/, $(mib .whl) MiB (the dry run's;
 echo "tree: $tree MiB"
 parts=$(ls -d .gpu-stage/* | sort -V)
 n=$(echo "$parts" | wc -l)
+study=$($PY -m eval.gpu_check parts --parts .gpu-stage --group wheels model)
+s=${study##* }  # the last part a study needs
+echo "a session's calls: the search study, then the check, then the other studies (docs/maintenance.md):"
 i=0
 for part in $parts; do
   i=$((i + 1))
-  if [ "$i" -lt "$n" ]; then
-    call=$(mib "$part"); what="bash eval/gpu_check.sh --stage, carrying $part"
+  if [ "$i" -eq "$s" ]; then
+    call=$(mib "$part" .gpu-data); what="bash eval/gpu_study.sh search, carrying $part and .gpu-data"
+  elif [ "$i" -eq "$n" ]; then
+    call=$(mib "$part" .gpu-data); what="bash eval/gpu_check.sh, carrying $part and .gpu-data"
   else
-    call=$(mib "$part" .gpu-data); what="the study's or the check's call, carrying $part and .gpu-data"
+    call=$(mib "$part"); what="bash eval/gpu_$([ "$i" -lt "$s" ] && echo study || echo check).sh --stage, carrying $part"
   fi
-  echo "call $i of $n: $what: $call MiB + the tree"
+  echo "call $i: $what: $call MiB + the tree"
   awk -v a="$call" -v b="$tree" 'BEGIN {exit !(a + b < 64)}' || { echo "call $i is too big for one call (64 MiB)" >&2; exit 1; }
 done
+[ "$s" -lt "$n" ] || echo "(the model or FlashAttention-4's wheels are left out: the study's call is the check's)"
+echo "calls $((n + 1)) and $((n + 2)): bash eval/gpu_study.sh temperature, then heal, carrying .gpu-data: $(mib .gpu-data) MiB + the tree"
+echo "(a session for the check alone: parts 1 .. $((n - 1)) with bash eval/gpu_check.sh --stage, then the check's call)"
