@@ -12,6 +12,11 @@ Measured by reading the source (ast); only the scheme registry is imported, for 
   function over FUNCTION_LINES lines (a nested function counts inside its parent too) with the reason written
   beside its `def`, if any;
 - the share of function arguments (self/cls excluded) that carry a type annotation, in the package;
+- the share of the package's functions and methods (nested ones included) that declare a return type;
+- ruff's error count over the repository's Python (LINTED: the package, tests, eval scripts, recipes), with the
+  repository's own ruff settings, and per folder (needs ruff; without it the count is null);
+- the pairs of places that `duplicates` finds (six or more shared lines) in the repository and in each of
+  DUPLICATE_FOLDERS (needs the `duplicates` command on PATH; without it the counts are null).
 - the lines of the package's modules, in all and per part (a top-level module or folder of hfpatch/).
 """
 
@@ -20,6 +25,11 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
+import shutil
+import subprocess
+import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 from hfpatch.position import SCHEMES
@@ -28,6 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "hfpatch"
 FILE_LINES = 500  # the project's bound on a module of the package
 FUNCTION_LINES = 60  # the project's bound on a function without a reason written beside it
+LINTED = ("hfpatch", "tests", "eval", "recipes")  # what CI runs ruff over
+DUPLICATE_FOLDERS = ("hfpatch", "tests", "eval", "recipes")
 
 
 def python_files(root: Path) -> list[Path]:
@@ -105,6 +117,53 @@ def annotation_coverage(trees: dict[Path, ast.AST]) -> tuple[int, int]:
     return annotated, total
 
 
+def return_annotation_coverage(trees: dict[Path, ast.AST]) -> tuple[int, int]:
+    """Functions and methods (nested ones too) with a return annotation, and all of them."""
+    defs = [f for tree in trees.values() for f in functions(tree)]
+    return sum(f.returns is not None for f in defs), len(defs)
+
+
+def ruff_errors(repo: Path) -> dict:
+    """ruff's errors over LINTED in `repo` (its own settings), in all and per folder; null counts without ruff."""
+    folders = [name for name in LINTED if (repo / name).is_dir()]
+    command = [sys.executable, "-m", "ruff"] if find_spec("ruff") is not None else [shutil.which("ruff") or "ruff"]
+    try:
+        done = subprocess.run([*command, "check", "--output-format", "json", "--exit-zero", *folders], cwd=repo,
+                              capture_output=True, text=True, check=True)
+        version = subprocess.run([*command, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {"ruff": None, "errors": None, "per_folder": None}
+    found = [Path(e["filename"]).resolve().relative_to(repo.resolve()).parts[0] for e in json.loads(done.stdout)]
+    return {"ruff": version.split()[-1], "errors": len(found),
+            "per_folder": {name: found.count(name) for name in folders}}
+
+
+def duplicate_pairs(repo: Path) -> dict:
+    """The number of pairs `duplicates` lists over `repo` and over each of DUPLICATE_FOLDERS, with the rows of the
+    folders' pairs; null counts without the command."""
+    counts: dict[str, int | None] = {"repository": _duplicates(repo)[0]}
+    rows: list[str] = []
+    for name in DUPLICATE_FOLDERS:
+        if (repo / name).is_dir():
+            counts[name], found = _duplicates(repo / name)
+            rows += [re.sub(r"(^|~ )", rf"\g<1>{name}/", row) for row in found]
+    return {"pairs": counts, "rows": rows}
+
+
+def _duplicates(folder: Path) -> tuple[int | None, list[str]]:
+    """`duplicates --repo folder`: how many pairs it counts, and its rows (each pair's places, without its label)."""
+    if shutil.which("duplicates") is None:
+        return None, []
+    out = subprocess.run(["duplicates", "--repo", str(folder), "--most", "200", "--seconds", "300"],
+                         capture_output=True, text=True, check=False).stdout
+    if any(line.startswith("incomplete:") for line in out.splitlines()):
+        raise RuntimeError(f"duplicates did not read all of {folder}:\n{out}")
+    head = re.match(r"(\d+) pairs? of places|no duplicates", out)
+    if head is None:
+        raise RuntimeError(f"duplicates answered in a form not known here:\n{out}")
+    return int(head.group(1) or 0), [line.split(" ", 1)[1] for line in out.splitlines() if re.match(r"D\d+ ", line)]
+
+
 def package_lines(package: Path) -> dict:
     """Lines of the package's modules: in all, and per part (its top-level modules and folders), largest first."""
     parts: dict[str, int] = {}
@@ -117,6 +176,7 @@ def package_lines(package: Path) -> dict:
 
 def measure() -> dict:
     parse = {p: ast.parse(p.read_text(), str(p)) for p in python_files(REPO / "hfpatch")}
+    returns, defs = return_annotation_coverage(parse)
     scripts = {p: ast.parse(p.read_text(), str(p)) for root in ("eval", "recipes") for p in python_files(REPO / root)}
     names = scheme_names()
     per_scheme = files_per_scheme(parse, names)
@@ -146,6 +206,9 @@ def measure() -> dict:
                            "functions": [{"name": name, "lines": n, "reason": reason}
                                          for n, name, reason in lengths if n > FUNCTION_LINES]},
         "annotated_arguments": {"annotated": annotated, "total": total, "share": round(annotated / total, 3)},
+        "annotated_returns": {"annotated": returns, "total": defs, "share": round(returns / defs, 3)},
+        "ruff_errors": ruff_errors(REPO),
+        "duplicates": duplicate_pairs(REPO),
         "package_files": len(parse),
         "package_lines": package_lines(REPO / "hfpatch"),
     }

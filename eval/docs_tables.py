@@ -773,12 +773,14 @@ def patch_interrupts():
 
 # ---------------------------------------------------------------------------------------------------- code metrics
 
-@table("eval/results/code/before.json", "eval/results/code/after.json")
+@table("eval/results/code/before.json", "eval/results/code/start.json", "eval/results/code/after.json")
 def code_metrics():
-    before, after = load("code/before.json"), load("code/after.json")
+    measured = [load(f"code/{name}.json") for name in ("before", "start", "after")]
+    before, after = measured[0], measured[-1]
 
     def row(label, get):
-        return [label, get(before), get(after)]
+        """A measure in each measurement; a dash where a measurement did not take it (an older code_metrics)."""
+        return [label, *(_or_dash(get, d) for d in measured)]
 
     rows = [
         row("files of the package that name a scheme (mean / largest)",
@@ -795,13 +797,35 @@ def code_metrics():
         row("function arguments annotated", lambda d: f"{d['annotated_arguments']['share']:.0%} "
                                                       f"({d['annotated_arguments']['annotated']} of "
                                                       f"{d['annotated_arguments']['total']})"),
+        row("functions and methods that declare a return type", lambda d: f"{d['annotated_returns']['share']:.0%} "
+                                                                         f"({d['annotated_returns']['annotated']} of "
+                                                                         f"{d['annotated_returns']['total']})"),
+        row("ruff errors: in all (hfpatch / tests / eval / recipes)",
+            lambda d: _in_all_and_per_folder(d["ruff_errors"]["errors"], d["ruff_errors"]["per_folder"])),
+        row("`duplicates` pairs: the repository (hfpatch / tests / eval / recipes)",
+            lambda d: _in_all_and_per_folder(d["duplicates"]["pairs"]["repository"], d["duplicates"]["pairs"])),
     ]
     tables = "\n".join(f"- {label}: " + ", ".join(f"`{t}`" for t in d["scheme_tables"])
                        for label, d in (("before", before), ("after", after)))
     parts = ", ".join(f"`{part}` {n:,}" for part, n in after["package_lines"]["parts"].items())
-    return (markdown_table(["measure", before["label"], after["label"]], rows)
+    pairs = "".join(f"\n- {row}" for row in after.get("duplicates", {}).get("rows", [])) or " none."
+    return (markdown_table(["measure", *(d["label"] for d in measured)], rows)
             + "\n\nThe tables keyed by scheme names:\n\n" + tables + "\n\n" + _over_the_bounds(after)
-            + f"\n\nLines per part of the package ({after['label']}): {parts}.")
+            + f"\n\nLines per part of the package ({after['label']}): {parts}."
+            + f"\n\nThe pairs `duplicates` lists in each folder ({after['label']}):{pairs}")
+
+
+def _in_all_and_per_folder(total: int, per_folder: dict[str, int]) -> str:
+    """`12 (0 / 10 / 2 / 0)`: a count in all, then in hfpatch, tests, eval and recipes."""
+    return f"{total} ({' / '.join(str(per_folder[f]) for f in ('hfpatch', 'tests', 'eval', 'recipes'))})"
+
+
+def _or_dash(get, d: dict) -> str:
+    """`get(d)`, or a dash where the measurement `d` lacks what `get` reads."""
+    try:
+        return str(get(d))
+    except KeyError:
+        return "—"
 
 
 def _over_the_bounds(d: dict) -> str:
