@@ -8,7 +8,8 @@ segments), and Spearman's rank correlation between the two over all candidates, 
         --text-files BOOKS/dracula.txt --designs 4096x4,4096x16 --out eval/results/search/proxy_16k.json
 
 The model is loaded as the search loaded it (its dtype is in the search's identity); the proxy samples are built
-from the same text, seed and span, and each candidate's guard record is the search's own. Every candidate's proxy
+from the search's own full samples (the same text, seed and span), and each candidate's guard record is the
+search's own. Every candidate's proxy
 score is written to --out as soon as it is computed; the same command resumes.
 """
 
@@ -105,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             tokens, segments = parse_design(design)
             entry = data["designs"].setdefault(design, {"tokens": tokens, "segments": segments, "samples":
                                                         args.samples, "scores": {}, "seconds": {}})
-            samples = objective.build_proxy(tok, text, ident["target_length"], ident["window"], tokens, segments,
-                                            args.samples, ident["span"], ident["seed"])
+            full_samples = objective.build(tok, text, ident["target_length"], ident["window"], args.samples,
+                                           ident["span"], ident["seed"])
+            samples = objective.build_proxy(tok, full_samples, tokens, segments, ident["span"])
             for c in cells:
                 if c["patch"] in entry["scores"]:
                     continue

@@ -23,10 +23,10 @@ from transformers import AutoModelForCausalLM
 import hfpatch
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate.results import comparable
+from hfpatch.lm.text import Document
 from hfpatch.search import objective, space
 from hfpatch.search import search as run_search
 from hfpatch.search.options import Budget, parse_budget
-from hfpatch.lm.text import Document
 from hfpatch.tiny import char_text, char_tokenizer, save_sized
 
 TARGET = 256
@@ -368,31 +368,36 @@ def long_docs():
     return [Document(f"long{i}", char_text(5000, i)) for i in range(2)]
 
 
-def test_proxy_samples_span_the_target_with_the_needles_beyond_the_window(tok, long_docs):
-    text = objective.calibration_ids(tok, long_docs)
-    samples = objective.build_proxy(tok, text, PROXY_TARGET, 64, PROXY_TOKENS, 4, 2, 16, seed=3)
-    for s in samples:
-        assert len(s.ids) == len(s.positions) == PROXY_TOKENS
+def _proxies(tok, docs, samples=2, segments=6):
+    text = objective.calibration_ids(tok, docs)
+    full = objective.build(tok, text, PROXY_TARGET, 64, samples, 16, seed=3)
+    return full, objective.build_proxy(tok, full, PROXY_TOKENS, segments, 16)
+
+
+def test_a_proxy_sample_is_its_full_sample_with_tokens_left_out(tok, long_docs):
+    """Every token of a proxy sample is its full sample's token at the same position; it keeps the start, the
+    passkey line, the span's source and the end, so every planted distance is the full sample's own; its needle
+    tokens are the full sample's; the first token after each jump is not scored."""
+    full, proxies = _proxies(tok, long_docs)
+    for f, s in zip(full, proxies):
+        assert len(s.ids) == len(s.positions) <= PROXY_TOKENS
+        assert all(s.ids[i] == f.ids[p] for i, p in enumerate(s.positions))
         assert s.positions[0] == 0 and s.positions[-1] == PROXY_TARGET - 1
-        assert all(a < b for a, b in zip(s.positions, s.positions[1:]))  # increasing, with jumps
-        jumps = [i for i in range(1, len(s.positions)) if s.positions[i] != s.positions[i - 1] + 1]
-        assert tuple(jumps) == s.unscored and len(jumps) == 4 - 1
-        (c0, c1), (a0, a1) = s.needle
-        key = tok.decode(s.ids[a0:a1]).strip()
-        needle = tok.encode(objective.NEEDLE.format(key=key), add_special_tokens=False)
-        at = next(i for i in range(len(s.ids)) if s.ids[i:i + len(needle)] == needle)
-        assert s.positions[a0] - s.positions[at + len(needle) - 1] > 64  # further back than the window, in positions
-        copy = s.ids[c0 - 1:c1]
-        src = next(i for i in range(c0 - 1 - len(copy)) if s.ids[i:i + len(copy)] == copy)
-        assert s.positions[c0 - 1] - s.positions[src + len(copy) - 1] > 64
-        assert copy != needle[:len(copy)]  # the span is text, not the passkey
-    assert samples[0].ids != samples[1].ids
+        assert all(a < b for a, b in zip(s.positions, s.positions[1:]))
+        jumps = tuple(i for i in range(1, len(s.positions)) if s.positions[i] != s.positions[i - 1] + 1)
+        assert jumps == s.unscored and 3 <= len(jumps) <= 5
+        kept = set(s.positions)
+        for a, b in f.planted:
+            assert set(range(a, b)) <= kept
+        assert [[s.positions[i] for i in range(a, b)] for a, b in s.needle] == [list(range(a, b)) for a, b in f.needle]
+    assert proxies[0].ids != proxies[1].ids
 
 
 def test_a_proxy_that_would_not_be_cheaper_or_cannot_hold_the_needles_is_named(tok):
-    assert "not cheaper" in objective.proxy_misfit(tok, 1024, 64, 600, 4, 16)
-    assert "cannot hold" in objective.proxy_misfit(tok, 2048, 64, 128, 4, 16)
-    assert objective.proxy_misfit(tok, PROXY_TARGET, 64, PROXY_TOKENS, 4, 16) is None
+    assert "not cheaper" in objective.proxy_misfit(tok, 1024, 600, 4, 16)
+    assert "cannot hold" in objective.proxy_misfit(tok, 2048, 128, 4, 16)
+    assert "cannot keep" in objective.proxy_misfit(tok, 2048, 512, 3, 16)
+    assert objective.proxy_misfit(tok, PROXY_TARGET, PROXY_TOKENS, 4, 16) is None
 
 
 def test_a_proxy_sample_is_read_as_one_document_across_its_jumps(model, tok, long_docs):
@@ -401,8 +406,7 @@ def test_a_proxy_sample_is_read_as_one_document_across_its_jumps(model, tok, lon
     changes the needle tokens' loss."""
     from hfpatch.lm.causal import causal_lm_parts
 
-    text = objective.calibration_ids(tok, long_docs)
-    sample = objective.build_proxy(tok, text, PROXY_TARGET, 64, PROXY_TOKENS, 4, 1, 16, seed=0)[0]
+    sample = _proxies(tok, long_docs, samples=1)[1][0]
     parts = causal_lm_parts(model)
     first = objective.token_nll(parts, sample.ids, sample.positions)
     changed = list(sample.ids)
@@ -416,8 +420,7 @@ def test_a_proxy_sample_is_read_as_one_document_across_its_jumps(model, tok, lon
 def test_every_family_reads_a_proxy_sample_by_its_positions(tok, long_docs, family):
     """Each family's starting point on a proxy sample (position ids that skip): the model's own attention path
     (pieces, sdpa) gives what the eager path, which writes every score out at the given positions, gives."""
-    text = objective.calibration_ids(tok, long_docs)
-    sample = objective.build_proxy(tok, text, PROXY_TARGET, 64, PROXY_TOKENS, 4, 1, 16, seed=0)[0]
+    sample = _proxies(tok, long_docs, samples=1)[1][0]
     fast = tiny_model("llama").eval()
     eager = tiny_model("llama", attn_implementation="eager").eval()
     eager.load_state_dict(fast.state_dict())
@@ -429,7 +432,7 @@ def test_every_family_reads_a_proxy_sample_by_its_positions(tok, long_docs, fami
     for m in (fast, eager):
         hfpatch.patch(m, **spec)
         got.append(objective.score_sample(causal_lm_parts(m), sample))
-    assert got[0]["needle_tokens"] == 21 and got[0]["plain_tokens"] == PROXY_TOKENS - 1 - 21 - 3
+    assert got[0]["needle_tokens"] == 21 and got[0]["plain_tokens"] == len(sample.ids) - 1 - 21 - len(sample.unscored)
     for k in ("needle_nll", "plain_nll"):
         assert got[0][k] == pytest.approx(got[1][k], rel=1e-5), k
 
@@ -488,7 +491,7 @@ def test_two_stages_rank_on_proxies_and_decide_at_full_length(model, tok, long_d
     ranked = [c for c in data["cells"] if not c["patch"].endswith("/full")]
     full = [c for c in data["cells"] if c["patch"].endswith("/full")]
     assert len(_scored({"cells": ranked})) == 10
-    assert [c["patch"] for c in full][0] == "g0c0/full" and len(full) == 3  # the reference and two finalists
+    assert next(c["patch"] for c in full) == "g0c0/full" and len(full) == 3  # the reference and two finalists
     assert all(len([r for r in c["samples"] if "sample" in r]) == 1 for c in full)
     finalists = [c["patch"].removesuffix("/full") for c in full[1:]]
     base = next(c for c in ranked if c["patch"] == "g0c0")["short_ppl"]
@@ -603,9 +606,9 @@ def test_the_options_are_declared_once_for_the_parser_the_call_and_the_identity(
     assert opts == options.SearchOptions(target_length=16384, budget="1h", families="yarn,longrope")
     identity = opts.identity()
     assert set(identity) == {n for n, f in fields.items() if f.metadata["declared"].identity}
-    with pytest.raises(TypeError, match="unknown option.*nope.*accepted: target_length"):
+    with pytest.raises(TypeError, match=r"unknown option.*nope.*accepted: target_length"):
         options.SearchOptions.from_python(target_length=100, budget="3", nope=1)
-    with pytest.raises(TypeError, match="unknown option.*dtype"):  # the command line's own: a model is given
+    with pytest.raises(TypeError, match=r"unknown option.*dtype"):  # the command line's own: a model is given
         options.SearchOptions.from_python(target_length=100, budget="3", dtype="bf16")
     assert tuple(space.FAMILIES) == options.FAMILY_NAMES
 

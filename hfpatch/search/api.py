@@ -99,7 +99,7 @@ def prepare(model: PreTrainedModel, tokenizer: Any, opts: SearchOptions, documen
                                                     else texts.default_corpus())
     plan = _plan(tokenizer, docs, opts, window, span)
     ident = {**opts.identity(), "window": window, "span": span, "families": families,
-             "proxy": len(plan.proxy[0].ids) if plan.proxy else 0,
+             "proxy": opts.proxy_tokens if plan.proxy else 0,
              "model": identity or model_identity(model), "tokenizer": tokenizer_fingerprint(tokenizer),
              "text_sha256": hashlib.sha256("\0".join(d.sha256 for d in docs).encode()).hexdigest(),
              "dtype": str(next(unwrap(model).parameters()).dtype)}
@@ -143,17 +143,16 @@ def _window(model: PreTrainedModel, opts: SearchOptions) -> int:
 def _plan(tok: Any, docs: list[Document], opts: SearchOptions, window: int, span: int) -> Plan:
     """The samples, the proxy samples (when they fit; said on stderr when they do not) and the guard's text."""
     text = objective.calibration_ids(tok, docs)
-    samples = objective.build(tok, text, opts.target_length, window, opts.samples, span, opts.seed)
-    proxy = None
-    if opts.proxy_tokens:
-        why = objective.proxy_misfit(tok, opts.target_length, window, opts.proxy_tokens, opts.proxy_segments, span)
-        if why:
-            print(f"hfpatch search: no proxy stage ({why}): every candidate is scored at full length",
-                  file=sys.stderr)
-        else:
-            proxy = objective.build_proxy(tok, text, opts.target_length, window, opts.proxy_tokens,
-                                          opts.proxy_segments, opts.proxy_samples, span, opts.seed)
-    return Plan(window, samples, proxy, objective.guard_ids(tok, text, window))
+    proxied = opts.proxy_samples if opts.proxy_tokens else 0
+    why = objective.proxy_misfit(tok, opts.target_length, opts.proxy_tokens, opts.proxy_segments,
+                                 span) if proxied else None
+    if why:
+        print(f"hfpatch search: no proxy stage ({why}): every candidate is scored at full length", file=sys.stderr)
+        proxied = 0
+    full = objective.build(tok, text, opts.target_length, window, max(opts.samples, proxied), span, opts.seed)
+    proxy = objective.build_proxy(tok, full[:proxied], opts.proxy_tokens, opts.proxy_segments, span) if proxied \
+        else None
+    return Plan(window, full[:opts.samples], proxy, objective.guard_ids(tok, text, window))
 
 
 def _applicable_families(model: PreTrainedModel, opts: SearchOptions,

@@ -11,13 +11,13 @@ real text with two such things built in, at token level:
     the loss on their second occurrence (its first token excluded: nothing announces where a copy starts).
 Those tokens are the "needle" tokens; every other scored token is "plain".
 
-A proxy sample (`build_proxy`) holds the same things in far fewer tokens: a few segments of the same text, each at
-the position ids it would have in a full sample, so that the position ids skip and the sample spans the target
-length (PoSE's idea, used for scoring). The passkey and the span's source sit in the first segment, the copy and
-the question at the end of the last, at the target length: the distance between them is what it is in a full
-sample, and the attention of every scheme (RoPE scalings, Self-Extend, Dual Chunk Attention, the attention
-temperature) follows the position ids. The first token after each jump is not scored: its text does not follow the
-text before it.
+A proxy sample (`build_proxy`) is a full sample with most of its tokens left out: a few segments cut out of it,
+each at its own position ids, so that the position ids skip and the sample still spans the target length (PoSE's
+idea, used for scoring). It keeps the sample's start (the BOS token and the first text, where attention rests), the
+passkey line, the span's source and the end (the copy, the question and the answer), and segments spread evenly
+between them: every distance between what is asked and where it was planted is the full sample's own, and the
+attention of every scheme (RoPE scalings, Self-Extend, Dual Chunk Attention, the attention temperature) follows the
+position ids. The first token after each jump is not scored: its text does not follow the text before it.
 
 The guard reads the calibration text's first W tokens alone (`guard_ids`): a candidate is feasible when its
 perplexity there is at most (1 + guard) times the unpatched model's.
@@ -51,6 +51,7 @@ class Sample:
     needle: list[tuple[int, int]]  # [start, end) runs of token indices scored as needle tokens
     positions: list[int] | None = None  # position ids (None: 0, 1, 2, ...)
     unscored: tuple[int, ...] = ()  # indices of tokens not scored at all (the first token after a jump)
+    planted: tuple[tuple[int, int], ...] = ()  # [start, end) of the passkey line and of the span's source
 
 
 @dataclass(frozen=True)
@@ -116,72 +117,75 @@ def build(tok: Any, text: np.ndarray, target: int, window: int, samples: int, sp
         ids = p.bos + text_part + text_part[src:src + span] + p.question + p.answer
         start_copy = len(p.bos) + room + len(p.needle)
         start_answer = len(ids) - len(p.answer)
-        out.append(Sample(ids, [(start_copy + 1, start_copy + span), (start_answer, len(ids))]))
+        planted = ((len(p.bos) + depth, len(p.bos) + depth + len(p.needle)),
+                   (len(p.bos) + src, len(p.bos) + src + span))
+        out.append(Sample(ids, [(start_copy + 1, start_copy + span), (start_answer, len(ids))], planted=planted))
     return out
 
 
-def proxy_misfit(tok: Any, target: int, window: int, tokens: int, segments: int, span: int) -> str | None:
+def proxy_misfit(tok: Any, target: int, tokens: int, segments: int, span: int) -> str | None:
     """Why proxy samples of `tokens` tokens in `segments` segments cannot stand for samples of `target` tokens
     (None: they can)."""
     if tokens * 2 > target:
         return f"{tokens} proxy tokens are more than half the target length ({target}): not cheaper"
+    if segments < MUST_KEEP:
+        return f"{segments} segments cannot keep the start, the passkey, the span's source and the question apart"
     seg = tokens // segments
     needle = len(_piece(tok, NEEDLE.format(key="99999")))
     question = len(_piece(tok, QUESTION + " 99999"))
-    if seg < needle + span + 2 + 1:
-        return f"a segment of {seg} tokens cannot hold the passkey and the {span}-token span"
-    if target - seg - span - question <= window:
-        return (f"segments of {seg} tokens over {target} positions leave the passkey within the trained window "
-                f"({window}) of its question")
+    if seg < max(needle, span + question) + 2:
+        return f"a segment of {seg} tokens cannot hold the passkey line, or the span and the question"
     return None
 
 
-def build_proxy(tok: Any, text: np.ndarray, target: int, window: int, tokens: int, segments: int, samples: int,
-                span: int, seed: int) -> list[Sample]:
-    """`samples` proxy samples of `tokens` tokens in `segments` segments whose position ids span `target` (the
-    module's docstring): sample k reads the text of full sample k at the positions its segments stand for."""
-    why = proxy_misfit(tok, target, window, tokens, segments, span)
+MUST_KEEP = 4  # segments every proxy sample keeps: the start, the passkey line, the span's source, the end
+
+
+def build_proxy(tok: Any, full: list[Sample], tokens: int, segments: int, span: int) -> list[Sample]:
+    """A proxy sample of each full sample (the module's docstring): `segments` segments of about tokens / segments
+    tokens cut out of it at their own positions: its start (the BOS token and the first text, where attention
+    rests), the passkey line, the span's source and its end (the copy, the question and the answer), the others
+    spread evenly between them (segments that overlap are joined)."""
+    why = proxy_misfit(tok, len(full[0].ids), tokens, segments, span)
     if why:
         raise ValueError(f"proxy samples do not fit: {why}")
-    if len(text) < samples * target:
-        raise ValueError(f"the calibration text has {len(text)} tokens; {samples} proxy sample(s) spanning {target} "
-                         f"positions need {samples * target}: give more text or fewer proxy samples")
-    seg = tokens // segments
-    out = []
-    for k in range(samples):
-        rng, key = _key_rng("search-proxy", seed, k)
-        p = _pieces(tok, key)
-        body = [int(t) for t in text[k * target:(k + 1) * target]]
-        last = tokens - seg * (segments - 1)
-        starts = [round(j * (target - last) / (segments - 1)) for j in range(segments)]
-        ids: list[int] = []
-        positions: list[int] = []
-        unscored: list[int] = []
-        # the first segment: the passkey and the span's source
-        first_text = seg - len(p.bos) - len(p.needle)
-        depth = rng.randrange(0, first_text - span + 1)
-        part = body[:depth] + p.needle + body[depth:first_text]
-        src_choices = [i for i in range(len(part) - span + 1)
-                       if i + span <= depth or i >= depth + len(p.needle)]  # the span is text, not the passkey
-        src = rng.choice(src_choices)
-        source = part[src:src + span]
-        ids += p.bos + part
-        positions += list(range(len(ids)))
-        for j in range(1, segments):
+    return [_cut(sample, tokens // segments, segments) for sample in full]
+
+
+def _windows(n: int, seg: int, segments: int, planted: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """The [start, end) slot ranges a proxy keeps of an n-token sample, sorted and joined where they overlap."""
+    def around(a: int, b: int) -> tuple[int, int]:
+        start = min(max(0, a - (seg - (b - a)) // 2), n - seg)
+        return start, start + seg
+
+    kept = [(0, seg), *(around(a, b) for a, b in planted), (n - seg, n)]
+    spread = segments - len(kept)
+    kept += [(round(i * (n - seg) / (spread + 1)), round(i * (n - seg) / (spread + 1)) + seg)
+             for i in range(1, spread + 1)]
+    joined: list[tuple[int, int]] = []
+    for a, b in sorted(kept):
+        if joined and a <= joined[-1][1]:
+            joined[-1] = (joined[-1][0], max(joined[-1][1], b))
+        else:
+            joined.append((a, b))
+    return joined
+
+
+def _cut(sample: Sample, seg: int, segments: int) -> Sample:
+    windows = _windows(len(sample.ids), seg, segments, sample.planted)
+    ids: list[int] = []
+    positions: list[int] = []
+    unscored: list[int] = []
+    where = {}  # a kept slot -> its index in the proxy
+    for a, b in windows:
+        if ids:
             unscored.append(len(ids))
-            s = starts[j]
-            if j < segments - 1:
-                ids += body[s:s + seg]
-                positions += list(range(s, s + seg))
-            else:
-                plain = last - span - len(p.question) - len(p.answer)
-                start_copy = len(ids) + plain
-                ids += body[s:s + plain] + source + p.question + p.answer
-                positions += list(range(s, s + last))
-        start_answer = len(ids) - len(p.answer)
-        out.append(Sample(ids, [(start_copy + 1, start_copy + span), (start_answer, len(ids))], positions,
-                          tuple(unscored)))
-    return out
+        for slot in range(a, b):
+            where[slot] = len(ids)
+            ids.append(sample.ids[slot])
+            positions.append(slot)
+    needle = [(where[a], where[b - 1] + 1) for a, b in sample.needle]
+    return Sample(ids, needle, positions, tuple(unscored))
 
 
 def guard_ids(tok: Any, text: np.ndarray, window: int) -> list[int]:
