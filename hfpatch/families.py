@@ -16,7 +16,6 @@ RoPE family's checks). A position scheme whose cached-decoding check failed ther
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -33,7 +32,7 @@ from .norm.kinds import NORMS
 from .norm.placement import PLACEMENTS
 from .position.attention.temperature import TEMPERATURES
 from .position.registry import LAYER_HOSTS, LAYER_SCHEMES, SCHEMES
-from .utils.files import cache_dir, source_hash
+from .utils.files import cache_dir, source_hash, write_file
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -149,9 +148,8 @@ def measure_raw(model_types: Iterable[str] | None = None, use_cache: bool = True
         torch.set_num_threads(threads)
     if use_cache and fresh:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"format": CACHE_FORMAT, "families": cached}, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        text = json.dumps({"format": CACHE_FORMAT, "families": cached}, indent=1, sort_keys=True)
+        write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return out
 
 

@@ -33,7 +33,7 @@ from ..interop.io import (
     with_section,
 )
 from ..models import model_fingerprint
-from ..utils.files import describe_os_error, differences
+from ..utils.files import describe_os_error, differences, write_file
 from . import EVALUATIONS, evaluation
 from .sweep import covering, loaded_note
 
@@ -203,10 +203,8 @@ def _write(folder: Path, readme: Path, runs: list[Run], model: dict) -> None:
         for run, plot in zip(runs, plots, strict=True):
             if run.plot is not None and plot is not None:
                 run.draw(Path(folder) / plot.replace(PLOTS, staged.name, 1))
-        Path(str(readme) + ".partial").write_text(card, encoding="utf-8")
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
-        Path(str(readme) + ".partial").unlink(missing_ok=True)
         raise
     if target.exists():
         os.replace(target, old)
@@ -214,5 +212,11 @@ def _write(folder: Path, readme: Path, runs: list[Run], model: dict) -> None:
         os.replace(staged, target)
     else:  # no run drew a plot: no folder of them
         staged.rmdir()
-    os.replace(str(readme) + ".partial", readme)
+    try:
+        write_file(readme, lambda tmp: tmp.write_text(card, encoding="utf-8"))
+    except BaseException:  # the card as it was: its plots back with it
+        shutil.rmtree(target, ignore_errors=True)
+        if old.exists():
+            os.replace(old, target)
+        raise
     shutil.rmtree(old, ignore_errors=True)

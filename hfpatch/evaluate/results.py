@@ -17,12 +17,11 @@ import copy
 import datetime
 import json
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..utils.files import Lock, Locked, describe_os_error, differences, write_failure
+from ..utils.files import Lock, Locked, describe_os_error, differences, write_failure, write_file
 
 FORMAT = 3  # 3: the identity holds the model's files by content (model_files)
 
@@ -177,16 +176,12 @@ class Results:
         self.data.update(top)
         self.data["updated"] = now()
         null_non_finite(self.data)  # the report, drawn from self.data, then reads what the file holds
-        tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(self.data, indent=1, allow_nan=False) + "\n")
-            os.replace(tmp, self.path)  # atomic: a killed run leaves the previous complete file, never half of one
-        except BaseException as e:  # a full disk, Ctrl-C mid-write: the previous complete file stays, no tmp file
-            tmp.unlink(missing_ok=True)
-            if isinstance(e, OSError):
-                raise ValueError(f"{write_failure(OSError(e.errno, e.strerror, str(self.path)))}; it holds the "
-                                 "results finished before, and the same command resumes from them") from None
-            raise
+        text = json.dumps(self.data, indent=1, allow_nan=False) + "\n"
+        try:  # whole: a killed run leaves the previous complete file, never half of one
+            write_file(self.path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+        except OSError as e:  # a full disk: the previous complete file stays, no temporary file
+            raise ValueError(f"{write_failure(e)}; it holds the results finished before, and the same command "
+                             "resumes from them") from None
 
     def close(self) -> None:
         if self._lock is not None:

@@ -41,6 +41,7 @@ from ..apply import unwrap
 from ..lm import budget
 from ..lm.tokenizer import load_tokenizer
 from ..models import model_fingerprint
+from ..utils.files import write_text
 from ..utils.modes import evaluating
 from . import engines
 from .common import DTYPES, check_device, dtype_name, length_label, parse_patches, versions
@@ -174,7 +175,7 @@ def execute(ev: Swept, args: argparse.Namespace, *, record_argv: list | None = N
             return None
         data = covering(ev, results.data)
         text = report(ev, data, out, not args.no_plot)
-        (out / "table.md").write_text(text + "\n")
+        write_text(out / "table.md", text + "\n")
         return {**data, "report": text}
     finally:
         results.close()

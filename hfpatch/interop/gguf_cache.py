@@ -202,13 +202,11 @@ def _write_rope(record: Path, source: str, found: Found | None, said: list[str])
     text = json.dumps(data)
     if json.loads(text) != data:  # a value JSON would change (a tuple): read from the file each time instead
         return
-    tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, record)
+        files.write_file(record, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     except OSError:
-        tmp.unlink(missing_ok=True)  # a read-only cache: read from the file next time (the model part warned)
+        pass  # a read-only cache: read from the file next time (the model part warned)
 
 
 # ---------------------------------------------------------------------------------------------------- the tokenizer

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..utils.files import describe_os_error, fsync
+from ..utils.files import describe_os_error, write_failure, write_file
 
 MAGIC = b"GGUF"  # the first four bytes of every GGUF file
 
@@ -72,21 +72,14 @@ def write_copy(gguf: Any, reader: Any, out: str, keys: dict, drop: set, new_tens
     for byte. Written to a file next to `out`, synced and renamed at the end, so a failure (a full disk, a read-only
     place, an interrupt) leaves what was at `out` as it was and no partial file; an OSError is a ValueError saying
     what went wrong."""
-    tmp = f"{out}.{os.getpid()}.tmp"
     try:
-        _write_file(gguf, reader, tmp, keys, drop, new_tensors, drop_tensors)
-        os.replace(tmp, out)
-        fsync(os.path.dirname(os.path.abspath(out)))
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if isinstance(e, OSError):
-            raise ValueError(f"could not write {out}: {describe_os_error(e)}") from None
-        raise
+        write_file(out, lambda tmp: _write_file(gguf, reader, str(tmp), keys, drop, new_tensors, drop_tensors))
+    except OSError as e:
+        raise ValueError(write_failure(e)) from None
 
 
 def _write_file(gguf: Any, reader: Any, path: str, keys: dict, drop: set, new_tensors: dict, drop_tensors: set) -> None:
-    """write_copy's content, into `path` (synced to the disk before it returns)."""
+    """write_copy's content, into `path`."""
     types = {"f32": gguf.GGUFValueType.FLOAT32, "u32": gguf.GGUFValueType.UINT32, "str": gguf.GGUFValueType.STRING}
     arch = field_value(reader, "general.architecture")
     writer = gguf.GGUFWriter(path, arch, endianess=reader.endianess)
@@ -119,7 +112,5 @@ def _write_file(gguf: Any, reader: Any, path: str, keys: dict, drop: set, new_te
         for t in kept:
             writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
         writer.flush()
-        for f in writer.fout or []:
-            os.fsync(f.fileno())  # on the disk before the rename makes it the output
     finally:
         writer.close()

@@ -41,7 +41,7 @@ from ..apply import (
     unwrap,
 )
 from ..introspect import describe
-from ..utils.files import cached_sha256
+from ..utils.files import cached_sha256, write_file
 from ..utils.warn import warn_caller
 from .serving import serving_keys
 
@@ -131,9 +131,7 @@ def write_card(model: PreTrainedModel, path: Path | str) -> None:
         body = without_section(body, RESULTS_START, RESULTS_END)
     meta = yaml.safe_dump(front, sort_keys=False, allow_unicode=True)
     card = f"---\n{meta}---\n{with_section(body, _section(model, info, base))}"
-    with open(readme + ".partial", "w", encoding="utf-8") as f:
-        f.write(card)
-    os.replace(readme + ".partial", readme)
+    write_file(readme, lambda tmp: tmp.write_text(card, encoding="utf-8"))
     if stale:
         shutil.rmtree(os.path.join(path, PLOTS), ignore_errors=True)
         warn_caller("the model card's evaluations (added by hfpatch card) are of other model files than the ones "

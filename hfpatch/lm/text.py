@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..utils.files import cache_dir
+from ..utils.files import cache_dir, write_file
 
 # Long modules present in every CPython >= 3.10, longest first; the default corpus is those found on disk.
 STDLIB_FILES = (
@@ -244,12 +244,16 @@ def tokenize(tok: Any, doc: Document, use_cache: bool = True) -> Tokens:
     out = _tokenize(tok, doc.text)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
-        np.savez(tmp, ids=out.ids, ends=out.ends, exact=np.asarray(out.exact_bytes))
-        os.replace(tmp, path)
+        write_file(path, lambda tmp: _save_tokens(tmp, out))
     except OSError:
         pass  # a read-only home: the cache is an optimisation only
     return out
+
+
+def _save_tokens(path: Path, tokens: Tokens) -> None:
+    """A cache entry of `tokens` at `path` as it is named (np.savez given a name adds .npz to it; given a file, not)."""
+    with open(path, "wb") as f:
+        np.savez(f, ids=tokens.ids, ends=tokens.ends, exact=np.asarray(tokens.exact_bytes))
 
 
 def joined_ids(tok: Any, docs: Iterable[Document], max_tokens: int | None = None) -> np.ndarray:

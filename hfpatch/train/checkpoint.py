@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
 import re
 import shutil
@@ -44,8 +43,7 @@ from accelerate.utils import broadcast_object_list
 from accelerate.utils import load as load_pickle  # torch.load(weights_only=True) + numpy arrays
 
 from ..utils.files import PARTIAL as _PARTIAL  # suffix of a folder being written (or being deleted)
-from ..utils.files import differences, os_error_of, publish, sha256_many, write_json
-from ..utils.files import fsync as _fsync
+from ..utils.files import differences, os_error_of, publish, sha256_many, write_file, write_json
 from .config import ConfigError
 
 MARKER = "hfpatch_checkpoint.json"
@@ -288,10 +286,8 @@ def cut_log(log: Path, step: int) -> None:
         if not isinstance(row, dict) or row.get("step", step + 1) > step:
             break
         kept.append(line + "\n")
-    tmp = log.with_name(log.name + _PARTIAL)
-    tmp.write_text("".join(kept))
-    _fsync(tmp)
-    os.replace(tmp, log)
+    text = "".join(kept)
+    write_file(log, lambda tmp: tmp.write_text(text))
 
 
 def _contents(folder: Path) -> dict[str, dict]:

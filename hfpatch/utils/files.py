@@ -159,9 +159,7 @@ def cached_sha256(path: Path | str) -> str:
     digest = sha256(path)
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = entry.with_name(f"{key}.{os.getpid()}.tmp")
-        tmp.write_text(digest)
-        os.replace(tmp, entry)
+        write_file(entry, lambda tmp: tmp.write_text(digest))
     except OSError:
         pass  # a read-only cache: hashing again next time is only slower
     return digest
@@ -310,28 +308,40 @@ def describe_os_error(e: OSError) -> str:
     return f"{e.strerror or e}{where}"
 
 
-def write_json(path: Path, value: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_text(path: Path | str, text: str) -> Path:
-    """Write a file whole: the text goes to a temporary file beside it, flushed to disk, then renamed over `path`,
-    so that a reader, or a run killed meanwhile, sees the old file or the new one, never half of one. A failure of
-    the disk is a ValueError naming `path` (the commands' one line); the temporary file never stays."""
+def write_file(path: Path | str, write: Callable[[Path], Any]) -> Path:
+    """Write the file `path` whole, the one way hfpatch writes a file that someone may read while it is written or
+    a run may be killed in: `write(tmp)` writes the content at a temporary path beside `path`
+    (`<name>.<pid>.tmp`, in the same folder so that the rename is atomic); that file is synced to the disk, renamed
+    over `path`, and the folder synced. A reader, or a run killed meanwhile, sees the old file or the new one, never
+    half of one. Any failure (Ctrl-C included) removes the temporary file and leaves what was at `path` as it was; a
+    failure of the disk (a full disk, a read-only place, safetensors' own error for them included) is an OSError
+    naming `path` (write_failure words it for a user)."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        fsync(tmp)
         os.replace(tmp, path)
+        fsync(path.parent)
     except BaseException as e:  # a full disk, Ctrl-C mid-write: the previous file stays, no temporary file
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise ValueError(write_failure(OSError(e.errno, e.strerror, str(path)))) from None
-        raise
+        failed = os_error_of(e)
+        if failed is None:
+            raise
+        raise OSError(failed.errno, failed.strerror or str(failed), str(path)) from None
     return path
+
+
+def write_text(path: Path | str, text: str) -> Path:
+    """write_file of a text (UTF-8), its disk failure a ValueError naming `path` (the commands' one line)."""
+    try:
+        return write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(write_failure(e)) from None
+
+
+def write_json(path: Path | str, value: Any) -> Path:
+    """write_file of `value` as JSON (indented by one space, the form of hfpatch's results files); a failure of the
+    disk is write_file's OSError naming `path`."""
+    text = json.dumps(value, indent=1)
+    return write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))

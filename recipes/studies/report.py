@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from hfpatch.evaluate.report import colors, figure, markdown_table
 from hfpatch.evaluate.stats import mean
+from hfpatch.utils.files import write_file
 
 from .study import grid_arms
 
@@ -464,9 +464,8 @@ def write(summary: dict, out: Path, plot_it: bool = True) -> Path:
     """compare_<study>.json (atomically), .md and .png under `out`; returns the JSON's path."""
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"compare_{summary['study']}"
-    tmp = stem.with_suffix(f".json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(_json_safe(summary), indent=1) + "\n")
-    os.replace(tmp, stem.with_suffix(".json"))
+    text = json.dumps(_json_safe(summary), indent=1) + "\n"
+    write_file(stem.with_suffix(".json"), lambda tmp: tmp.write_text(text))
     stem.with_suffix(".md").write_text(table(summary) + "\n")
     if plot_it:
         plot(summary, stem.with_suffix(".png"))
