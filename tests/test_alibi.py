@@ -14,7 +14,6 @@ import hfpatch
 from hfpatch.position.schemes.absolute import sinusoidal_table
 from hfpatch.position.schemes.alibi import EAGER_NAME, SDPA_NAME, alibi_slopes, factorise
 
-
 # ------------------------------------------------------------------------------------------------------------ slopes
 
 def paper_slopes(n):
@@ -97,7 +96,7 @@ def bert_by_hand(model, ids, keep):
     slopes = alibi_slopes(H)
     for layer in m.encoder.layer:
         s = layer.attention.self
-        lin = lambda t, mod: t @ mod.weight.double().T + mod.bias.double()  # noqa: E731
+        lin = lambda t, mod: t @ mod.weight.double().T + mod.bias.double()
         q, k, v = (lin(x, p).view(b, L, H, d).transpose(1, 2) for p in (s.query, s.key, s.value))
         o = naive_alibi_attention(q, k, v, slopes, d ** -0.5, mask, bidirectional=True)
         o = o.transpose(1, 2).reshape(b, L, H * d)
@@ -327,7 +326,7 @@ def naive_interpolation(table, s):
     rows = []
     for p in range(math.ceil(n * s)):
         x = min(p / s, n - 1)
-        lo = int(math.floor(x))
+        lo = math.floor(x)
         hi = min(lo + 1, n - 1)
         w = x - lo
         rows.append((1 - w) * table[lo] + w * table[hi])

@@ -26,7 +26,8 @@ def test_describe(saved, capsys):
 
 def test_patch_writes_a_model_that_reloads(saved, tmp_path, capsys):
     out = tmp_path / "yarn"
-    assert main(["patch", str(saved), "--position", "yarn", "--factor", "4", "--beta-fast", "16", "--out", str(out)]) == 0
+    assert main(["patch", str(saved), "--position", "yarn", "--factor", "4", "--beta-fast", "16",
+                 "--out", str(out)]) == 0
     assert "yarn:4" in capsys.readouterr().out
     loaded = hfpatch.from_pretrained(out)
     expected = hfpatch.patch(tiny_model("llama"), position="yarn", factor=4, beta_fast=16)

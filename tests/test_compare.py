@@ -149,7 +149,8 @@ def test_a_whole_study_and_its_rerun(tmp_path, tiny_tokenizer_dir, text):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "out"
     summary = json.loads((out / "compare_positions.json").read_text())
-    assert (out / "compare_positions.png").stat().st_size > 0 and "| rope |" in (out / "compare_positions.md").read_text()
+    assert (out / "compare_positions.png").stat().st_size > 0
+    assert "| rope |" in (out / "compare_positions.md").read_text()
     rope, learned = summary["runs"]
     assert set(rope["ppl"]) == {"32", "64"} and set(learned["ppl"]) == {"32"}
     assert learned["refused_lengths"] == {"64": "past the learned table's 48 rows"}

@@ -13,18 +13,19 @@ import sys
 
 import pytest
 
-pytest.importorskip("lm_eval", reason="the lm-eval bridge tests need the optional extra: pip install 'hfpatch[lm-eval]'")
+pytest.importorskip("lm_eval",
+                    reason="the lm-eval bridge tests need the optional extra: pip install 'hfpatch[lm-eval]'")
 
-import lm_eval  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
+import lm_eval
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from hfpatch.cli import main as cli_main  # noqa: E402
-from hfpatch.evaluate import harness  # noqa: E402, F401 (registers "hfpatch" for lm_eval.simple_evaluate)
-from hfpatch.lm.causal import windows  # noqa: E402
-from hfpatch.tiny import save_sized as save_tiny  # noqa: E402
-from hfpatch.tiny import char_text as text_of  # noqa: E402
-from hfpatch.tiny import char_tokenizer as tiny_tokenizer  # noqa: E402
+from hfpatch.cli import main as cli_main
+from hfpatch.evaluate import harness  # noqa: F401 - registers "hfpatch" for lm_eval.simple_evaluate
+from hfpatch.lm.causal import windows
+from hfpatch.tiny import char_text as text_of
+from hfpatch.tiny import char_tokenizer as tiny_tokenizer
+from hfpatch.tiny import save_sized as save_tiny
 
 TASK = "hfpatch_local_text"
 LENGTH = 48
@@ -60,7 +61,7 @@ def test_rolling_windows_are_lm_evals(local):
     the same input tokens for each window and the same predicted tokens, every token once."""
     for n, length in ((100, 48), (96, 48), (48, 48), (30, 48), (1000, 7), (50, 1)):
         tokens = list(range(1000, 1000 + n))
-        seq = [7] + tokens  # 7 = the prefix token
+        seq = [7, *tokens]  # 7 = the prefix token
         theirs = [make_disjoint_window(w) for w in get_rolling_token_windows(tokens, 7, length, 1)]
         if n < length or length < 2:
             continue  # eval ppl needs documents of at least `length` tokens and windows of at least 2

@@ -13,8 +13,8 @@ from hfpatch.cli import main as cli_main
 from hfpatch.evaluate import haystack as hs
 from hfpatch.evaluate import sweep
 from hfpatch.evaluate.evaluations import niah
-from hfpatch.tiny import save_sized as save_tiny
 from hfpatch.tiny import char_tokenizer as tiny_tokenizer
+from hfpatch.tiny import save_sized as save_tiny
 
 
 @pytest.fixture(autouse=True)

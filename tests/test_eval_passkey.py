@@ -107,7 +107,7 @@ def test_keys_and_scoring():
         "one key per cell": lambda s, n, d, t, k: make_key(s, n, d, 0, k),
         "leading zeros": lambda s, n, d, t, k: str(int(make_key(s, n, d, t, k)) % 10**(k - 1)).zfill(k),
     }
-    for name, copy in broken.items():
+    for copy in broken.values():
         with pytest.raises(AssertionError):
             check_keys(copy)
     assert is_correct(" 68431. Remember", "68431") and is_correct("it is 1, 68431", "68431")

@@ -56,7 +56,8 @@ def test_niah_answer_keys(task, src):
         # every other needle (other keys, distractors) has another key and a value that is not an answer
         others = [(k, v) for k, vals in by_key.items() if k not in queries for v in vals]
         assert all(v not in s.references for _, v in others)
-        expected_others = (opts["n_keys"] - opts["n_queries"]) * opts["n_values"] + (300 if opts["haystack"] == "needle" else 0)
+        distractors = 300 if opts["haystack"] == "needle" else 0
+        expected_others = (opts["n_keys"] - opts["n_queries"]) * opts["n_values"] + distractors
         assert len(others) == max(expected_others, 0)
         if opts["values"] == "numbers":
             assert all(re.fullmatch(r"\d{7}", r) for r in s.references)
@@ -140,7 +141,7 @@ def test_frequent_words_counts(src):
     ranked = [w for w, _ in counts.most_common() if w != "..."]
     assert counts.most_common(1)[0][0] == "..."  # the noise word is the most frequent
     assert ranked[:3] == s.references and counts[ranked[2]] > counts[ranked[3]]
-    for k, w in enumerate(["..."] + s.references, start=1):  # counts follow the Zipf law the task states
+    for k, w in enumerate(["...", *s.references], start=1):  # counts follow the Zipf law the task states
         assert counts[w] == int(3000 * k ** -2.0 / (math.pi ** 2 / 6))
 
 
@@ -151,7 +152,7 @@ def test_prompts_fit_their_length_and_are_the_largest():
     for task in ("niah_single_1", "niah_single_2", "vt", "fwe"):
         sizes = {}
         for i in range(2):
-            sample, ids = ruler.build(prompter, src, task, 3000, f"s{i}", sizes)
+            _, ids = ruler.build(prompter, src, task, 3000, f"s{i}", sizes)
             n = sizes[(task, 3000)]
             assert len(ids) + ruler.TASKS[task][2] <= 3000
             bigger = ruler.generate(task, f"s{i}", n + 1, src, 3000)

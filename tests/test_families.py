@@ -33,8 +33,8 @@ import torch
 import hfpatch
 from hfpatch import families, tiny
 from hfpatch.adapters import adapter_for
-from hfpatch.introspect import available
 from hfpatch.families import DECODE_CHECK, DECODE_SCHEMES
+from hfpatch.introspect import available
 from hfpatch.position.signal import native_form_kept
 
 CHECKS = ("a_yarn_native", "b_unpatch", "c_save_reload", "d_alibi_nope_cache", "e_norms")
@@ -52,7 +52,7 @@ def _rope_types() -> list[str]:
         try:
             if tiny.has_rope(tiny.tiny_config(t)):
                 out.append(t)
-        except Exception:  # noqa: BLE001 - a config that cannot be made is an expected failure, listed there
+        except Exception:  # a config that cannot be made is an expected failure, listed there
             pass
     return out
 
@@ -91,7 +91,7 @@ def _native_yarn(model, ids, patched):
 def _check(fn):
     try:
         return fn()
-    except Exception as e:  # noqa: BLE001 - a failure is a result here
+    except Exception as e:  # a failure is a result here
         return f"FAIL: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
 
@@ -199,7 +199,7 @@ def sweep(tmp_path_factory):
                 results[t] = _sweep_one(t, tmp_path_factory.mktemp(t))
             except tiny.TinyBuildError as e:
                 results[t] = {"build": f"FAIL: {e}"}
-            except Exception as e:  # noqa: BLE001 - reported by the family's own test
+            except Exception as e:  # reported by the family's own test
                 results[t] = {"build": f"FAIL: {type(e).__name__}: {e}"}
     finally:
         torch.set_num_threads(threads)

@@ -8,8 +8,7 @@ import pytest
 from conftest import tiny_model
 
 import hfpatch
-from hfpatch import families
-from hfpatch import models
+from hfpatch import families, models
 from hfpatch.cli import main
 from hfpatch.evaluate import plots
 from hfpatch.evaluate.evaluations import ppl as perplexity

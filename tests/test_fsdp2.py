@@ -122,7 +122,7 @@ def test_patched_models_shard_train_and_reload_under_fsdp2(tmp_path):
                 p.kill()
             pytest.fail("the two FSDP2 processes did not finish in 240 s")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for i, (case, r0, r1) in enumerate(zip(CASES, *ranks)):
+    for case, r0, r1 in zip(CASES, *ranks):
         family, request = case[0], case[1]
         for r in (r0, r1):
             assert abs(r["sharded_loss"] - r["loss"]) <= 1e-5 * abs(r["loss"]), (family, request, r)

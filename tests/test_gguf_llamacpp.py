@@ -12,9 +12,9 @@ import torch
 from conftest import stdlib_text
 
 import hfpatch
-from hfpatch.interop import gguf as hg
 from hfpatch.evaluate import evaluation
 from hfpatch.evaluate.llamacpp import LlamaCppModel
+from hfpatch.interop import gguf as hg
 from hfpatch.lm.causal import causal_lm_parts, document_nll, greedy
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp engine needs llama-cpp-python "

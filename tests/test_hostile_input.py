@@ -68,7 +68,7 @@ def modules_cache(tmp_path, monkeypatch):
 
 def test_the_code_of_a_model_folder_is_not_run_unless_asked(remote_code, modules_cache, capsys):
     path, ran = remote_code
-    with pytest.raises(ValueError, match="trust_remote_code=True.*--trust-remote-code.*trust_remote_code: true"):
+    with pytest.raises(ValueError, match=r"trust_remote_code=True.*--trust-remote-code.*trust_remote_code: true"):
         load(str(path))
     with pytest.raises(ValueError, match=r"from_pretrained\(..., trust_remote_code=True\)"):
         hfpatch.from_pretrained(path)

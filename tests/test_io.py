@@ -14,7 +14,7 @@ NATIVE = [dict(position="linear", factor=2.0), dict(position="ntk", factor=2.0),
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt_neox", "qwen3"])
-@pytest.mark.parametrize("kwargs", NATIVE + [dict(position="dynamic-yarn")], ids=lambda k: k["position"])
+@pytest.mark.parametrize("kwargs", [*NATIVE, dict(position="dynamic-yarn")], ids=lambda k: k["position"])
 @pytest.mark.filterwarnings("ignore:position='dynamic-yarn' has no rope_parameters form")
 def test_round_trip(tmp_path, family, kwargs):
     model = hfpatch.patch(tiny_model(family), **kwargs)
@@ -35,7 +35,8 @@ def test_round_trip(tmp_path, family, kwargs):
 @pytest.mark.parametrize("kwargs", NATIVE, ids=lambda k: k["position"])
 def test_native_forms_reload_without_hfpatch(tmp_path, family, kwargs):
     if family == "phi3" and kwargs["position"] not in ("rope", "ntk"):
-        pytest.skip("Phi3Config accepts only default/longrope: see test_non_native_schemes_warn_and_reload_through_hfpatch")
+        pytest.skip("Phi3Config accepts only default/longrope: "
+                    "see test_non_native_schemes_warn_and_reload_through_hfpatch")
     model = hfpatch.patch(tiny_model(family), **kwargs)
     x = tokens(160)
     hfpatch.save_pretrained(model, tmp_path)

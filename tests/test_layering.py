@@ -24,29 +24,34 @@ LAYERS: dict[str, set[str]] = {
     # the core: reading a model, the registries and their appliers, the patch
     "adapters": {"edits"},  # architecture knowledge, read off the model
     "position": {"adapters", "edits", "registry", "utils"},  # rope/, attention/, schemes/, the SCHEMES registry
-    "norm": {"adapters", "edits", "registry", "utils"},  # the NORMS and PLACEMENTS registries, norm modules, swaps, fits
+    # the NORMS and PLACEMENTS registries, norm modules, swaps, fits
+    "norm": {"adapters", "edits", "registry", "utils"},
     "spec": {"position", "norm"},  # the patch spec, validated against the registries
     "patch_state": {"spec", "adapters", "position", "edits"},  # what a patched model carries: state, facts
     "save_marks": {"patch_state", "adapters", "norm", "edits"},  # what a patched model's folder says to loaders
     "apply": {"spec", "adapters", "norm", "position", "edits", "patch_state", "save_marks", "utils"},  # patch / unpatch
     "introspect": {"apply", "spec", "adapters", "norm", "position"},  # describe, length limits, what applies
     # in and out: other formats and engines, loading by name
-    "interop": {"apply", "introspect", "spec", "adapters", "edits", "position", "registry", "utils"},  # io, gguf, serving
+    # io, gguf, serving
+    "interop": {"apply", "introspect", "spec", "adapters", "edits", "position", "registry", "utils"},
     "io": {"interop"},  # re-export of the old path, for one version
     "gguf": {"interop"},  # re-export of the old path, for one version
     "models": {"introspect", "interop", "apply", "utils"},  # load by name
-    "families": {"apply", "introspect", "adapters", "norm", "position", "tiny", "utils"},  # supported(): every family measured
+    # supported(): every family measured
+    "families": {"apply", "introspect", "adapters", "norm", "position", "tiny", "utils"},
     "patch_options": {"position", "norm"},  # `hfpatch patch`'s flags as data; the registries read to check them
     "hfpatch": {"introspect", "spec", "apply", "families", "interop"},  # the public API
     # running models: what evaluations and training share, then each
-    "lm": {"apply", "introspect", "adapters", "models", "interop", "utils"},  # a causal LM as body + head; documents and tokenizers
-    "evaluate": {"hfpatch", "introspect", "position", "apply", "spec", "adapters", "lm", "models", "interop", "registry", "utils"},
+    # a causal LM as body + head; documents and tokenizers
+    "lm": {"apply", "introspect", "adapters", "models", "interop", "utils"},
+    "evaluate": {"hfpatch", "introspect", "position", "apply", "spec", "adapters", "lm", "models", "interop",
+                 "registry", "utils"},
     # the search over patches: candidates, the objective, the resumable loop (over the evaluations' machinery)
     "search": {"evaluate", "apply", "introspect", "adapters", "position", "lm", "models", "registry", "utils"},
-    "train": {"hfpatch", "introspect", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models", "registry",
-              "utils"},
-    "cli": {"hfpatch", "introspect", "evaluate", "lm", "search", "norm", "spec", "models", "families", "apply", "interop", "position", "utils",
-            "patch_options"},
+    "train": {"hfpatch", "introspect", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models",
+              "registry", "utils"},
+    "cli": {"hfpatch", "introspect", "evaluate", "lm", "search", "norm", "spec", "models", "families", "apply",
+            "interop", "position", "utils", "patch_options"},
     "__main__": {"cli"},
 }
 

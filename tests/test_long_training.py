@@ -18,7 +18,6 @@ from hfpatch.train.cli import run
 from hfpatch.train.loop import CausalLMLoss
 from hfpatch.train.pose import batch_position_ids, position_ids
 
-
 # ------------------------------------------------------------------------------------------------ PoSE position ids
 
 @pytest.mark.parametrize("seq_len,target,chunks", [(64, 256, 2), (100, 1000, 3), (16, 17, 2), (50, 4096, 5)])
@@ -153,7 +152,7 @@ def test_tiled_mlp_equals_the_plain_step(family):
         calls = []
         mlp = memory.feed_forward_modules(model)[0]
         inner = next(iter(mlp.children()))  # its first linear (gate_proj, c_fc, dense_h_to_4h, gate_up_proj)
-        inner.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[1]))
+        inner.register_forward_hook(lambda m, a, o, calls=calls: calls.append(a[0].shape[1]))
         edits = memory.apply(model, gradient_checkpointing=checkpointing, mlp_tile=16)
         _assert_same_step(_step(model, ids, chunk=20), plain)
         assert sorted(set(calls)) == [2, 16]  # forward and recomputation saw tiles only (50 = 3 x 16 + 2)
@@ -403,7 +402,7 @@ def test_ulysses_pieces_add_up_to_the_whole_batch():
         run = types.SimpleNamespace(layout=parallel.Layout(0, 1, "sp", size, rank))
         model.zero_grad(set_to_none=True)
         with Run.pieces(run, ids, None) as pieces:
-            shard_ids, positions, labels, scale = pieces
+            shard_ids, positions, labels, _ = pieces
             assert shard_ids.shape == (2, 16) and torch.equal(positions[0], torch.arange(16 * rank, 16 * rank + 16))
             assert torch.equal(labels[:, :-1], shard_ids[:, 1:]) and (rank == size - 1) == bool((labels == -100).any())
             loss = CausalLMLoss(model)(*pieces)[0] / size

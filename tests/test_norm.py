@@ -6,8 +6,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import FAMILIES, assert_same_fingerprint, fingerprint, logits, max_diff, tiny_config, tiny_model, \
-    tokens
+from conftest import FAMILIES, assert_same_fingerprint, fingerprint, logits, max_diff, tiny_config, tiny_model, tokens
 from transformers import AutoModel
 
 import hfpatch
@@ -205,7 +204,7 @@ def _first(t):
 
 def by_hand(family, layer, h, kw):
     """The block in the other placement, written out from its submodules."""
-    drop = lambda name, t: getattr(layer, name)(t) if hasattr(layer, name) else t  # noqa: E731
+    drop = lambda name, t: getattr(layer, name)(t) if hasattr(layer, name) else t
     if family == "gpt2":
         a = _first(layer.attn(h, attention_mask=kw.get("attention_mask")))
         h = layer.ln_1(h + a)
@@ -263,7 +262,7 @@ def test_gradient_checkpointing_still_works_after_a_class_swap(family):
     for ckpt in (False, True):
         model = hfpatch.patch(tiny_model(family), placement=where).train()
         for mod in model.modules():
-            if hasattr(mod, "dropout") and isinstance(getattr(mod, "dropout"), float):
+            if hasattr(mod, "dropout") and isinstance(mod.dropout, float):
                 mod.dropout = 0.0
         for mod in model.modules():
             if isinstance(mod, torch.nn.Dropout):
@@ -272,7 +271,7 @@ def test_gradient_checkpointing_still_works_after_a_class_swap(family):
         first = get_path(model.base_model, adapter.layers)[0]
         norm = get_path(first, adapter.norms[0])
         count = [0]
-        norm.register_forward_hook(lambda *a: count.__setitem__(0, count[0] + 1))
+        norm.register_forward_hook(lambda *a, count=count: count.__setitem__(0, count[0] + 1))
         if ckpt:
             model.activation_checkpointing_enable({"use_reentrant": False})
         x = tokens(16)

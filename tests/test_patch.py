@@ -6,13 +6,23 @@ import math
 
 import pytest
 import torch
-from conftest import FAMILIES, ROPE_FAMILIES, WINDOW, assert_same_fingerprint, fingerprint, logits, max_diff, \
-    native_model, tiny_model, tokens
+from conftest import (
+    FAMILIES,
+    ROPE_FAMILIES,
+    WINDOW,
+    assert_same_fingerprint,
+    fingerprint,
+    logits,
+    max_diff,
+    native_model,
+    tiny_model,
+    tokens,
+)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hfpatch
-from hfpatch.apply import PatchRefused
 import hfpatch.apply
+from hfpatch.apply import PatchRefused
 from hfpatch.position import registry as schemes
 
 SCHEMES = [
@@ -122,7 +132,8 @@ BAD = [
     (dict(position="yarn", factor="4"), TypeError, "factor must be a number"),
     (dict(position="yarn"), ValueError, "needs factor="),
     (dict(position="yran", factor=2), ValueError,
-     "valid: rope, linear, ntk, dynamic, yarn, dynamic-yarn, llama3, longrope, p-rope, alibi, nope, sinusoidal, interpolate"),
+     "valid: rope, linear, ntk, dynamic, yarn, dynamic-yarn, llama3, longrope, p-rope, alibi, nope, sinusoidal, "
+     "interpolate"),
     (dict(factor=2.0), ValueError, "without position="),
     (dict(position="yarn", factor=2, bogus=1), ValueError, "does not take bogus"),
     (dict(position="linear", factor=2, beta_fast=3), ValueError, "does not take beta_fast"),
@@ -245,7 +256,8 @@ def test_spec_string_form():
     assert spec.parse("yarn:4") == {"position": "yarn", "factor": 4.0}
     assert spec.parse("none") == {} and spec.parse("dynamic") == {"position": "dynamic"}
     assert spec.parse("yarn:4:beta_fast=16") == {"position": "yarn", "factor": 4.0, "beta_fast": 16}
-    assert spec.parse("longrope:2:short_factor=[1,2]") == {"position": "longrope", "factor": 2.0, "short_factor": [1, 2]}
+    assert spec.parse("longrope:2:short_factor=[1,2]") == {"position": "longrope", "factor": 2.0,
+                                                           "short_factor": [1, 2]}
     with pytest.raises(ValueError, match="factor 'x' is not a number"):
         spec.parse("yarn:x")
     model = tiny_model("llama")

@@ -16,8 +16,8 @@ import hfpatch
 from hfpatch.adapters import adapter_for, get_path
 from hfpatch.cli import main
 from hfpatch.evaluate.common import parse_patches
-from hfpatch.position import layers as per_layer
 from hfpatch.interop.serving import folder_differences
+from hfpatch.position import layers as per_layer
 
 LAYERS = 6  # tiny models with enough layers to select some
 

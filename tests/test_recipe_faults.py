@@ -54,7 +54,7 @@ def rows(out):
 
 
 def curve(out):
-    return [(r["step"], r["loss"], r["eval_loss"] if "eval_loss" in r else None, r["lr"], r["tokens"])
+    return [(r["step"], r["loss"], r.get("eval_loss"), r["lr"], r["tokens"])
             for r in rows(out)]
 
 
@@ -200,7 +200,7 @@ def test_resume_loads_the_newest_complete_checkpoint_and_cuts_the_log(accelerato
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4]
     assert not (tmp_path / "checkpoints" / "step_6.partial").exists()
-    with pytest.raises(ConfigError, match="is not a complete checkpoint: no hfpatch_checkpoint.json"):
+    with pytest.raises(ConfigError, match=r"is not a complete checkpoint: no hfpatch_checkpoint\.json"):
         checkpoint.resume(accelerator, str(tmp_path), tmp_path, {"counter": counter}, log)
 
 

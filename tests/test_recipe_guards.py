@@ -18,9 +18,9 @@ import torch
 from conftest import REPO, stdlib_text
 from safetensors import SafetensorError
 
-from hfpatch.utils.files import Lock
 from hfpatch.train import checkpoint, config, loop
 from hfpatch.train.cli import run
+from hfpatch.utils.files import Lock
 
 TINY = ("model_config={model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
         "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 128}")

@@ -60,7 +60,8 @@ def decreased(rows):
 def pretrained(tmp_path_factory, tiny_tokenizer_dir, text):
     """pretrain on 2 processes; its final model is the starting point of the other recipes."""
     out = tmp_path_factory.mktemp("pretrain")
-    launch("pretrain", [TINY, f"tokenizer={tiny_tokenizer_dir}", *common(text, out), "patch={position: ntk, factor: 2}"])
+    launch("pretrain",
+           [TINY, f"tokenizer={tiny_tokenizer_dir}", *common(text, out), "patch={position: ntk, factor: 2}"])
     return out
 
 

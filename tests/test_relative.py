@@ -256,7 +256,8 @@ CASES = [(f, dict(position=s)) for f in ("llama", "gemma2", "gpt_neox", "gpt2", 
     [(f, dict(norm="batchnorm")) for f in ("llama", "gemma2", "olmo2", "gpt2", "opt")]
 
 
-@pytest.mark.parametrize("family,kwargs", CASES, ids=lambda c: c if isinstance(c, str) else "+".join(map(str, c.values())))
+@pytest.mark.parametrize("family,kwargs", CASES,
+                         ids=lambda c: c if isinstance(c, str) else "+".join(map(str, c.values())))
 def test_unpatch_save_and_reload(tmp_path, family, kwargs):
     model = tiny_model(family)
     x = tokens(24)

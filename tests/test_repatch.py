@@ -98,7 +98,8 @@ def test_failure_while_applying_puts_back_the_previous_objects(monkeypatch):
         real(*args, **kwargs)
         raise RuntimeError("disk full")
 
-    monkeypatch.setitem(SCHEMES._records, "interpolate", dataclasses.replace(SCHEMES["interpolate"], apply=half_then_fail))
+    failing = dataclasses.replace(SCHEMES["interpolate"], apply=half_then_fail)
+    monkeypatch.setitem(SCHEMES._records, "interpolate", failing)
     with pytest.raises(PatchRefused, match=r"gpt2 model \(RuntimeError: disk full\)"):
         hfpatch.patch(model, position="interpolate", factor=3.0)
     assert max_diff(logits(model, x), ref) == 0.0
@@ -148,7 +149,7 @@ def test_deepcopy_of_a_patched_model_unpatches_on_its_own(tmp_path, family, kwar
     hfpatch.unpatch(twin)
     assert max_diff(logits(twin, x), logits(fresh, x)) == 0.0
     a, b = fingerprint(twin), fingerprint(fresh)
-    assert_same_fingerprint(a[:4] + (None,), b[:4] + (None,))  # config objects: the copy has its own
+    assert_same_fingerprint((*a[:4], None), (*b[:4], None))  # config objects: the copy has its own
     assert max_diff(logits(model, x), patched) == 0.0  # the original is still patched
     twin.save_pretrained(tmp_path)  # nothing unserializable left behind in the config
 
@@ -181,7 +182,7 @@ def test_saving_a_model_with_peft_adapters_asks_to_merge(tmp_path):
     model = tiny_model("llama")
     hfpatch.patch(model, position="yarn", factor=2.0)
     lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    with pytest.raises(ValueError, match="peft adapters.*merge_and_unload"):
+    with pytest.raises(ValueError, match=r"peft adapters.*merge_and_unload"):
         hfpatch.save_pretrained(lora, tmp_path)
     merged = lora.merge_and_unload()
     hfpatch.save_pretrained(merged, tmp_path)
@@ -194,7 +195,7 @@ def test_exact_conversion_on_lora_layers_says_what_to_do():
     lora = peft.get_peft_model(tiny_model("gpt2"), peft.LoraConfig(r=2, target_modules=["c_attn"],
                                                                   fan_in_fan_out=True))
     fp = fingerprint(lora.get_base_model())
-    with pytest.raises(ValueError, match="wrapped by peft.*exact=False"):
+    with pytest.raises(ValueError, match=r"wrapped by peft.*exact=False"):
         hfpatch.patch(lora, norm="rmsnorm")
     assert_same_fingerprint(fingerprint(lora.get_base_model()), fp)
 
@@ -210,10 +211,10 @@ def test_contradictory_spec_strings(text, message):
 
 
 def test_spec_string_as_position_points_to_the_string_form():
-    with pytest.raises(ValueError, match="spec.parse"):
+    with pytest.raises(ValueError, match=r"spec\.parse"):
         hfpatch.patch(tiny_model("llama"), position="yarn:4")
 
 
 def test_unknown_keyword_lists_what_is_accepted():
-    with pytest.raises(TypeError, match="unknown option.*foo.*accepts position="):
+    with pytest.raises(TypeError, match=r"unknown option.*foo.*accepts position="):
         hfpatch.patch(tiny_model("llama"), norm="rmsnorm", foo=1)

@@ -401,7 +401,7 @@ def test_no_options_use_the_default_rule():
 def test_spec_strings():
     assert hfpatch.spec.parse("self-extend:group_size=4:window=1024") == dict(position="self-extend", group_size=4,
                                                                              window=1024)
-    [(name, kwargs)] = parse_patches("self-extend:group_size=8:window=1024")
+    [(_, kwargs)] = parse_patches("self-extend:group_size=8:window=1024")
     assert hfpatch.spec.request(**kwargs)["position"] == {"scheme": "self-extend", "group_size": 8, "window": 1024}
 
 
@@ -503,5 +503,5 @@ def test_a_model_without_a_trained_window_is_refused_with_the_reason():
 def test_a_static_cache_is_refused_with_a_clear_error():
     """Cached keys' positions are inferred (consecutive, ending at the newest query): a StaticCache breaks that."""
     model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=4, window=8)
-    with pytest.raises(ValueError, match="a DynamicCache, what generate.. uses by default"):
+    with pytest.raises(ValueError, match=r"a DynamicCache, what generate\(\) uses by default"):
         model.generate(tokens(20), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="static")

@@ -32,7 +32,7 @@ def default_config(model_type):
 
 
 def test_causal_lm_types_are_the_mapping_sorted():
-    assert TYPES == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    assert sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) == TYPES
     assert len(TYPES) == len(set(TYPES))
 
 
@@ -153,7 +153,7 @@ def test_overrides_win_and_seed_decides_the_weights():
 
 
 def test_bad_model_type_is_one_clear_error():
-    with pytest.raises(ValueError, match="unknown model_type 'nope'.*CONFIG_MAPPING"):
+    with pytest.raises(ValueError, match=r"unknown model_type 'nope'.*CONFIG_MAPPING"):
         tiny.tiny_config("nope")
     with pytest.raises(tiny.TinyBuildError, match="musicgen: an audio-codebook decoder"):
         tiny.build_tiny("musicgen")
