@@ -232,7 +232,7 @@ def junit_summary(path: Path) -> dict:
 
 def skip_reason(skipped: ET.Element) -> str:
     """A skip's reason: the message, or for a module skipped whole ("collection skipped") the reason in its text,
-    "('tests/test_x.py', 20, 'Skipped: why')"."""
+    "('tests/test_cli.py', 20, 'Skipped: why')"."""
     message = skipped.get("message") or ""
     found = re.search(r"'Skipped: (.*)'\)\s*$", skipped.text or "", re.S) if message == "collection skipped" else None
     return " ".join((found.group(1) if found else message).split())

@@ -1,7 +1,7 @@
 """The search study's arms and its needle-driven measure: the patch a search found against the fixed rescalings on
 text the search never saw.
 
-    python -m eval.search_study patches --best eval/results/search/dracula_16k/best.json
+    python -m eval.search_study patches --best SEARCH_OUT/best.json
         the arms as one --patches value for hfpatch eval ppl / passkey (found, none, linear:2, ntk:2, yarn:2, llama3:2,
         longrope with the NTK formula's factors, self-extend, dual-chunk)
     python -m eval.search_study passkey-arms --ppl PPL_DIR/results.json --best .../best.json

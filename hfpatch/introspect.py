@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def _limit_kind(model: PreTrainedModel, adapter: Adapter) -> str | None:
-    """What kind of length limit the model has now (position/schemes.py, `limit`): that of the position scheme
+    """What kind of length limit the model has now (position/registry.py, `limit`): that of the position scheme
     applied, else "table" for a model's own learned table, "window" for the others."""
     state = state_of(model)
     scheme = (state.applied if state else {}).get("position", {}).get("scheme")

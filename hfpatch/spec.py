@@ -23,7 +23,7 @@ AXES = ("norm", "placement", "position", "temperature")
 
 
 def position_request(scheme, options: dict) -> dict:
-    """Validate a position request against the scheme registry (position/schemes.py)."""
+    """Validate a position request against the scheme registry (position/registry.py)."""
     return schemes.request(scheme, options)
 
 

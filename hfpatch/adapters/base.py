@@ -2,7 +2,7 @@
 
 Paths are dotted attribute paths. `layers`, `rotaries`, `position_table`, `final_norm` and `embedding_norm` are
 relative to the *base* model (`model.base_model`, e.g. `LlamaModel` inside `LlamaForCausalLM`); `attention`, `mlp`
-and `norms` are relative to one entry of `layers`. Adapters are read off the live model (infer.py); the few fields
+and `norms` are relative to one entry of `layers`. Adapters are read off the live model (adapters/infer/); the few fields
 inference cannot see are overridden by hand (adapters/__init__.OVERRIDES).
 """
 

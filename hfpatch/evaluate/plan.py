@@ -1,6 +1,6 @@
 """The plan an evaluation makes of its work, as the sweep (sweep.py) runs it: cells (`Cell`, one per patch spec and
 coordinates) of units (`Unit`, one document, one trial), with what decides the numbers (`Plan`). Data only: the
-evaluations (through definition.py), the sweep and the engines (engine.py) all read it, and it imports nothing, so
+evaluations (through definition.py), the sweep and the engines (engines.py) all read it, and it imports nothing, so
 that none of them imports another back to reach it.
 """
 

@@ -9,7 +9,7 @@ A record says:
   it fails), so that a refusal says why and `supported()` lists exactly what `patch` accepts;
 - `factor` ("required" | "optional" | "none") and `options` {name: validator}: the keyword arguments it takes;
 - `check`: validation across options (beta_fast > beta_slow, ...);
-- `rope`: for RoPE rescaling, the pure builder of transformers `rope_parameters` (position/rope.py);
+- `rope`: for RoPE rescaling, the pure builder of transformers `rope_parameters` (rope/builders.py);
 - `per_forward(rotary, base, window, opts, edits)`: for RoPE rescaled again at every forward (dynamic-yarn), what
   makes the rotary module do so;
 - `max_positions`: what a RoPE rescaling writes to config.max_position_embeddings: "extended" (trained window x

@@ -15,7 +15,7 @@ process the whole sequence for 1/n of the heads, through the attention function 
 model's own.
 
 What cannot work is refused before training (`check`), with the reason:
-- position schemes whose registry record says why (position/schemes.py, `split`): those that run their own attention
+- position schemes whose registry record says why (position/registry.py, `split`): those that run their own attention
   function (ALiBi, T5, Transformer-XL, Self-Extend) read key positions from the local shard's slots (ALiBi also
   holds one slope per head of the whole model, where Ulysses hands it 1/n of the heads); dynamic and dynamic-yarn
   RoPE take the scale from the largest position id each process sees, which differs between shards;
