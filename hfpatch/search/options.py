@@ -172,7 +172,8 @@ class SearchOptions:
     proxy_tokens: int = option(4096, "tokens of a proxy sample: real text whose position ids skip so that it spans "
                                "the target length; candidates are ranked on such samples and the best --finalists "
                                "scored at full length (0: every candidate at full length)", parse=int)
-    proxy_segments: int = option(4, "segments of a proxy sample, spread evenly over the target length", parse=int)
+    proxy_segments: int = option(8, "segments of a proxy sample: its start, the passkey line, the span's source, its "
+                                 "end, and the others spread evenly between them", parse=int)
     proxy_samples: int = option(2, "proxy samples per candidate", parse=int)
     finalists: int = option(4, "candidates scored at full length after the proxy ranking", parse=int)
     span: int | None = option(None, "tokens of the repeated span", parse=int, default_text="min(32, window / 4)")
