@@ -10,8 +10,10 @@ sweep (sweep.py):
 From Python, `run(name, model, tokenizer, **settings)` and one function per evaluation (`perplexity`, `passkey`,
 `ruler`, `niah`) run the same sweep and return what results.json holds (api.py).
 
-A module there is an evaluation by being there: EVALUATIONS is read from the folder (without importing the
-modules, so `hfpatch --help` stays fast); the module defines EVALUATION, which takes its name from the module.
+A module there is an evaluation by being there: EVALUATIONS, the registry of evaluations, holds the folder's modules
+by name (without importing them, so `hfpatch --help` stays fast); the module defines EVALUATION, which takes its
+name from the module. An evaluation from elsewhere is registered with `evaluations.register(NAME, MODULE)`
+(docs/extending.md).
 """
 
 from __future__ import annotations
