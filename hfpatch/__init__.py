@@ -7,7 +7,7 @@ does not pay for importing torch and transformers.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.3.0"
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .introspect import describe
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name == "spec" or name in _API:
         module = importlib.import_module(f".{_API.get(name, name)}", __name__)
         value = module if name == "spec" else getattr(module, name)
@@ -34,5 +34,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'hfpatch' has no attribute {name!r}")
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))

@@ -83,7 +83,7 @@ def changes_weights(axis: str, req: dict) -> bool:
 # patch / unpatch
 
 
-def _apply_axis(model: PreTrainedModel, adapter: Adapter, axis: str, req: dict, edits: Edits):
+def _apply_axis(model: PreTrainedModel, adapter: Adapter, axis: str, req: dict, edits: Edits) -> dict | None:
     if axis == "norm":
         reason = norm_kinds.unavailable(req["kind"], model, adapter)
         if reason:

@@ -31,6 +31,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from . import patch_options
 from .evaluate import EVALUATIONS
@@ -40,7 +41,7 @@ from .utils.files import Lock, describe_os_error, write_folder
 from .utils.warn import NeedsCalibrationWarning
 
 
-def _key_value(text: str):
+def _key_value(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
@@ -50,7 +51,7 @@ def _key_value(text: str):
         return key.strip(), raw
 
 
-def _temperature(text: str):
+def _temperature(text: str) -> str | dict:
     from .spec import parse_temperature
 
     try:
@@ -94,7 +95,7 @@ _FORMS: dict[str, dict] = {"number": {"type": float}, "integer": {"type": int}, 
                            "numbers": {"type": _numbers}, "names": {"nargs": "+"}}
 
 
-def _layer_group(text: str):
+def _layer_group(text: str) -> tuple[str, object]:
     from .spec import parse_layer_group
 
     try:

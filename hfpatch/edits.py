@@ -27,19 +27,19 @@ class _Marker:
     """A log marker that stays itself when the model is copied (copy.deepcopy) or pickled: markers are compared
     by identity."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str) -> None:
         self.name = name
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return self.name
 
-    def __copy__(self):
+    def __copy__(self) -> _Marker:
         return self
 
-    def __deepcopy__(self, memo: dict):
+    def __deepcopy__(self, memo: dict) -> _Marker:
         return self
 
-    def __reduce__(self):
+    def __reduce__(self) -> str:
         return self.name  # pickled by reference to this module's global
 
 
@@ -56,7 +56,7 @@ class Edits:
         self._log: list[tuple[object, Any, Any]] = []
         self._undone: list[tuple[object, str, object, object]] = []  # what undo() removed, for redo()
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._log)
 
     def set(self, obj: Any, name: str, value: Any) -> None:
@@ -138,7 +138,7 @@ class Edits:
                 finish(_reapply, obj, name, now)
 
 
-def _now(obj: Any, name: Any, old: Any):
+def _now(obj: Any, name: Any, old: Any) -> Any:
     """What undo() replaces: the class, the attributes added since the log began tracking, or the value."""
     if name == "__class__":
         return type(obj)
@@ -175,7 +175,7 @@ def _finishing() -> Iterator[Callable[..., Any]]:
     neither patched nor not."""
     held: list[BaseException] = []
 
-    def finish(step: Callable[..., Any], *args: Any):
+    def finish(step: Callable[..., Any], *args: Any) -> Any:
         try:
             return step(*args)
         except KeyboardInterrupt as e:
@@ -188,7 +188,7 @@ def _finishing() -> Iterator[Callable[..., Any]]:
 
 
 @contextlib.contextmanager
-def deferred_interrupts():
+def deferred_interrupts() -> Iterator[None]:
     """Hold SIGINT (Ctrl-C) back until the block is done, then deliver it as the handler in place would have. Only
     the main thread receives signals, so elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
@@ -206,7 +206,7 @@ def deferred_interrupts():
             raise KeyboardInterrupt
 
 
-def _current(obj: Any, name: Any):
+def _current(obj: Any, name: Any) -> Any:
     # Read instance state only: a class attribute or property is not something we replaced.
     if name in getattr(obj, "_buffers", {}):
         return obj._buffers[name]
@@ -221,7 +221,7 @@ def _current(obj: Any, name: Any):
     return d.get(name, MISSING)
 
 
-def _held(obj: Any, name: Any):
+def _held(obj: Any, name: Any) -> tuple[Any, str | None]:
     """(value or MISSING, its slot): "buffer" (persistent), "buffer-np" (non-persistent), "parameter", "module" or
     None (a plain attribute, or absent), so that undo/redo put a value back where it was."""
     for slot, table in (("buffer", "_buffers"), ("parameter", "_parameters"), ("module", "_modules")):
@@ -271,7 +271,7 @@ def without_mixin(cls: type, mixin: type) -> type:
     return cls.__bases__[1]
 
 
-def _like(old: Any, now: Any):
+def _like(old: Any, now: Any) -> Any:
     """The saved tensor or module, moved to the device and floating dtype its replacement has now: the model may
     have been moved (`model.to("cuda")`, `model.bfloat16()`) between patch and unpatch, and the saved objects were
     not in the model then."""
@@ -292,7 +292,7 @@ def _keys(obj: Any) -> frozenset:
     return frozenset(getattr(obj, "__dict__", {})) | frozenset(getattr(obj, "_buffers", {}))
 
 
-def _float_tensor(module: nn.Module):
+def _float_tensor(module: nn.Module) -> torch.Tensor | None:
     """The first floating-point parameter or buffer of a module (None if it has none)."""
     for t in list(module.parameters()) + list(module.buffers()):
         if t.is_floating_point():

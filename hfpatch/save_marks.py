@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Iterator
+from typing import Any
 
 from transformers import PreTrainedModel
 
@@ -17,7 +19,7 @@ from .patch_state import position_facts, state_of, touched_config, unwrap
 
 
 @contextlib.contextmanager
-def serializable(model):
+def serializable(model) -> Iterator[None]:
     """Let transformers save a model loaded from GGUF.
 
     A GGUF checkpoint loaded by transformers' dequantizing loader holds plain float weights but keeps its quantizer,
@@ -77,7 +79,7 @@ NEEDS_HFPATCH = ("hfpatch (saved patched by hfpatch, in a form this config class
 
 
 @contextlib.contextmanager
-def marked_for_plain_reload(model, unexpressed: list):
+def marked_for_plain_reload(model, unexpressed: list) -> Iterator[None]:
     """While saving a model with patches plain transformers cannot express: config.json names NEEDS_HFPATCH as its
     quantization method (where the model has no quantization config of its own), and holds the original values of
     the config fields a non-native position scheme changed (the record keeps the patched ones), so that a plain
@@ -98,7 +100,7 @@ def marked_for_plain_reload(model, unexpressed: list):
         edits.undo()
 
 
-def config_path(config, key: str):
+def config_path(config, key: str) -> tuple[Any, str]:
     """(the config or sub-config holding `key`, the attribute name): "text_config.max_position_embeddings"."""
     *subs, name = key.split(".")
     for sub in subs:
@@ -113,7 +115,7 @@ def save_marked(model: PreTrainedModel, path, **kwargs) -> None:
         type(model).save_pretrained(model, path, **kwargs)
 
 
-def _own_save_pretrained(self, save_directory, *args, **kwargs):
+def _own_save_pretrained(self, save_directory, *args, **kwargs) -> None:
     """A patched model's own `save_pretrained` (bound to it while it carries a patch): whatever calls it —
     transformers.Trainer's checkpoints and save_model, TRL's trainers, push_to_hub — writes the folder that
     hfpatch.save_pretrained writes, whose config.json a plain loader reads as the original model or warns about."""

@@ -165,7 +165,7 @@ def parse_layer_group(item: str, text: str | None = None) -> tuple[str, object]:
     return name.strip(), group if len(group) > 1 else group["layers"]
 
 
-def _json_or_text(raw: str):
+def _json_or_text(raw: str) -> Any:
     try:
         return json.loads(raw)
     except json.JSONDecodeError:

@@ -2,15 +2,15 @@
 
 Paths are dotted attribute paths. `layers`, `rotaries`, `position_table`, `final_norm` and `embedding_norm` are
 relative to the *base* model (`model.base_model`, e.g. `LlamaModel` inside `LlamaForCausalLM`); `attention`, `mlp`
-and `norms` are relative to one entry of `layers`. Adapters are read off the live model (adapters/infer/); the few fields
-inference cannot see are overridden by hand (adapters/__init__.OVERRIDES).
+and `norms` are relative to one entry of `layers`. Adapters are read off the live model (adapters/infer/); the few
+fields inference cannot see are overridden by hand (adapters/__init__.OVERRIDES).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
 
-def get_path(root: nn.Module, path: str | None):
+def get_path(root: nn.Module, path: str | None) -> Any:
     """root.a.b.c for path "a.b.c" (list indices are attributes of nn.ModuleList too). `path` is typed as the
     adapter's optional fields are: the patches that read a field require it first (their Requirement records), so
     None here is a bug, reported as the missing attribute it is."""

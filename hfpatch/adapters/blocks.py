@@ -62,11 +62,11 @@ def _bound(forward: Callable[..., Any], hidden_states: torch.Tensor, args: tuple
     return out
 
 
-def _first(out: Any):
+def _first(out: Any) -> Any:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _drop(block: nn.Module, path: str | None, x: Any):
+def _drop(block: nn.Module, path: str | None, x: Any) -> Any:
     return x if path is None else get_path(block, path)(x)
 
 
@@ -79,7 +79,7 @@ class GenericBlock:
 
 
 def run(block: nn.Module, spec: BlockSpec, forward: Callable[..., Any], hidden_states: torch.Tensor, args: tuple,
-        kwargs: dict[str, Any]):
+        kwargs: dict[str, Any]) -> torch.Tensor:
     """One block forward in the form `spec.placement`; `forward` is the block's own (for its signature)."""
     kw = _bound(forward, hidden_states, args, kwargs)
     attn, mlp = get_path(block, spec.attention), get_path(block, spec.mlp)

@@ -48,7 +48,7 @@ def layer_types(config: PreTrainedConfig) -> list:
     return config.nested_rope_parameter_keys(config.rope_parameters) or [None]
 
 
-def params_of(config: PreTrainedConfig, layer_type: str | None):
+def params_of(config: PreTrainedConfig, layer_type: str | None) -> dict:
     return config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
 
 
@@ -75,5 +75,5 @@ class ZeroPositions(nn.Embedding):
     """Mixed in just above nn.Embedding in a learned position table's class (`Edits.mix_in(..., under=True)`): the
     lookup returns zeros, so the model adds no position embedding (gradients do not reach the table)."""
 
-    def forward(self, input: torch.Tensor):  # `input`: nn.Embedding's own parameter name
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # `input`: nn.Embedding's own parameter name
         return torch.zeros(*input.shape, self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device)

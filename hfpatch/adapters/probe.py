@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +60,7 @@ class Probe:
     error: str | None = None  # why the forward failed (then calls/attention are partial)
 
 
-def _first_tensor(args: tuple, kwargs: dict[str, Any]):
+def _first_tensor(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
     if "hidden_states" in kwargs and isinstance(kwargs["hidden_states"], torch.Tensor):
         return kwargs["hidden_states"]
     for a in args:
@@ -80,7 +81,7 @@ def _out_tensor(out: Any):
     return None
 
 
-def _clone(t: Any):
+def _clone(t: Any) -> Any:
     return None if t is None else t.detach().clone()
 
 
@@ -88,7 +89,7 @@ _CURRENT: list = []  # the probe being recorded (the registered function is glob
 
 
 def _recording_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: Any,
-                         attention_mask: torch.Tensor | None, **kwargs: Any):
+                         attention_mask: torch.Tensor | None, **kwargs: Any) -> Any:
     probe, names, original = _CURRENT[-1]
     name = names.get(id(module), "?")
     if name not in probe.attention:
@@ -120,7 +121,7 @@ def _recording_interface(model, probe, names):
     mask = AttentionMaskInterface._global_mapping.get(impl, AttentionMaskInterface._global_mapping["eager"])
     AttentionMaskInterface.register(PROBE_NAME, mask)
 
-    def original(module: nn.Module):
+    def original(module: nn.Module) -> Callable[..., Any]:
         if impl in ALL_ATTENTION_FUNCTIONS:
             return ALL_ATTENTION_FUNCTIONS[impl]
         eager = getattr(inspect.getmodule(type(module)), "eager_attention_forward", None)
@@ -155,7 +156,7 @@ def run(model: Any, ids: torch.Tensor | None = None, record_interface: bool = Tr
     counter = [0]
     started: dict = {}
 
-    def pre(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+    def pre(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         counter[0] += 1
         name = names[id(module)]
         if name in probe.calls:
@@ -164,7 +165,7 @@ def run(model: Any, ids: torch.Tensor | None = None, record_interface: bool = Tr
         if name not in started:
             started[name] = (counter[0], _clone(_first_tensor(args, kwargs)))
 
-    def post(module: nn.Module, args: tuple, kwargs: dict[str, Any], out: Any):
+    def post(module: nn.Module, args: tuple, kwargs: dict[str, Any], out: Any) -> None:
         counter[0] += 1
         name = names[id(module)]
         if name in probe.calls or name not in started:
@@ -262,6 +263,6 @@ def restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
         m.training = training
 
 
-def _detach(v: Any):
+def _detach(v: Any) -> Any:
     return v.detach() if isinstance(v, torch.Tensor) else v
 

@@ -10,6 +10,7 @@ import copy
 import importlib.metadata
 import json
 import platform
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,7 +72,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next((short for short, full in DTYPES.items() if full == name), name)
 
 
-def torch_dtype(name: str):
+def torch_dtype(name: str) -> torch.dtype | str | None:
     return getattr(torch, DTYPES[name]) if name in DTYPES else ("auto" if name == "auto" else None)
 
 
@@ -89,7 +90,7 @@ def check_device(device: str | None) -> None:
                          "can use")
 
 
-def load_model(args: argparse.Namespace):
+def load_model(args: argparse.Namespace) -> PreTrainedModel:
     model, _ = load(args.model, dtype=torch_dtype(args.dtype), device_map=args.device_map, tokenizer=False)
     if not args.device_map:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -98,7 +99,7 @@ def load_model(args: argparse.Namespace):
 
 
 @contextlib.contextmanager
-def applied(model: PreTrainedModel, kwargs: dict, name: str):
+def applied(model: PreTrainedModel, kwargs: dict, name: str) -> Iterator[PreTrainedModel]:
     """The model with the spec applied for a while, then back exactly as it was. `none` (no kwargs) is the model as
     loaded; a spec replaces the patch the model was loaded with on the axes it names (ntk:2 on a model loaded with
     yarn:4 runs ntk:2 over the checkpoint's base RoPE), and that loaded patch is applied again afterwards (unpatch

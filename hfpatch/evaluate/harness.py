@@ -19,7 +19,7 @@ argument. Needs the optional extra: pip install 'hfpatch[lm-eval]'.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ try:
 except ImportError:  # the optional extra is not installed
     HFLM = None
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 def parse_patch(text: str) -> dict:
     """patch=... of --model_args: one spec string (none, yarn:2, ...), validated before anything is loaded."""
@@ -51,7 +54,7 @@ class _Loader:
     """What HFLM calls AUTO_MODEL_CLASS: hfpatch's loading, so that a model saved patched comes back patched."""
 
     @staticmethod
-    def from_pretrained(pretrained: str, **kwargs: Any):
+    def from_pretrained(pretrained: str, **kwargs: Any) -> PreTrainedModel:
         kwargs = {k: v for k, v in kwargs.items() if not (k in ("gguf_file", "quantization_config") and v is None)}
         if kwargs.get("subfolder") == "":
             kwargs.pop("subfolder")
@@ -65,7 +68,7 @@ if HFLM is not None:
         AUTO_MODEL_CLASS = _Loader  # causal LMs only, as everywhere in hfpatch
 
         def __init__(self, pretrained: str = "smollm2", patch: str = "none", device: str | None = None,
-                     **kwargs: Any):
+                     **kwargs: Any) -> None:
             self.patch_spec = str(patch)
             self._patch_kwargs = parse_patch(self.patch_spec)
             where, gguf_file = resolve(str(pretrained))

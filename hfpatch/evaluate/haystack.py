@@ -42,7 +42,7 @@ class Source:
     """Real text for haystacks and the words that keys and word lists are drawn from: the documents' text with
     whitespace collapsed, its words, and its distinct lowercase words of 3-10 letters (sorted)."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str) -> None:
         self.text = re.sub(r"\s+", " ", text).strip()
         self.words = self.text.split(" ") if self.text else []
         self.pool = sorted(set(re.findall(r"\b[a-z]{3,10}\b", self.text)))
@@ -68,7 +68,7 @@ class Prompter:
     """A sample as the model reads it: the task text and the answer prefix (RULER's "base" template), or, with
     `chat`, the task text as a user message in the tokenizer's chat template and the answer prefix after it."""
 
-    def __init__(self, tok: Any, chat: bool):
+    def __init__(self, tok: Any, chat: bool) -> None:
         self.tok, self.chat = tok, chat
         if chat and not getattr(tok, "chat_template", None):
             raise ValueError("--chat-template: this tokenizer has no chat template")
@@ -96,7 +96,7 @@ def string_match_all(answer: str, references: list[str]) -> float:
     return sum(r.lower() in a for r in references) / len(references)
 
 
-def all_found(tok: Any, references: list[str]):
+def all_found(tok: Any, references: list[str]) -> Callable[[list[int]], bool]:
     """A stop test for greedy decoding: True once every reference is in the answer so far. The score is the share
     of references found, which more text cannot lower, so stopping there gives the score of the full answer
     (and saves the decoding steps of every answer that got it right early)."""
@@ -185,7 +185,7 @@ class NoRoom(ValueError):
     """fit() found no size that fits its budget: even the smallest build has `tokens` tokens (the caller knows
     what the budget was taken from, and says what length would hold it)."""
 
-    def __init__(self, tokens: int):
+    def __init__(self, tokens: int) -> None:
         super().__init__(f"even the smallest prompt has {tokens} tokens")
         self.tokens = tokens
 
@@ -196,7 +196,7 @@ def fit(build: Callable[[int], T], count_tokens: Callable[[T], int], budget: int
     shrink as n grows). The search starts at `start` (the answer for a similar prompt) or, without one, where the
     token counts of two small builds extrapolate to; it walks in steps of about 1/64 of that until it crosses the
     budget, then bisects the last step."""
-    def fits(n: int):
+    def fits(n: int) -> tuple[int, T] | None:
         built = build(n)
         return (n, built) if count_tokens(built) <= budget else None
 

@@ -31,7 +31,8 @@ import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -74,7 +75,7 @@ class Setting:
 class LlamaCppModel:
     """A GGUF file run by llama.cpp, with the spec applied now; scores and decodes like lm.LMParts."""
 
-    def __init__(self, path: str, threads: int | None = None):
+    def __init__(self, path: str, threads: int | None = None) -> None:
         self.path = path
         self.threads = threads or os.cpu_count() or 1
         self.info = hg.read_rope(hg.open_gguf(path))
@@ -116,7 +117,7 @@ class LlamaCppModel:
         return self._exports[key]
 
     @contextlib.contextmanager
-    def applied(self, kwargs: dict, name: str):
+    def applied(self, kwargs: dict, name: str) -> Iterator[LlamaCppModel]:
         try:
             setting = self.setting_for(kwargs)
         except (ValueError, TypeError) as e:
@@ -129,7 +130,7 @@ class LlamaCppModel:
 
     # ----------------------------------------------------------------------------------------------- contexts
 
-    def llm(self, n_ctx: int):
+    def llm(self, n_ctx: int) -> Any:
         """A llama.cpp context of n_ctx tokens for the current setting (kept while both stay the same)."""
         from llama_cpp import Llama  # an optional extra
 
@@ -153,7 +154,7 @@ class LlamaCppModel:
         self.close_context()
         self.remove_exports()
 
-    def document_nll(self, ids: Any, spans: Any, chunk: int = 0, progress: Any = None):
+    def document_nll(self, ids: Any, spans: Any, chunk: int = 0, progress: Any = None) -> tuple[float, int, list]:
         """lm.document_nll in llama.cpp: (nll sum, tokens scored, scored runs) over the windows of `ids` (`chunk`,
         the transformers engine's LM-head chunk, has no part here: llama.cpp gives every position's logits)."""
         ids = np.asarray(ids, dtype=np.int64)
@@ -270,7 +271,7 @@ class LlamaCppEngine:
                                     "for (those are transformers options)")
     runs_python: ClassVar[bool] = False
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace) -> None:
         check_installed()
         path = gguf_path(args.model)
         if path is None:
@@ -284,7 +285,7 @@ class LlamaCppEngine:
     def check_memory(self, args: argparse.Namespace, plan: Any, shape: Any = None) -> None:
         pass
 
-    def load(self, args: argparse.Namespace):
+    def load(self, args: argparse.Namespace) -> LlamaCppModel:
         return LlamaCppModel(self.path)
 
     def prepare(self, model: Any, patches: Any, plan: Any, results: Any, name: str) -> LlamaCppModel:
@@ -321,7 +322,7 @@ class LlamaCppEngine:
         return seconds
 
     @staticmethod
-    def applied(model: Any, kwargs: dict, name: str):
+    def applied(model: Any, kwargs: dict, name: str) -> AbstractContextManager:
         return model.applied(kwargs, name)
 
     @staticmethod

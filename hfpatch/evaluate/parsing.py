@@ -45,6 +45,6 @@ def parse_fractions(text: str, flag: str, meaning: str) -> list[float]:
     return sorted(values)
 
 
-def finite(x: float):
+def finite(x: float) -> float | None:
     """JSON has no inf/nan: a perplexity that overflows is written as null."""
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None

@@ -72,7 +72,7 @@ class Results:
 
     def __init__(self, path: Path, kind: str, identity: dict, records: str, summarize: Callable[..., Any],
                  overwrite: bool = False,
-                 read_only: bool = False):
+                 read_only: bool = False) -> None:
         self.path = Path(path)
         self.kind, self.records, self.summarize = kind, records, summarize
         self.read_only = read_only

@@ -29,7 +29,7 @@ import itertools
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -207,7 +207,7 @@ def loaded_fingerprint(model: Any, tokenizer: Any) -> dict:
 
 
 @contextlib.contextmanager
-def _closing(model):
+def _closing(model) -> Iterator[Any]:
     """The engine's model, closed at the end if it can be (a transformers model has nothing to close)."""
     try:
         yield model
@@ -334,7 +334,7 @@ def _run(ev: Swept, run: Run, todo: list, results: Results) -> None:
                         done = [0]
                         paths_before = run.paths_ran(run.model)
 
-                        def progress(n, done=done):
+                        def progress(n, done=done) -> None:
                             done[0] += n
                             bar.update(n)
 

@@ -61,7 +61,7 @@ def check_reads(args: argparse.Namespace, read: int, new_tokens: int, score_chun
         return
     b = {"fp16": 2, "bf16": 2}.get(args.dtype, 4)
 
-    def need(tokens):
+    def need(tokens) -> dict:
         return budget.memory_needed(shape, b, tokens, new_tokens, score_chunk)
 
     parts = need(read)

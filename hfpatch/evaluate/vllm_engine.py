@@ -32,7 +32,8 @@ import signal
 import subprocess
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -104,7 +105,7 @@ def refusal(model, plan_tokens: int) -> str | None:
 class Worker:
     """vllm_worker.py in vLLM's Python: one request, one answer, over pipes."""
 
-    def __init__(self, python: str, log: str):
+    def __init__(self, python: str, log: str) -> None:
         self.log = log
         with open(log, "ab") as err:
             # its own session: closing it ends vLLM's engine processes too
@@ -156,7 +157,7 @@ def _end_worker(proc) -> None:
 class VllmModel:
     """A transformers model, patched by hfpatch and saved, run by vLLM; scores and decodes like lm.LMParts."""
 
-    def __init__(self, model, python: str, out: str):
+    def __init__(self, model, python: str, out: str) -> None:
         self.hf = model
         self.python = python
         os.makedirs(out, exist_ok=True)
@@ -172,7 +173,7 @@ class VllmModel:
         self._finalize = weakref.finalize(self, _close, self._workers, self._tmp, held)
 
     @contextlib.contextmanager
-    def applied(self, kwargs: dict, name: str, tokens: int = 0):
+    def applied(self, kwargs: dict, name: str, tokens: int = 0) -> Iterator[VllmModel]:
         """The spec applied to the transformers model and saved for vLLM, for a while; the folder is removed
         after."""
         with transformers_applied(self.hf, kwargs, name):
@@ -224,7 +225,7 @@ class VllmModel:
 
     # ------------------------------------------------------------------------------------ scoring and decoding
 
-    def document_nll(self, ids: Any, spans: Any, chunk: int = 0, progress: Any = None):
+    def document_nll(self, ids: Any, spans: Any, chunk: int = 0, progress: Any = None) -> tuple[float, int, list]:
         """lm.document_nll in vLLM: (nll sum, tokens scored, scored runs) over the windows of `ids` (`chunk`, the
         transformers engine's LM-head chunk, has no part here: vLLM gives the prompt's log-probabilities)."""
         ids = [int(i) for i in ids]
@@ -272,7 +273,7 @@ class VllmEngine:
                                     "options)")
     runs_python: ClassVar[bool] = True  # --engine-python names its Python
 
-    def __init__(self, args):
+    def __init__(self, args) -> None:
         self.python = python_for(args)
         self.tokens = 0
 
@@ -282,7 +283,7 @@ class VllmEngine:
     def check_memory(self, args, plan, shape=None) -> None:
         self.tokens = plan.read + plan.new_tokens
 
-    def load(self, args):
+    def load(self, args) -> VllmModel:
         return VllmModel(load_model(args), self.python, args.out)
 
     def prepare(self, model: VllmModel, patches: Any, plan: Any, results: Any, name: str) -> VllmModel:
@@ -309,7 +310,7 @@ class VllmEngine:
               f"(in {run.model.python}); each spec is saved and loaded by vLLM first", file=sys.stderr)
         return 0.0
 
-    def applied(self, model, kwargs, name):
+    def applied(self, model, kwargs, name) -> AbstractContextManager:
         return model.applied(kwargs, name, self.tokens)
 
     @staticmethod

@@ -23,9 +23,10 @@ import gc
 import json
 import os
 import sys
+from typing import Any, TextIO
 
 
-def _answers():
+def _answers() -> TextIO:
     """The stream answers are written to: the process's stdout, which is then pointed at stderr, so that whatever
     vLLM or its libraries print cannot be read as an answer."""
     out = os.fdopen(os.dup(1), "w", buffering=1)
@@ -39,7 +40,7 @@ MEMORY_FRACTION = 0.5
 
 
 class Worker:
-    def __init__(self):
+    def __init__(self) -> None:
         self.llm = None
 
     def load(self, req: dict) -> dict:
@@ -76,7 +77,7 @@ class Worker:
         out = self._generate(TokensPrompt(prompt_token_ids=ids), params)
         return {"tokens": list(out.outputs[0].token_ids)}
 
-    def _generate(self, prompt, params):
+    def _generate(self, prompt, params) -> Any:
         if self.llm is None:
             raise RuntimeError("no model loaded: send a 'load' request first")
         return self.llm.generate([prompt], params, use_tqdm=False)[0]

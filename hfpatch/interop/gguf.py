@@ -6,8 +6,9 @@
 `export` copies a GGUF file with every tensor byte for byte and rewrites only what llama.cpp reads about RoPE
 scaling: `{arch}.rope.scaling.*`, `{arch}.rope.freq_base` (NTK-aware), `{arch}.context_length`, and the per-frequency
 tensors (`rope_freqs` for Llama 3.1's scaling, `rope_factors_long` / `rope_factors_short` for LongRoPE). The numbers
-come from hfpatch's own builders (position/rope/builders.py) and transformers' RoPE functions, exactly as `hfpatch.patch`
-computes them in memory, so the defaults (YaRN's attention factor and betas, the original window) are the same.
+come from hfpatch's own builders (position/rope/builders.py) and transformers' RoPE functions, exactly as
+`hfpatch.patch` computes them in memory, so the defaults (YaRN's attention factor and betas, the original window)
+are the same.
 
 The file also carries `hfpatch.record` (JSON: the spec and the original base and window), so that `read_patch` /
 `hfpatch.models.load` give back exactly the patched model in transformers, whose GGUF loader reads only

@@ -42,7 +42,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..apply import serializable
 from ..utils import files
@@ -212,7 +212,7 @@ def _write_rope(record: Path, source: str, found: Found | None, said: list[str])
 # ---------------------------------------------------------------------------------------------------- the tokenizer
 
 
-def load_tokenizer(path: str, **kwargs: Any):
+def load_tokenizer(path: str, **kwargs: Any) -> PreTrainedTokenizerBase:
     """The tokenizer transformers builds from GGUF file `path` (kwargs: AutoTokenizer.from_pretrained's, such as
     trust_remote_code): from the cache when it holds it, else built, cached, and loaded from the cache."""
     folder, name = _split(path)

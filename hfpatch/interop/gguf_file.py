@@ -14,7 +14,7 @@ from ..utils.files import describe_os_error, write_failure, write_file
 MAGIC = b"GGUF"  # the first four bytes of every GGUF file
 
 
-def field_value(reader: Any, key: Any, default: Any = None):
+def field_value(reader: Any, key: Any, default: Any = None) -> Any:
     """The value of metadata key `key` of an open GGUFReader, or `default` where the file has no such key."""
     f = reader.get_field(key)
     return default if f is None else f.contents()
@@ -50,7 +50,7 @@ def is_gguf(path: str) -> bool:
         return False
 
 
-def open_gguf(path: str):
+def open_gguf(path: str) -> Any:
     """A GGUFReader of `path`, or ValueError when the file cannot be parsed as GGUF (gguf-py then fails deep in its
     parser: "cannot reshape array...", "GGUF magic invalid", an index out of range...)."""
     import gguf  # an optional extra (hfpatch[gguf])

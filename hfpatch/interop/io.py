@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -243,7 +244,7 @@ def _drop_mark(config: PreTrainedConfig) -> None:
         del config.quantization_config
 
 
-def _model_class(config: PreTrainedConfig):
+def _model_class(config: PreTrainedConfig) -> Any:
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
         if cls is not None:
@@ -344,14 +345,14 @@ def _load_into_patched_structure(path: str | Path, config: PreTrainedConfig, rec
     adapter = Adapter.from_dict(record["adapter"]) if "adapter" in record else adapter_for(cls(config))
     built: dict = {}
 
-    def __init__(self, config, *args, **kw):
+    def __init__(self, config, *args, **kw) -> None:
         cls.__init__(self, config, *args, **kw)
         set_adapter(self, adapter)
         facts, logs = {}, []
         with warnings.catch_warnings():  # the plain-swap warning was given when the patch was made
             warnings.simplefilter("ignore")
             for stage in stages:
-                layers = {}
+                layers: dict = {}
                 facts.update(apply_axes(self, adapter, stage, layers))
                 logs += [layers[a] for a in AXES if a in layers]
         built["facts"], built["config"] = facts, touched_config(self.config, logs)
@@ -394,7 +395,7 @@ def remote_code_refused(path: Path | str, opt_in: str) -> str:
 
 
 @contextlib.contextmanager
-def _serving_keys(model):
+def _serving_keys(model) -> Iterator[None]:
     """The saved config carries the serving engines' own keys where they read the RoPE otherwise than transformers
     (serving.serving_keys: LongRoPE's attention factor as vLLM and SGLang read it); the live config is left as it
     was."""

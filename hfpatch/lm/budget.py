@@ -88,7 +88,7 @@ def _gguf_header(path: str) -> tuple[dict, int]:
     file's size is a ValueError: the file is not GGUF, or cut short (a damaged header must not ask for exabytes)."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        def read(fmt: str):
+        def read(fmt: str) -> Any:
             return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
 
         def count(fmt: str = "Q") -> int:
@@ -98,10 +98,10 @@ def _gguf_header(path: str) -> tuple[dict, int]:
                                  "the file is not GGUF, or cut short")
             return n
 
-        def string():
+        def string() -> str:
             return f.read(count()).decode("utf-8", "replace")
 
-        def value(kind: Any):
+        def value(kind: Any) -> Any:
             if kind == 8:
                 return string()
             if kind == 9:
@@ -138,7 +138,7 @@ def shape_of_gguf(path: str) -> Shape:
     meta, params = _gguf_header(path)
     arch = meta["general.architecture"]
 
-    def get(key: Any, default: Any = None):
+    def get(key: Any, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
@@ -229,7 +229,7 @@ class Speed:
 def measure_speed(parts: Any, shape: Shape, tokens: int) -> Speed:
     """Time one forward of `tokens` random tokens (after a short warm-up) and one decoding step after it."""
 
-    def sync():
+    def sync() -> None:
         if parts.input_device.type == "cuda":
             torch.cuda.synchronize(parts.input_device)
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from ..interop import gguf_cache
 from ..models import resolve
 from .causal import check_causal_config
 
 
-def load_tokenizer(name: str):
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The tokenizer of a model (hub id, folder, .gguf, "smollm2"), after checking from its config alone that the
     model is a causal LM: both before any weights are loaded, so that those errors come at once."""
     where, gguf_file = resolve(name)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,8 +36,8 @@ PADDING_ATTR = "hfpatch_padding"
 class PaddingMask:
     """The real (non-padding) tokens of the current forward: a [batch, length] bool tensor, or None (all real)."""
 
-    def __init__(self):
-        self.mask = None
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None
 
     def record(self, attention_mask: torch.Tensor | None) -> None:
         if attention_mask is None:
@@ -83,7 +83,7 @@ def attach(model: PreTrainedModel, edits: Edits) -> PaddingMask:
 
 
 @contextlib.contextmanager
-def batch_statistics(model: PreTrainedModel):
+def batch_statistics(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
     """Inside: every BatchNorm of `model` normalises with the statistics of the batch it is given, even in eval(),
     and leaves its running statistics alone."""
     norms = [m for m in model.modules() if isinstance(m, BatchNorm)]

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def _parent(root: nn.Module, path: str):
+def _parent(root: nn.Module, path: str) -> tuple[nn.Module, str]:
     head, _, name = path.rpartition(".")
     return (get_path(root, head) if head else root), name
 
@@ -74,7 +74,7 @@ def exact_blocker(model: PreTrainedModel, adapter: Adapter, placement: str | Non
 _WARNED: set[str] = set()
 
 
-def _warn_once(message: str):
+def _warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
         warn_caller(message)
@@ -135,7 +135,7 @@ def _plain_swap(model, path, module, norm, adapter, edits, attributes):
 # ------------------------------------------------------------------------------------------------- exact conversion
 
 
-def _linear(module: nn.Module):
+def _linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """(weight, bias, conv1d?) of nn.Linear or GPT-2's Conv1D."""
     if isinstance(module, Conv1D):
         return module.weight, module.bias, True
@@ -169,7 +169,7 @@ def _param(t: torch.Tensor, like: nn.Parameter | None) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=True if like is None else like.requires_grad)
 
 
-def _find(base: nn.Module, path: str):
+def _find(base: nn.Module, path: str) -> nn.Module | None:
     """The module at `path` ("a|b": the first alternative the model has and that is not None), or None."""
     for alt in path.split("|"):
         try:
@@ -233,7 +233,7 @@ def _output(out: Any) -> torch.Tensor:
     return (out.logits if getattr(out, "logits", None) is not None else out[0]).double()
 
 
-def _probe_ids(model: Any):
+def _probe_ids(model: Any) -> torch.Tensor:
     vocab = model.get_input_embeddings().num_embeddings
     g = torch.Generator().manual_seed(4321)
     device = model.get_input_embeddings().weight.device
@@ -241,7 +241,7 @@ def _probe_ids(model: Any):
 
 
 @torch.no_grad()
-def _exact_to_rmsnorm(model: Any, adapter: Adapter, edits: Edits):
+def _exact_to_rmsnorm(model: Any, adapter: Adapter, edits: Edits) -> None:
     base = model.base_model
     head = model.get_output_embeddings() if model is not base else None
     tied = head is not None and head.weight is base.get_input_embeddings().weight

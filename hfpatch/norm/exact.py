@@ -24,7 +24,8 @@ def centre_rows(table: torch.Tensor) -> torch.Tensor:
     return (t - t.mean(-1, keepdim=True)).to(table.dtype)
 
 
-def centre_output(weight: torch.Tensor, bias: torch.Tensor | None, conv1d: bool = False):
+def centre_output(weight: torch.Tensor, bias: torch.Tensor | None,
+                  conv1d: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A linear layer whose output is added to the residual stream: make every output zero-mean."""
     w = weight.double()
     out_dim = 1 if conv1d else 0
@@ -35,7 +36,7 @@ def centre_output(weight: torch.Tensor, bias: torch.Tensor | None, conv1d: bool 
 
 
 def fold_affine(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor | None,
-                beta: torch.Tensor | None, conv1d: bool = False):
+                beta: torch.Tensor | None, conv1d: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A linear layer reading γ ⊙ n + β: return W', b' with W'n + b' = W(γ ⊙ n + β) + b. b' always exists."""
     w = weight.double()
     if conv1d:  # y = n @ W + b, W [in, out]

@@ -104,7 +104,7 @@ def _fit(model: PreTrainedModel, inputs: list[dict], dyts: list[DyT], outputs: l
 class AlphaFit:
     """A DyT's α, fit to the norm it replaced on the inputs it has seen (a sample of ROWS tokens per batch)."""
 
-    def __init__(self, module: DyT, seed: int):
+    def __init__(self, module: DyT, seed: int) -> None:
         self.module = module
         self.generator = torch.Generator().manual_seed(seed)
         self.x: list[torch.Tensor] = []
@@ -164,7 +164,7 @@ class AffineFit:
     """An output norm's scale and bias, fit per channel by least squares to the output it normalises (sums over
     every token seen)."""
 
-    def __init__(self, module: NormModule):
+    def __init__(self, module: NormModule) -> None:
         self.module = module
         self.sums: dict[str, torch.Tensor] = {}
 

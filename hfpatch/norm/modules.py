@@ -23,7 +23,8 @@ class NormModule(nn.Module):
     replaced: str | None = None
 
     def __init__(self, shape: int | tuple[int, ...], eps: float, offset: float = 0.0, bias: bool = False,
-                 affine: bool = True, dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 affine: bool = True, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
         self.normalized_shape = shape
@@ -33,14 +34,15 @@ class NormModule(nn.Module):
         self.weight = nn.Parameter(torch.full(shape, init, dtype=dtype, device=device)) if affine else None
         self.bias = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device)) if bias else None
 
-    def _scale(self):
+    def _scale(self) -> torch.Tensor | None:
         if self.weight is None:
             return None
         return self.weight.float() + self.offset if self.offset else self.weight.float()
 
-    def _affine(self, x: torch.Tensor):
-        if self.weight is not None:
-            x = x * self._scale()
+    def _affine(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self._scale()
+        if scale is not None:
+            x = x * scale
         if self.bias is not None:
             x = x + self.bias.float()
         return x
@@ -58,7 +60,7 @@ class NormModule(nn.Module):
                          device=None if like is None else like.device)
         return new.train(self.training)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, offset={self.offset}, bias={self.bias is not None}"
 
 
@@ -67,11 +69,11 @@ class RMSNorm(NormModule):
 
     kind = "rmsnorm"
 
-    def normalize(self, x: torch.Tensor):
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._affine(self.normalize(x)).to(x.dtype)
 
 
@@ -80,12 +82,12 @@ class LayerNorm(NormModule):
 
     kind = "layernorm"
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch's fused kernel (about 3x faster than the composite ops on CPU, forward + backward)
         bias = None if self.bias is None else self.bias.float()
         return F.layer_norm(x.float(), self.normalized_shape, self._scale(), bias, self.eps).to(x.dtype)
 
-    def normalize(self, x: torch.Tensor):
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x.float(), self.normalized_shape, None, None, self.eps)
 
 
@@ -99,14 +101,14 @@ class DyT(NormModule):
 
     def __init__(self, shape: int | tuple[int, ...], eps: float, offset: float = 0.0, bias: bool = True,
                  affine: bool = True, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 alpha0: float = ALPHA0):
+                 alpha0: float = ALPHA0) -> None:
         super().__init__(shape, eps, offset, bias, affine, dtype, device)
         self.alpha = nn.Parameter(torch.full((), float(alpha0), dtype=dtype, device=device))
 
-    def normalize(self, x: torch.Tensor):
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.alpha.float() * x.float())
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._affine(self.normalize(x)).to(x.dtype)
 
     def sibling(self) -> NormModule:
@@ -114,7 +116,7 @@ class DyT(NormModule):
                   affine=self.weight is not None, dtype=self.alpha.dtype, device=self.alpha.device)
         return new.train(self.training)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"{super().extra_repr()}, alpha={float(self.alpha):.4g}"
 
 
@@ -140,7 +142,7 @@ class BatchNorm(NormModule):
         self.padding = None
         self.use_batch_statistics = False
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._affine(self.normalize(x)).to(x.dtype)
 
     def normalize(self, x):
@@ -171,7 +173,7 @@ class BatchNorm(NormModule):
         new.momentum, new.padding = self.momentum, self.padding  # the model's one record of padding
         return new
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"{super().extra_repr()}, momentum={self.momentum}"
 
 

@@ -127,7 +127,7 @@ def request(value, registry: Mapping[str, LayerScheme]) -> dict:
     return out
 
 
-def _group(name: str, group, record: LayerScheme):
+def _group(name: str, group, record: LayerScheme) -> list[int] | str | dict:
     where = f"layers={{{name!r}: ...}}"
     if not isinstance(group, dict):
         return selector(where, group)

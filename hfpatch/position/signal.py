@@ -78,7 +78,7 @@ def keep_high_frequencies(rotary: nn.Module, rotated: dict, opts: dict, edits: E
         edits.set(rotary, f"{prefix(lt)}original_inv_freq", masked.clone())
 
 
-def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edits):
+def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edits) -> tuple[Any, Any, Any, Any]:
     """The config `config`'s rotaries should read for this scheme: `config` itself, edited, when transformers can
     express the scheme there (so save_pretrained writes it natively), else a private copy."""
     original = config.rope_parameters
@@ -95,7 +95,7 @@ def _rescale(model, adapter, req, scheme, opts, rotary, config, text_config, edi
             raise ValueError(f"unknown layer_types {unknown}; this model's RoPE layer types: {sorted(all_types)}")
         if any(original[lt] is None for lt in targets):
             raise ValueError(f"layer types {[lt for lt in targets if original[lt] is None]} have no RoPE to scale")
-    new_params = {}
+    new_params: dict = {}
     window = req.get("original_max_position_embeddings")
     for lt in targets:
         base = params_of(config, lt)
@@ -154,7 +154,7 @@ def native_form_kept(config: PreTrainedConfig, rope_parameters: dict, n_position
     rewrites yarn to longrope and rejects other types), i.e. whether config.json can carry them natively. The trial
     config has the max_position_embeddings the patch writes (n_positions), as the patched config will: with the old
     one, transformers' check of llama3's parameters warns that the original window is not below it."""
-    def types(params):
+    def types(params) -> Any:
         if "rope_type" in params:
             return params["rope_type"]
         return {k: v and v.get("rope_type") for k, v in params.items()}

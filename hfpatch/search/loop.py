@@ -81,7 +81,7 @@ class Clock:
 
 class Search:
     def __init__(self, model: PreTrainedModel, tok: Any, opts: SearchOptions, setting: space.Setting,
-                 families: list[str], plan: Plan, results: Results):
+                 families: list[str], plan: Plan, results: Results) -> None:
         self.model, self.tok, self.opts, self.setting = model, tok, opts, setting
         self.families, self.plan, self.results = families, plan, results
         self.parts = causal_lm_parts(model)

@@ -218,7 +218,7 @@ FAMILIES: Derived[Family] = Derived(lambda: {name: _family(name) for name in fam
 assert all(SCHEMES[name].search is not None for name in FAMILY_NAMES), "every declared family has its record's space"
 
 
-def _rotary_frequencies(model: PreTrainedModel):
+def _rotary_frequencies(model: PreTrainedModel) -> tuple[torch.Tensor, float] | None:
     """The flat inv_freq buffer and attention scaling of the model's first rotary module, None where there is none
     (no RoPE, or RoPE nested per layer type)."""
     target = unwrap(model)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import string
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,7 +119,7 @@ _TINY: dict[str, dict[str, Any]] = {
 }
 
 
-def _set_language(model: Any):
+def _set_language(model: Any) -> None:
     model.set_default_language(model.config.languages[0])
 
 
@@ -158,7 +159,7 @@ def causal_lm_types() -> list[str]:
 
 
 @contextlib.contextmanager
-def quiet():
+def quiet() -> Iterator[None]:
     """transformers' logging at error level only, restored afterwards."""
     old = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -190,7 +191,7 @@ def tiny_config(model_type: str, **overrides: Any) -> PreTrainedConfig:
             raise TinyBuildError(f"{model_type}: tiny config rejected ({_one_line(e)})") from e
 
 
-def text_config(config: PreTrainedConfig):
+def text_config(config: PreTrainedConfig) -> PreTrainedConfig:
     """The decoder's config: config.get_text_config(decoder=True)."""
     return config.get_text_config(decoder=True)
 
@@ -214,7 +215,7 @@ def sample_ids(batch: int = 1, length: int = 8, seed: int = 1) -> torch.Tensor:
 
 
 def from_config(config: PreTrainedConfig, seed: int = 0, norm_noise: float = 0.0,
-                auto_class: Any = AutoModelForCausalLM, dtype: torch.dtype | None = None):
+                auto_class: Any = AutoModelForCausalLM, dtype: torch.dtype | None = None) -> PreTrainedModel:
     """The one way a tiny model is made: `auto_class.from_config(config)` (in `dtype` if given, which the config then
     records) with the RNG seeded by `seed`, in eval mode; with `norm_noise`, every norm weight moved off its init by
     N(0, norm_noise²) (perturb_norms)."""
@@ -316,7 +317,7 @@ SIZED: dict[str, dict] = {
 _ENCODERS = {"bert"}  # built as masked LMs
 
 
-def sized_config(model_type: str, **overrides: Any):
+def sized_config(model_type: str, **overrides: Any) -> PreTrainedConfig:
     """The hand-sized config of `model_type` (a key of SIZED; any other family with the common sizes), `overrides`
     applied last."""
     config = AutoConfig.for_model(model_type, **{**SIZED.get(model_type, dict(_SIZED_COMMON, num_key_value_heads=2)),
@@ -330,14 +331,14 @@ def sized_config(model_type: str, **overrides: Any):
     return config
 
 
-def sized_model(model_type: str, seed: int = 0, **overrides: Any):
+def sized_model(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """A hand-sized model: sized_config, seeded, with its norm weights perturbed (scale 0.1)."""
     config = sized_config(model_type, **overrides)
     auto_class = AutoModelForMaskedLM if model_type in _ENCODERS else AutoModelForCausalLM
     return from_config(config, seed, norm_noise=0.1, auto_class=auto_class)
 
 
-def char_tokenizer():
+def char_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level fast tokenizer with exactly the hand-sized models' 101 ids (pad 0, bos 1, eos 2, unk 3): each
     printable ASCII character is one token; anything else (é, emoji) is one <unk> token that owns 2-4 bytes."""
     chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
@@ -355,7 +356,7 @@ def char_text(n_chars: int, seed: int) -> str:
     return "".join(alphabet[i] for i in torch.randint(0, len(alphabet), (n_chars,), generator=g).tolist())
 
 
-def save_sized(path: Path | str, model_type: str = "llama"):
+def save_sized(path: Path | str, model_type: str = "llama") -> Path | str:
     """A hand-sized model and the char tokenizer saved in folder `path` (a model any command can load); `path`."""
     sized_model(model_type).save_pretrained(path)
     char_tokenizer().save_pretrained(path)

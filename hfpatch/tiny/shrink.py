@@ -137,7 +137,7 @@ def _is_int_list(value: Any) -> bool:
     return isinstance(value, list) and len(value) > 0 and all(_is_int(v) for v in value)
 
 
-def _apply(rule: Any, value: Any):
+def _apply(rule: Any, value: Any) -> Any:
     """A size rule on one value, or on a per-layer list of them (gemma3n's intermediate_size per layer), keeping
     the list's proportions."""
     if isinstance(value, list):
@@ -162,7 +162,7 @@ def _mla_head_dim(default: dict, tiny: dict, free: Any) -> dict:
     return {}
 
 
-def _token_ids(name: str, value: Any, taken: set):
+def _token_ids(name: str, value: Any, taken: set) -> Any:
     if isinstance(value, list):
         return [_token_ids(name, v, taken) for v in value]
     if not _is_int(value) or 0 <= value < VOCAB:
@@ -186,7 +186,7 @@ _TAIL_COUNTS = ("num_kv_shared_layers",)
 _PERIODS = ("_period", "_interval", "_pattern", "_every_n_layers", "_step")
 
 
-def _layer_count(d: dict):
+def _layer_count(d: dict) -> int | None:
     return next((d[name] for name in _LAYER_COUNTS if _is_int(d.get(name))), None)
 
 
@@ -278,7 +278,7 @@ def _scale_override(override: dict, d: dict, changes: dict) -> dict:
 
 
 # --- RoPE: the family's settings, only the window moves --------------------------------------------------------------
-def _rope_params(params: dict, scale: float, rotary_half: Any):
+def _rope_params(params: dict, scale: float, rotary_half: Any) -> Any:
     """rope_parameters (flat, or one dict per layer type) with the window moved to WINDOW and M-RoPE sections
     (which split the rotated half-head between time / height / width) resized to the tiny rotary size."""
     if not isinstance(params, dict):

@@ -174,7 +174,7 @@ def resume(accelerator, resume, out: Path, states: dict, log: Path, identity: di
     `consistent(info)`: why the marker's states disagree with its step (a checkpoint skipped for it).
     `loaded(step)`: after loading, why the loaded files disagree with the step (refused: the weights are no longer
     the ones a fresh start would have)."""
-    def check(info):
+    def check(info) -> str | None:
         return states_problem(info, states) or (consistent(info) if consistent else None)
 
     path = _choose_checkpoint(accelerator, resume, out, check)

@@ -16,6 +16,7 @@ import contextlib
 import os
 import shlex
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from accelerate.utils import set_seed
@@ -67,7 +68,7 @@ def resume_command(recipe: str, config: str | None, overrides: list[str]) -> str
 
 
 @contextlib.contextmanager
-def holding(out: Path):
+def holding(out: Path) -> Iterator[None]:
     """output_dir created if needed and locked while the run lives. A run refused before it wrote anything leaves
     no folder behind (nor an empty one it created)."""
     created = not out.exists()

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
+from transformers import PreTrainedConfig, PreTrainedModel, get_cosine_schedule_with_warmup
 
 import hfpatch
 
@@ -44,7 +45,7 @@ from .losses import auto_chunk, chunked_lm_loss, fused_lm_loss, shift
 from .pose import batch_position_ids
 
 
-def output_head(lm: PreTrainedModel):
+def output_head(lm: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor]:
     """hidden states -> logits, as the model's own forward does after its base model (gemma2/3 softcap them)."""
     head, cap = lm.get_output_embeddings(), softcap_of(lm.config)
     return head if not cap else lambda h: softcap(head(h), cap)
@@ -59,14 +60,14 @@ class CausalLMLoss(nn.Module):
     saved."""
 
     def __init__(self, model: nn.Module, chunk: int | None = None, teacher: nn.Module | None = None,
-                 alpha: float = 0.0, temperature: float = 1.0, fused: bool = False):
+                 alpha: float = 0.0, temperature: float = 1.0, fused: bool = False) -> None:
         super().__init__()
         self.model = model
         object.__setattr__(self, "teacher", teacher)
         self.chunk, self.alpha, self.temperature, self.fused = chunk, alpha, temperature, fused
 
     @property
-    def config(self):
+    def config(self) -> PreTrainedConfig:
         """The model's config: DeepSpeed's Ulysses reads the attention layout from the module it is given."""
         return hfpatch.apply.unwrap(self.model).config
 
@@ -110,26 +111,27 @@ class CausalLMLoss(nn.Module):
 class Progress:
     """What accelerate checkpoints besides model/optimizer/scheduler/RNG: the step reached and tokens seen."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.step, self.tokens = 0, 0
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, int]:
         return {"step": self.step, "tokens": self.tokens}
 
-    def load_state_dict(self, state: dict):
+    def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
 
 
 class Run:
     """What a training run holds besides the model: built by `prepare`, stepped by `train_step`."""
 
-    def __init__(self, accelerator, loss_module, optimizer, scheduler, params, memory_edits):
+    def __init__(self, accelerator, loss_module, optimizer, scheduler, params, memory_edits) -> None:
         self.accelerator, self.loss_module, self.optimizer = accelerator, loss_module, optimizer
         self.scheduler, self.params, self.memory_edits = scheduler, params, memory_edits
         self.layout = parallel.layout(accelerator)
 
     @contextlib.contextmanager
-    def pieces(self, ids, positions):
+    def pieces(self, ids, positions) -> Iterator[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                                       torch.Tensor | None]]:
         """The loss module's arguments (ids, positions, labels, scale) for one micro-batch: the whole sequences, or
         this process's shard of them (parallel.py). The forward and the backward pass both run inside (context
         parallelism's ring attention is active there)."""
@@ -275,7 +277,7 @@ def _states_agree(info: dict) -> str | None:
     return None
 
 
-def _optimizer_agrees(run: Run):
+def _optimizer_agrees(run: Run) -> Callable[[int], str | None]:
     """After loading: AdamW counts its own steps; they must be the marker's."""
     def check(step: int) -> str | None:
         optimizer = getattr(run.optimizer, "optimizer", run.optimizer)  # inside accelerate's wrapper
@@ -446,7 +448,8 @@ def evaluate(cfg: RecipeConfig, loss_module: nn.Module, eval_seqs: torch.Tensor,
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def save_final(cfg: RecipeConfig, accelerator: Accelerator, loss_module: nn.Module, tok: Any, path: Path):
+def save_final(cfg: RecipeConfig, accelerator: Accelerator, loss_module: nn.Module, tok: Any,
+               path: Path) -> Path | None:
     state = accelerator.get_state_dict(loss_module)  # gathered in full under FSDP / ZeRO-3
     if not accelerator.is_main_process:
         return None

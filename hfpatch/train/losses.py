@@ -45,7 +45,7 @@ def auto_chunk(batch: int, seq_len: int, vocab: int, chunk: int | None) -> int |
 
 def chunked_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: Callable, chunk: int | None = None,
                     hidden_teacher: torch.Tensor | None = None, head_teacher: Callable | None = None,
-                    temperature: float = 1.0, alpha: float = 0.0):
+                    temperature: float = 1.0, alpha: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden [B, L, d] (already aligned: position t predicts labels[:, t]), labels [B, L] (-100 = ignore).
     Returns (loss, ce, kl): ce and kl are means per scored token; loss = (1 - alpha) ce + alpha kl."""
     count = (labels != -100).sum().clamp(min=1)
@@ -77,7 +77,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     the forward pass, chunk by chunk, and only scaled by the incoming gradient in the backward pass."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk, count, softcap):
+    def forward(ctx, hidden, weight, bias, labels, chunk, count, softcap) -> torch.Tensor:
         grad_h = torch.empty_like(hidden)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
@@ -112,7 +112,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return total / count
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out) -> tuple[torch.Tensor | None, ...]:
         # scaled in place: the saved gradients are used once (a second backward through this graph is an error)
         grad_h, grad_w, grad_b = ctx.saved_tensors
         scale = grad_out / ctx.count
@@ -121,7 +121,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 def fused_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linear, chunk: int,
-                  softcap: float | None = None):
+                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, ce, kl=0) like chunked_lm_loss without a teacher, for a linear LM head (optionally soft-capped)."""
     count = (labels != -100).sum().clamp(min=1)
     ce = _FusedLinearCrossEntropy.apply(hidden.flatten(0, 1), head.weight, head.bias, labels.flatten(), chunk, count,

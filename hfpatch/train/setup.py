@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from typing import cast
+from typing import Any, cast
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 import hfpatch
 
@@ -23,7 +23,7 @@ def dtype_of(cfg: RecipeConfig) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
 
 
-def tokenizer(name: str):
+def tokenizer(name: str) -> Any:
     """A tokenizer folder (tokenizer files only), a model folder, a .gguf file, a hub id or "smollm2"."""
     try:
         if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
@@ -33,7 +33,7 @@ def tokenizer(name: str):
         raise ConfigError(f"tokenizer: {' '.join(str(e).split())}") from None
 
 
-def load(cfg: RecipeConfig):
+def load(cfg: RecipeConfig) -> tuple[PreTrainedModel, Any]:
     """(model, tokenizer) of cfg.model (cfg.tokenizer overrides the tokenizer)."""
     if not cfg.model:  # a pretrain config builds its model instead (from_config)
         raise ConfigError("model is required (a folder, a .gguf file, a hub id or 'smollm2')")
@@ -55,7 +55,7 @@ def load(cfg: RecipeConfig):
     return model, tok
 
 
-def from_config(cfg: PretrainConfig, tok):
+def from_config(cfg: PretrainConfig, tok) -> PreTrainedModel:
     """A model built from cfg.model_config (a transformers config: model_type and sizes), its vocabulary and special
     tokens taken from the tokenizer unless given, in cfg.dtype (weights drawn from the RNG as seeded, the way
     cfg.init names: init.py)."""
@@ -74,14 +74,14 @@ def from_config(cfg: PretrainConfig, tok):
     return init.apply(model, cfg.init)
 
 
-def check_causal(model):
+def check_causal(model) -> None:
     adapter = hfpatch.adapters.adapter_for(hfpatch.apply.unwrap(model))
     if not adapter.causal or hfpatch.apply.unwrap(model).get_output_embeddings() is None:
         raise ConfigError(f"the recipes train causal language models; {adapter.model_type} "
                           f"({type(hfpatch.apply.unwrap(model)).__name__}) is not one")
 
 
-def apply_patch(model, cfg: RecipeConfig):
+def apply_patch(model, cfg: RecipeConfig) -> PreTrainedModel:
     """hfpatch.patch with the config's spec, then the checks that need the patched model: the sequence lengths
     against what the patch supports, PoSE's need for RoPE, mlp_tile's need for a feed-forward module, and what
     cannot train with sequences split over processes (parallel.check)."""

@@ -148,12 +148,12 @@ class _Loader(yaml.SafeLoader):
     """yaml.SafeLoader that keeps the boolean words (Word) and refuses a key given twice in one mapping (YAML's
     own loader keeps the last value without a word)."""
 
-    def construct_yaml_bool(self, node):
+    def construct_yaml_bool(self, node) -> Any:
         if node.value.lower() in ("true", "false"):
             return super().construct_yaml_bool(node)
         return Word(node.value)
 
-    def construct_mapping(self, node, deep=False):
+    def construct_mapping(self, node, deep=False) -> dict:
         if isinstance(node, yaml.MappingNode):
             lines: dict = {}
             for key_node, _ in node.value:
@@ -171,7 +171,7 @@ class _Loader(yaml.SafeLoader):
 _Loader.add_constructor("tag:yaml.org,2002:bool", _Loader.construct_yaml_bool)
 
 
-def _plain(value):
+def _plain(value) -> Any:
     """`value` with every Word read as the boolean it means (values no schema types: patch, model_config, lists)."""
     if isinstance(value, Word):
         return value.meaning
@@ -182,7 +182,7 @@ def _plain(value):
     return value
 
 
-def _yaml(text: str, where: str):
+def _yaml(text: str, where: str) -> Any:
     """The plain data of a YAML text (a tag such as !!python/object is refused, never imported or called; boolean
     words stay Words, a key given twice is refused), its errors as one ConfigError line."""
     try:

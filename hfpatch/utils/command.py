@@ -11,7 +11,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 
 class UsageError(Exception):
@@ -19,7 +19,7 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse prints the whole usage by default)
+    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse prints the whole usage by default)
         raise UsageError(f"{self.prog}: error: {message}")
 
 

@@ -38,7 +38,7 @@ _BLOCK = 8 << 20
 class Locked(ValueError):
     """The lock is held by another process (`pid`, when it wrote it)."""
 
-    def __init__(self, message: str, pid: int | None):
+    def __init__(self, message: str, pid: int | None) -> None:
         super().__init__(message)
         self.pid = pid
 
@@ -53,7 +53,7 @@ class Lock:
     one (without the check, two runs could each lock a different file of the same name). A killed run leaves its
     file; the next run takes it over."""
 
-    def __init__(self, path: Path | str, what: str):
+    def __init__(self, path: Path | str, what: str) -> None:
         self.path = Path(path)
         while True:
             # "a+", not "w": that would empty the holder's pid before the lock is tried
@@ -91,10 +91,10 @@ class Lock:
             self.path.unlink(missing_ok=True)  # still held: no other run can have taken it
         self._file.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Lock:
         return self
 
-    def __exit__(self, *exc: Any):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
 

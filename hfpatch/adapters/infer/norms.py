@@ -24,7 +24,8 @@ _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "norm_eps"
 _EPS_CONFIG = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "norm_epsilon")
 
 
-def _reference(kind: str, x: torch.Tensor, eps: float, scale: torch.Tensor | None, bias: torch.Tensor | None):
+def _reference(kind: str, x: torch.Tensor, eps: float, scale: torch.Tensor | None,
+               bias: torch.Tensor | None) -> torch.Tensor:
     h = x.double()
     if kind == "layernorm":
         h = h - h.mean(-1, keepdim=True)
@@ -99,12 +100,12 @@ def _upcast(module: nn.Module, kind: str, eps: float, offset: float, x: torch.Te
     w = getattr(twin, "weight", None)
     b = getattr(twin, "bias", None)
 
-    def normed(h: Any):
+    def normed(h: Any) -> Any:
         if kind == "layernorm":
             h = h - h.mean(-1, keepdim=True)
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
-    def affine(h: Any, dtype: torch.dtype):
+    def affine(h: Any, dtype: torch.dtype) -> Any:
         h = h if w is None else h * (w.to(dtype) + offset)
         return h if b is None else h + b.to(dtype)
 
@@ -115,11 +116,11 @@ def _upcast(module: nn.Module, kind: str, eps: float, offset: float, x: torch.Te
     return next((name for name, ref in forms.items() if torch.equal(ref, got)), None)
 
 
-def _mag(y: Any):
+def _mag(y: Any) -> float:
     return float(y.abs().max())
 
 
-def _norm_dim(module: nn.Module):
+def _norm_dim(module: nn.Module) -> int | None:
     shape = getattr(module, "normalized_shape", None)
     if isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1:
         return int(shape[0])
@@ -156,7 +157,7 @@ def read_norms(info: Info, config: PreTrainedConfig, notes: dict) -> tuple[dict,
 def read_block_norms(info: Info, stack: Stack, recognised: dict, notes: dict) -> tuple[list, list]:
     """(the block's own norms, its QK norms: those inside the attention module), block-relative, in forward order;
     the same in every block read, or a note says which differs."""
-    def of(i: int):
+    def of(i: int) -> tuple[list[str], list[str]]:
         names = [n for n in recognised if n.startswith(f"{stack.top}.{i}.")]
         inner = f"{stack.top}.{i}.{stack.attention}." if stack.attention else None
         qk = [n for n in names if inner and n.startswith(inner)]

@@ -118,7 +118,7 @@ def _flat(out: Any) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for p in parts if isinstance(p, torch.Tensor)])
 
 
-def read_position_table(info: Info, layers_top: str):
+def read_position_table(info: Info, layers_top: str) -> tuple[str | None, int]:
     """An nn.Embedding of the base model (not the token embedding) looked up with the position ids 0..T-1 (+ an
     offset): a learned absolute position table."""
     model = info.model

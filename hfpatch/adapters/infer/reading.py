@@ -5,6 +5,7 @@ saw them (`Stack`), and small tests on recorded tensors and calls.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +80,7 @@ class Stack:
         return bool(self.attention_layers) and len(self.attention_layers) != len(self.blocks)
 
 
-def call_order(info: Info):
+def call_order(info: Info) -> Callable[[str], int]:
     return lambda name: info.probe.calls[name].order
 
 
@@ -89,12 +90,12 @@ def is_linear(module: nn.Module) -> bool:
     return isinstance(module, LINEARS) or hasattr(module, "base_layer")
 
 
-def linear_calls(info: Info, within: str):
+def linear_calls(info: Info, within: str) -> list[tuple[str, probes.Call]]:
     return [(n, c) for n, c in info.probe.calls.items()
             if n.startswith(within) and is_linear(info.model.get_submodule(n)) and ".base_layer" not in n]
 
 
-def combos(items: list, size: int):
+def combos(items: list, size: int) -> list[list]:
     if size == 1:
         return [[x] for x in items]
     return [[a, b] for k, a in enumerate(items) for b in items[k + 1:]]

@@ -57,7 +57,7 @@ def _block_residual(info: Info, block: str, attention: Any, mlp: Any, norms: lis
     return readers, tuple(writers)
 
 
-def _stream_start(info: Info, layers_top: str):
+def _stream_start(info: Info, layers_top: str) -> tuple[str, ...] | None:
     """One or two modules before the first block whose outputs (times a constant) sum to its input."""
     x0 = info.call(f"{layers_top}.0").input
     first = info.call(f"{layers_top}.0").order
@@ -77,7 +77,7 @@ def _stream_start(info: Info, layers_top: str):
     return embedding
 
 
-def _final_readers(info: Info, final_norm: str | None):
+def _final_readers(info: Info, final_norm: str | None) -> tuple[str, ...]:
     """What reads the final norm if not the LM head (OPT's project_out)."""
     final_readers: tuple[str, ...] = ()
     if final_norm:

@@ -244,7 +244,7 @@ def _shown(cell: dict, measure: str, digits: int) -> str:
     return report.number(cell[measure], digits)
 
 
-def _count(text: str, flag: str, default: Any, parse: bool = False):
+def _count(text: str, flag: str, default: Any, parse: bool = False) -> Any:
     """--max-docs / --tokens-per-doc: a positive number, or 'all' (None)."""
     if text is None:
         return default
@@ -267,7 +267,7 @@ def _prefix_token(tok: Any) -> int:
     raise ValueError("--windowing rolling needs a BOS or EOS token to start each document; this tokenizer has neither")
 
 
-def select_documents(docs: Any, tok: Any, span: int, max_docs: int | None, use_cache: bool = True):
+def select_documents(docs: Any, tok: Any, span: int, max_docs: int | None, use_cache: bool = True) -> tuple[list, list]:
     """The first `max_docs` (None: all) documents with at least `span` tokens: [(Document, Tokens)], and the
     skipped ones."""
     chosen, skipped, longest = [], [], None

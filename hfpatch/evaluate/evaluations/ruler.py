@@ -157,7 +157,8 @@ def vt(rng: random.Random, n: int, src: hs.Source, chains: int = 1, hops: int = 
     return hs.Sample(example + "\n" + text, prefix, answer, {"chains": lines})
 
 
-def _cwe_list(rng: random.Random, words: list[str], common: int, repeats_common: int, repeats_other: int):
+def _cwe_list(rng: random.Random, words: list[str], common: int, repeats_common: int,
+              repeats_other: int) -> tuple[str, list[str]]:
     chosen = rng.sample(words, len(words))
     top, rest = chosen[:common], chosen[common:]
     items = top * repeats_common + rest * repeats_other
@@ -223,7 +224,8 @@ def generate(task: str, rng_seed: str, n: int, src: hs.Source, length: int) -> h
     return fn(random.Random(rng_seed), n, src, **kwargs)
 
 
-def build(prompter: hs.Prompter, src: hs.Source, task: str, length: int, seed: str, sizes: dict):
+def build(prompter: hs.Prompter, src: hs.Source, task: str, length: int, seed: str,
+          sizes: dict) -> tuple[hs.Sample, list[int]]:
     """(sample, token ids): the task's largest prompt that leaves room for its generated tokens in `length`
     (RULER: prompt + generation <= length). `sizes` remembers the haystack size found per (task, length), where
     the next sample's search starts."""
@@ -388,7 +390,7 @@ def _percent(p: float, ci: Any) -> str:
     return f"{100 * p:.0f} [{100 * ci[0]:.0f}, {100 * ci[1]:.0f}]"
 
 
-def _score_and_interval(pooled_result: Any):
+def _score_and_interval(pooled_result: Any) -> tuple[Any, Any]:
     p, _, ci = pooled_result
     return p, ci
 

@@ -17,6 +17,7 @@ flash-attn (the package) is an optional extra, imported where it is used.
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ FLOOR = -1e30  # log-sum-exp of a part a row sees nothing of, for merging: exp(F
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, mask: torch.Tensor | None = None,
-           causal: bool = False):
+           causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(output [b, H, q, d], log-sum-exp [b, H, q] float32) of softmax(q·kᵀ·scale + mask) v. k/v may have fewer
     heads than q (grouped-query attention). A row that sees no key (every key masked by the dtype's lowest value
     or -inf, or above the diagonal) gets output 0 and log-sum-exp -inf, so it weighs nothing in `merge`."""
@@ -51,13 +52,13 @@ def _rows_seeing_a_key(mask: torch.Tensor, causal: bool, q_len: int, kv_len: int
     return visible.any(-1)
 
 
-def _without_unseen_rows(out: torch.Tensor, lse: torch.Tensor, seen: torch.Tensor):
+def _without_unseen_rows(out: torch.Tensor, lse: torch.Tensor, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Output 0 and log-sum-exp -inf where a row sees no key."""
     return out.masked_fill(~seen[..., None], 0.0), lse.masked_fill(~seen, float("-inf"))
 
 
 def _attend_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
-                 causal: bool):
+                 causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # neither CUDA kernel takes grouped keys here
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -77,7 +78,7 @@ def _attend_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return out, _empty_rows(lse[..., :q_len])  # the kernel pads the log-sum-exp to a multiple of 32 rows
 
 
-def _aligned_bias(mask: torch.Tensor, b: int, h: int, q_len: int, kv_len: int):
+def _aligned_bias(mask: torch.Tensor, b: int, h: int, q_len: int, kv_len: int) -> torch.Tensor:
     """The bias as the memory-efficient kernel reads it, broadcast to [b, H, q, kv]. The kernel wants the bias's
     start address and its row stride aligned (torch's sdpa pads the last dimension to a multiple of 16 elements for
     it); a slice of a larger mask (a block of the band, say) is neither, and the kernel refuses it ("attn_bias_ptr
@@ -97,12 +98,13 @@ def _is_aligned(mask: torch.Tensor) -> bool:
             and all(s % ALIGN == 0 for s in strides))
 
 
-def _empty_rows(lse: torch.Tensor):
+def _empty_rows(lse: torch.Tensor) -> torch.Tensor:
     """flash-style kernels give +inf as the log-sum-exp of a row that sees no key; it weighs nothing: -inf."""
     return lse.masked_fill(lse == float("inf"), float("-inf"))
 
 
-def merge(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, part_lse: torch.Tensor):
+def merge(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
+          part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one part (out [b, H, q, d], part_lse [b, H, q]) into the running (acc, lse), float32 (float64 for float64
     inputs); returns the new (acc, lse). A row that sees no key in a part (lse -inf) takes nothing from it. The
     log-sum-exps are floored at FLOOR first: a row that sees no key at all then averages two empty outputs instead of
@@ -118,7 +120,7 @@ def _wide(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]):
+def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax over the union of the parts [(out, lse), ...], as float32 (out, lse)."""
     (acc, lse), rest = parts[0], parts[1:]
     acc, lse = acc.to(_wide(acc)), _empty_rows(lse.to(_wide(lse)))
@@ -144,7 +146,7 @@ def flash_attn_missing() -> str | None:
 
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool,
                window: tuple[int, int] = (-1, -1), alibi_slopes: torch.Tensor | None = None, softcap: float = 0.0,
-               dropout: float = 0.0, lse: bool = False):
+               dropout: float = 0.0, lse: bool = False) -> Any:
     """flash-attn 2's flash_attn_func on [b, H, n, d] tensors (it takes [b, n, H, d]; grouped keys as they are).
     Causal is bottom-right aligned (the queries are the last q of the keys); `window` = (left, right) keys around
     the diagonal. Returns the output [b, q, H, d] (the layout transformers wants), and with `lse` its log-sum-exp

@@ -13,7 +13,7 @@ computed twice, as in FlashAttention's backward.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,7 @@ def _rows(q: Tensor, kv_len: int) -> int:
     return max(1, min(q.shape[2], budget // max(1, q.shape[0] * q.shape[1] * kv_len)))
 
 
-def _blocks(spec: _Spec, q_len: int, kv_len: int, step: int):
+def _blocks(spec: _Spec, q_len: int, kv_len: int, step: int) -> Iterator[tuple[int, int, int]]:
     """(s, e, hi): query rows s:e and the key slots 0 .. hi - 1 they may see."""
     first = kv_len - q_len
     for s in range(0, q_len, step):

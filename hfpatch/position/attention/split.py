@@ -32,7 +32,7 @@ BAND_ROWS = 128  # queries per band call of near_far_bias: the call covers rows 
 
 def two_maps_flex(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, window: int, scaling: float, softcap: float | None = None,
-                  compiled: bool = True):
+                  compiled: bool = True) -> torch.Tensor:
     """Near keys (d < window) by (qn, kn), far keys (d >= window) by (qg, kg): [b, H, q, d] in value's dtype."""
     q_len, kv_len = qn.shape[2], kn.shape[2]
     mods = flex.softcapped(None, softcap, qn.device)
@@ -46,7 +46,7 @@ def two_maps_flex(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torc
 
 
 def two_maps_flash(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, value: torch.Tensor,
-                   window: int, scaling: float, softcap: float | None = None):
+                   window: int, scaling: float, softcap: float | None = None) -> torch.Tensor:
     """The same with flash-attn (no padding mask): the band is a causal sliding window of `window` keys (key i -
     window + 1 .. i); the far part is a causal call against the keys up to slot kv_len - 1 - window, which
     flash-attn aligns bottom-right, so query slot p sees keys <= p - window. Output [b, q, H, d]."""
@@ -86,7 +86,7 @@ def two_maps_fa4(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch
 
 # ------------------------------------------------------------------------------------------- near/far distance bias
 
-def additive(mask: Any, dtype: Any):
+def additive(mask: Any, dtype: Any) -> torch.Tensor:
     """A slice of the model's mask as an additive float mask of `dtype` (bool: True = attend). Masked scores get the
     dtype's lowest finite value, so a part in which a row sees no key keeps a finite log-sum-exp (it then weighs
     nothing in the merge)."""

@@ -60,14 +60,14 @@ def llama4_scale(pos: torch.Tensor, opts: dict, window: int | None) -> torch.Ten
     return 1.0 + opts["attn_scale"] * torch.log1p(floors)
 
 
-def _window(name: str, value: Any):
+def _window(name: str, value: Any) -> int:
     value = positive_int(name, value)
     if value < 2:  # log(W) is the divisor
         raise ValueError(f"{name} must be at least 2 (the trained window; logn divides by log(window)), got {value}")
     return value
 
 
-def _attn_scale(name: str, value: Any):
+def _attn_scale(name: str, value: Any) -> float:
     return number(name, value, at_most=100.0, why="the temperature's growth per doubling of floor_scale steps")
 
 

@@ -20,7 +20,7 @@ BLOCK_ELEMENTS = 1 << 24  # scores per block of queries when blocked (64 MB in f
 def explicit_attention(scores: Callable[[int, int], tuple[torch.Tensor, torch.Tensor | None]], value: torch.Tensor,
                        attention_mask: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor, *,
                        softcap: float | None = None, causal: bool = True, dropout: float = 0.0,
-                       training: bool = False, block: bool = False):
+                       training: bool = False, block: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Like transformers' eager attention, with the scores of query rows s:e given by `scores(s, e)` as (logits [b,
     H, e - s, kv], scaled; bias or None): softcapping of the logits, then the bias added, then the mask (bool:
     True = attend; float: additive; None: causal by q_pos / k_pos when `causal`), softmax in float32 (float64 for
@@ -56,7 +56,7 @@ def biased_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                      attention_mask: torch.Tensor | None,
                      terms: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], dropout: float = 0.0,
                      causal: bool = True, block: bool = True,
-                     softcap: float | None = None):
+                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """softmax(scores + bias + mask) @ V where a scheme's `terms(query_block, key, q_pos, k_pos)` gives the logits
     and the bias of a block of queries. query [b, H, q, d], key/value [b, KV, kv, d] (GQA: KV divides H);
     attention_mask None, a bool mask (True = attend) or an additive float mask [b, 1, q, kv]. With `block`, memory is

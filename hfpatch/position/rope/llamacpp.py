@@ -74,7 +74,7 @@ class Refusal:
     given: Callable[[dict, int], str]
 
 
-def rope_numbers(params: dict, n_rot: int, n_positions: int):
+def rope_numbers(params: dict, n_rot: int, n_positions: int) -> tuple[np.ndarray, float]:
     """(inverse frequencies as float64, attention factor) of transformers' RoPE function for `params`."""
     config = LlamaConfig(hidden_size=n_rot, num_attention_heads=1, head_dim=n_rot, num_hidden_layers=1,
                          vocab_size=2, intermediate_size=2, max_position_embeddings=n_positions,
@@ -93,16 +93,16 @@ def yarn_attn_factor(attention_factor: float, factor: float) -> float:
 def plain_keys(kind: str, **extra: Any) -> dict:
     return {"rope.scaling.type": (kind, "str"), **extra}
 
-def rope_form(info: Any, params: dict, opts: dict, n_positions: int):
+def rope_form(info: Any, params: dict, opts: dict, n_positions: int) -> tuple[dict, dict]:
     return plain_keys("none"), {}
 
-def linear_form(info: Any, params: dict, opts: dict, n_positions: int):
+def linear_form(info: Any, params: dict, opts: dict, n_positions: int) -> tuple[dict, dict]:
     return plain_keys("linear", **{"rope.scaling.factor": (params["factor"], "f32")}), {}
 
-def ntk_form(info: Any, params: dict, opts: dict, n_positions: int):
+def ntk_form(info: Any, params: dict, opts: dict, n_positions: int) -> tuple[dict, dict]:
     return plain_keys("none"), {}  # the raised base is the plan's rope.freq_base
 
-def yarn_form(info: Any, params: dict, opts: dict, n_positions: int):
+def yarn_form(info: Any, params: dict, opts: dict, n_positions: int) -> tuple[dict, dict]:
     if opts.get("truncate") is False:
         raise ValueError("yarn with truncate=False: llama.cpp always rounds YaRN's correction range to whole "
                          "channels (truncate=True)")
@@ -121,7 +121,7 @@ def yarn_form(info: Any, params: dict, opts: dict, n_positions: int):
         "rope.scaling.yarn_beta_slow": (betas["beta_slow"], "f32"),
     }), {}
 
-def llama3_form(info: Any, params: dict, opts: dict, n_positions: int):
+def llama3_form(info: Any, params: dict, opts: dict, n_positions: int) -> tuple[dict, dict]:
     if info.arch not in ROPE_FREQS_ARCHS:
         raise ValueError(f"llama3 scaling lives in a rope_freqs tensor, which llama.cpp's {info.arch} loader does not "
                          f"read (architectures that do: {', '.join(sorted(ROPE_FREQS_ARCHS))})")
@@ -130,7 +130,7 @@ def llama3_form(info: Any, params: dict, opts: dict, n_positions: int):
     # llama.cpp divides each angle by its factor: the factor is the ratio of the plain to the scaled frequency
     return plain_keys("none"), {TENSORS["freqs"]: (plain / scaled).astype(np.float32)}
 
-def longrope_form(info: Any, params: dict, opts: dict, n_positions: int):
+def longrope_form(info: Any, params: dict, opts: dict, n_positions: int) -> tuple[dict, dict]:
     if info.arch not in LONGROPE_ARCHS:
         raise ValueError(f"LongRoPE lives in rope_factors_long/short tensors, which llama.cpp's {info.arch} loader "
                          f"does not read (architectures that do: {', '.join(sorted(LONGROPE_ARCHS))})")

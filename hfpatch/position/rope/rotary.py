@@ -38,7 +38,7 @@ def rotaries_of(model: PreTrainedModel, adapter: Adapter) -> list:
     return out
 
 
-def compute(rotary: Any, config: Any, layer_type: Any):
+def compute(rotary: Any, config: Any, layer_type: Any) -> tuple[torch.Tensor, float]:
     """(inv_freq, attention_scaling) for one layer type, by transformers' own functions. A heterogeneous config
     (per-layer head dims, gemma4) is resolved for the layer type first, as the rotary classes' __init__ does."""
     rope_type = params_of(config, layer_type)["rope_type"]
@@ -49,7 +49,7 @@ def compute(rotary: Any, config: Any, layer_type: Any):
     return fn(config, device=None, **kwargs)
 
 
-def fitted(inv_freq: torch.Tensor, old: torch.Tensor):
+def fitted(inv_freq: torch.Tensor, old: torch.Tensor) -> torch.Tensor | None:
     """`inv_freq` in the shape of the buffer it replaces: rotary types that keep a frequency per channel pair and
     set the unrotated ones to 0 ("proportional" partial rotation) get the new frequencies padded with zeros. None
     when it cannot fit."""
@@ -62,7 +62,7 @@ def fitted(inv_freq: torch.Tensor, old: torch.Tensor):
 
 
 def _put(rotary: Any, layer_type: str | None, inv_freq: torch.Tensor, scaling: float,
-         set_attr: Callable[[nn.Module, str, Any], None]):
+         set_attr: Callable[[nn.Module, str, Any], None]) -> None:
     """Write inv_freq/attention_scaling where the class reads them, on the device and dtype the old buffer had."""
     p = prefix(layer_type)
     old = getattr(rotary, f"{p}inv_freq")

@@ -86,7 +86,7 @@ class SinusoidalPositions(nn.Embedding):
     hfpatch_offset: int = 0
     hfpatch_pe_scale: float = 1.0
 
-    def forward(self, input: torch.Tensor):  # `input`: nn.Embedding's own parameter name
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # `input`: nn.Embedding's own parameter name
         pe = sinusoidal_table(input - self.hfpatch_offset, self.embedding_dim) * self.hfpatch_pe_scale
         return pe.to(device=self.weight.device, dtype=self.weight.dtype)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,7 +61,7 @@ SLOPES_ATTR = "hfpatch_alibi_slopes"
 def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> list[float]:
     """The ALiBi paper's slopes: for n a power of two, m_h = 2^(−max_bias·h/n), h = 1..n; otherwise the slopes
     of the closest smaller power of two p, then every other slope of 2p for the remaining n − p heads."""
-    def power_of_two(n: int):
+    def power_of_two(n: int) -> list[float]:
         return [2.0 ** (-max_bias * (h + 1) / n) for h in range(n)]
 
     p = 2 ** math.floor(math.log2(n_heads))
@@ -76,14 +77,14 @@ def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, b
     return -slopes[:, None, None] * dist[None].to(slopes.dtype)
 
 
-def _slopes(module: nn.Module, like: torch.Tensor):
+def _slopes(module: nn.Module, like: torch.Tensor) -> torch.Tensor:
     return getattr(module, SLOPES_ATTR).to(device=like.device, dtype=torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------- factorised path
 
 def factorise(slopes: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-              centre: int):
+              centre: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Query/key/value with the ALiBi channels appended: scaling·(q'·k') = scaling·q·k + m·(j − centre)."""
     b, h, q_len, _ = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -104,7 +105,7 @@ def factorise(slopes: torch.Tensor, query: torch.Tensor, key: torch.Tensor, valu
 
 def alibi_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-               is_causal: bool | None = None, **kwargs: Any):
+               is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     return paths.run("alibi", module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                      causal=causal_of(module, is_causal), kwargs=kwargs)
@@ -112,7 +113,7 @@ def alibi_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
 
 def _factorised(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
-                softcap: float | None, kwargs: dict[str, Any]):
+                softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
     q_len, kv_len, d = query.shape[2], key.shape[2], query.shape[-1]
     q, k, v = factorise(_slopes(module, query), query, key, value, scaling, centre=kv_len - (q_len + 1) // 2)
     with no_denormals(query.device):
@@ -127,7 +128,7 @@ def _flushing() -> bool:
 
 
 @contextlib.contextmanager
-def no_denormals(device: torch.device):
+def no_denormals(device: torch.device) -> Iterator[None]:
     if device.type != "cpu" or _flushing() or not torch.set_flush_denormal(True):
         yield
         return
@@ -142,11 +143,12 @@ def no_denormals(device: torch.device):
 def explicit(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, causal: bool = True,
              block: bool = False, softcap: float | None = None,
-             **kwargs: Any):
+             **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scores with the bias written out, like eager attention; with `block`, a block of queries at a time."""
     slopes = _slopes(module, query)
 
-    def terms(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    def terms(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
+              k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bias = alibi_bias(slopes, q_pos, k_pos, bidirectional=not causal)[None]
         return torch.matmul(q, k.transpose(2, 3)) * scaling, bias
 
@@ -154,7 +156,8 @@ def explicit(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
 
 
 def alibi_eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, **kwargs: Any):
+                attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     causal = getattr(module, "is_causal", True)
     paths.record(module, "eager")
@@ -164,7 +167,7 @@ def alibi_eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
 
 def _written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
-                 softcap: float | None, kwargs: dict[str, Any]):
+                 softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
     with no_denormals(query.device):
         out, _ = explicit(module, query, key, value, attention_mask, scaling, dropout, causal, block=True,
                           softcap=softcap)
@@ -173,7 +176,7 @@ def _written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
 # ------------------------------------------------------------------------------------------------ other kernels
 
-def score_mod(slopes: torch.Tensor, offset: torch.Tensor, bidirectional: bool):
+def score_mod(slopes: torch.Tensor, offset: torch.Tensor, bidirectional: bool) -> Callable[..., torch.Tensor]:
     """ALiBi as a flex_attention score_mod: −m_h·(i − j) (or −m_h·|i − j|), i = q_idx + offset the query's slot."""
     if bidirectional:
         return lambda score, b, h, q_idx, kv_idx: score - slopes[h] * (q_idx + offset - kv_idx).abs()
@@ -182,7 +185,7 @@ def score_mod(slopes: torch.Tensor, offset: torch.Tensor, bidirectional: bool):
 
 def _flex(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
           attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool, softcap: float | None,
-          kwargs: dict[str, Any]):
+          kwargs: dict[str, Any]) -> torch.Tensor:
     q_len, kv_len = query.shape[2], key.shape[2]
     offset = torch.tensor(kv_len - q_len, device=query.device)
     mods = flex.softcapped(score_mod(_slopes(module, query), offset, bidirectional=not causal), softcap, query.device)
@@ -194,7 +197,7 @@ def _flex(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torc
 
 def _fa4(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
          attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool, softcap: float | None,
-         kwargs: dict[str, Any]):
+         kwargs: dict[str, Any]) -> torch.Tensor:
     """One FlashAttention-4 call with ALiBi as its score_mod (the slopes an aux tensor)."""
     fa4.require_plain_causal(attention_mask, query.shape[2], key.shape[2])
     out, _ = fa4.attend(query, key, value, scaling, causal=True, score_mod=fa4.alibi_mod(),
@@ -204,7 +207,7 @@ def _fa4(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch
 
 def _flash(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool, softcap: float | None,
-           kwargs: dict[str, Any]):
+           kwargs: dict[str, Any]) -> torch.Tensor:
     """flash-attn adds −m·|i + kv − q − j| to the scores: ALiBi with the queries as the last q keys."""
     return kernels.flash_attn(query, key, value, scaling, causal=causal, alibi_slopes=_slopes(module, query),
                               softcap=softcap or 0.0, dropout=dropout)

@@ -182,14 +182,14 @@ def _monotonic(m: Maps) -> bool:
 # ------------------------------------------------------------------------------------------- attention functions
 
 def _explicit(m: Maps, value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float, dropout: float,
-              training: bool, softcap: float | None, block: bool):
+              training: bool, softcap: float | None, block: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     q_len, kv_len = m.intra.shape[2], m.key.shape[2]
     slots = torch.arange(kv_len, device=value.device)
     groups = m.intra.shape[1] // m.key.shape[1]
     key, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (m.key, value))
     kt = key.transpose(2, 3)
 
-    def scores(s: int, e: int):
+    def scores(s: int, e: int) -> tuple[torch.Tensor, None]:
         x = m.intra[:, :, s:e] @ kt
         if m.successive is not None and m.inter is not None:
             qc, kc = m.q_chunk[:, None, s:e, None], m.k_chunk[:, None, None, :]
@@ -208,7 +208,7 @@ def _maps(module: nn.Module, query: Any, key: Any, attention_mask: Any, kwargs: 
 
 def _run_pieces(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
-                softcap: float | None, kwargs: dict[str, Any]):
+                softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
     m = _maps(module, query, key, attention_mask, kwargs)
     if not _monotonic(m):
         raise paths.PathUnavailable("position ids that go back: the written-out path takes this call")
@@ -217,7 +217,7 @@ def _run_pieces(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
 
 def _run_fa4(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
-             softcap: float | None, kwargs: dict[str, Any]):
+             softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
     """The pieces as FlashAttention-4 calls (no padding: every row shares its chunks), merged by their log-sum-exp
     with torch ops, so that gradients pass through FA4's own backward (which takes the log-sum-exp's gradient)."""
     fa4.require_plain_causal(attention_mask, query.shape[2], key.shape[2])
@@ -241,7 +241,7 @@ def _run_fa4(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
 
 def _run_written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
-                     softcap: float | None, kwargs: dict[str, Any]):
+                     softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
     m = _maps(module, query, key, attention_mask, kwargs)
     return _explicit(m, value, attention_mask, scaling, dropout, module.training, softcap, block=True)[0]
 
@@ -259,7 +259,7 @@ PATHS = (
 
 def dual_chunk_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                    **kwargs: Any):
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     return paths.run(NAMES.scheme, module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                      causal=True, kwargs=kwargs)

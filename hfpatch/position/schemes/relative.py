@@ -90,7 +90,7 @@ class T5Bias:
     """What an attention module reads: the shared table and the bucketing options. A plain object, so the table
     stays one parameter of the base model, not a submodule of every attention module."""
 
-    def __init__(self, table: nn.Embedding, num_buckets: int, max_distance: int):
+    def __init__(self, table: nn.Embedding, num_buckets: int, max_distance: int) -> None:
         self.table, self.num_buckets, self.max_distance = table, num_buckets, max_distance
 
     def __call__(self, q_pos: torch.Tensor, k_pos: torch.Tensor, bidirectional: bool) -> torch.Tensor:
@@ -103,7 +103,7 @@ class XLPositions(nn.Module):
     """One layer's Transformer-XL position parameters: W_R (r_net), u and v."""
 
     def __init__(self, d_model: int, heads: int, head_dim: int, dtype: torch.dtype | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None) -> None:
         super().__init__()
         self.d_model = d_model
         self.r_net = nn.Linear(d_model, heads * head_dim, bias=False, dtype=dtype, device=device)

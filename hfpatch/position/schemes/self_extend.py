@@ -105,7 +105,8 @@ class Maps:
     window: int
     rotation: rotated.Rotation
 
-    def rotate(self, query: torch.Tensor, key: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    def rotate(self, query: torch.Tensor, key: torch.Tensor, q_pos: torch.Tensor,
+               k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k) rotated at their own positions q_pos [b, q] / k_pos [b, kv] and (q, k) at the grouped ones."""
         G, W, rotate = self.group_size, self.window, self.rotation.rotate
         return (rotate(query, q_pos), rotate(key, k_pos), rotate(query, grouped_query_positions(q_pos, G, W)),
@@ -182,7 +183,7 @@ def slot_positions(q_pos: torch.Tensor, k_pos: torch.Tensor,
 # ------------------------------------------------------------------------------------------------------ piece path
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scaling: float,
-            flip: bool = False):
+            flip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp of the scores) of one piece by a flash-attention kernel (kernels.attend: GQA as given,
     causal = top-left aligned). flip: rows and keys in reverse order, which turns the upper triangle into the
     lower one the kernel skips to."""
@@ -194,7 +195,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def _pieces(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor, v: torch.Tensor,
-            attention_mask: torch.Tensor | None, window: int, scaling: float):
+            attention_mask: torch.Tensor | None, window: int, scaling: float) -> torch.Tensor:
     """Self-Extend attention over blocks of B <= W - 1 query slots [s, e) (the queries are the last q_len key slots),
     five pieces per block, each a causal or unmasked kernel call, merged by log-sum-exp:
       neighbour keys (i - W < j <= i): [s, e) causal; [s - W + 1, e - W + 1) where j >= i - W + 1, causal once
@@ -209,7 +210,7 @@ def _pieces(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: torch.Tens
         r = slice(s - first, e - first)
 
         def piece(q: Any, k: torch.Tensor, lo: int, hi: int, rows: slice = slice(None), causal: bool = False,
-                  flip: bool = False, r: slice = r):  # r: this block's query rows
+                  flip: bool = False, r: slice = r) -> tuple[torch.Tensor, torch.Tensor]:  # r: this block's query rows
             m = None if attention_mask is None else split.additive(attention_mask[:, :, r][:, :, rows, lo:hi], q.dtype)
             return _attend(q[:, :, r][:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], m, causal, scaling, flip)
 
@@ -282,7 +283,8 @@ def _position_pieces(qn: torch.Tensor, kn: torch.Tensor, qg: torch.Tensor, kg: t
         r = slice(s - first, e - first)
 
         def piece(q: torch.Tensor, k: torch.Tensor, lo: int, hi: int, causal: bool = False,
-                  near: torch.Tensor | None = None, r: slice = r):  # r: this block's query rows
+                  near: torch.Tensor | None = None,
+                  r: slice = r) -> tuple[torch.Tensor, torch.Tensor]:  # r: this block's query rows
             given = None if attention_mask is None else attention_mask[:, :, r, lo:hi]
             m = _piece_mask(near, given, q.dtype)
             return kernels.attend(q[:, :, r], k[:, :, lo:hi], v[:, :, lo:hi], scaling, mask=m, causal=causal)
@@ -316,7 +318,8 @@ def _piece_mask(keep: torch.Tensor | None, given: torch.Tensor | None, dtype: to
 
 def _explicit(maps: Maps, q_pos: torch.Tensor, k_pos: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor,
               qg: torch.Tensor, kg: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-              scaling: float, dropout: float, training: bool, softcap: float | None, block: bool):
+              scaling: float, dropout: float, training: bool, softcap: float | None,
+              block: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The scores at both maps written out, each (query, key) pair taking the neighbour one where the distance of
     their positions (q_pos [b, q], k_pos [b, kv]) is below the window; slots only order the keys (causality)."""
     kv_len = kn.shape[2]
@@ -325,7 +328,7 @@ def _explicit(maps: Maps, q_pos: torch.Tensor, k_pos: torch.Tensor, qn: torch.Te
     groups = qn.shape[1] // kn.shape[1]
     kn, kg, value = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (kn, kg, value))
 
-    def scores(s: int, e: int):
+    def scores(s: int, e: int) -> tuple[torch.Tensor, None]:
         near = (q_pos[:, None, s:e, None] - k_pos[:, None, None, :]) < maps.window
         return torch.where(near, qn[:, :, s:e] @ kn.transpose(2, 3), qg[:, :, s:e] @ kg.transpose(2, 3)) * scaling, None
 
@@ -335,14 +338,15 @@ def _explicit(maps: Maps, q_pos: torch.Tensor, k_pos: torch.Tensor, qn: torch.Te
 
 def self_extend_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     **kwargs: Any):
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     return paths.run("self-extend", module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                      causal=True, kwargs=kwargs)
 
 
 def _both(module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
-          kwargs: dict[str, Any]):
+          kwargs: dict[str, Any]) -> tuple[Maps, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor]:
     """(maps, q positions, k positions, qn, kn, qg, kg) of one call."""
     maps: Maps = getattr(module, STATE_ATTR)
     q_pos, k_pos = positions(query, key, kwargs.get("position_ids"), attention_mask)
@@ -350,7 +354,7 @@ def _both(module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_m
 
 
 def _both_by_slots(module: nn.Module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
-                   kwargs: dict[str, Any]):
+                   kwargs: dict[str, Any]) -> tuple[Maps, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(maps, qn, kn, qg, kg) for a path that tells the regions apart by slot distance; PathUnavailable (before
     anything is rotated) when the call's positions skip, so that the written-out path takes it. A compiled graph
     cannot choose its path by tensor values: there the call stays on this path, and positions that skip stop it with
@@ -368,7 +372,7 @@ def _both_by_slots(module: nn.Module, query: torch.Tensor, key: torch.Tensor, at
 
 def _run_pieces(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
-                softcap: float | None, kwargs: dict[str, Any]):
+                softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
     """Contiguous positions: blocks cut by slot distance (_pieces). Positions that skip but never go down along the
     slots: blocks cut by the positions (_pieces_by_position). Positions that go back: PathUnavailable, the
     written-out path takes the call. A compiled graph stays on _pieces (_both_by_slots)."""
@@ -393,7 +397,7 @@ def _run_pieces(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
 
 def _run_flex(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
-              softcap: float | None, kwargs: dict[str, Any]):
+              softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
     maps, qn, kn, qg, kg = _both_by_slots(module, query, key, attention_mask, kwargs)
     out = split.two_maps_flex(qn, kn, qg, kg, value, attention_mask, maps.window, scaling, softcap)
     return out.transpose(1, 2).contiguous()
@@ -401,14 +405,14 @@ def _run_flex(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
 
 def _run_flash(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
-               softcap: float | None, kwargs: dict[str, Any]):
+               softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
     maps, qn, kn, qg, kg = _both_by_slots(module, query, key, attention_mask, kwargs)
     return split.two_maps_flash(qn, kn, qg, kg, value, maps.window, scaling, softcap)
 
 
 def _run_fa4(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
-             softcap: float | None, kwargs: dict[str, Any]):
+             softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
     fa4.require_plain_causal(attention_mask, query.shape[2], key.shape[2])
     maps, qn, kn, qg, kg = _both_by_slots(module, query, key, attention_mask, kwargs)
     return split.two_maps_fa4(qn, kn, qg, kg, value, maps.window, scaling, softcap)
@@ -416,7 +420,7 @@ def _run_fa4(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
 
 def _run_written_out(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, *, scaling: float, dropout: float, causal: bool,
-                     softcap: float | None, kwargs: dict[str, Any]):
+                     softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
     maps, q_pos, k_pos, qn, kn, qg, kg = _both(module, query, key, attention_mask, kwargs)
     out, _ = _explicit(maps, q_pos, k_pos, qn, kn, qg, kg, value, attention_mask, scaling, dropout, module.training,
                        softcap, block=True)
