@@ -103,7 +103,8 @@ def _apply_axis(model: PreTrainedModel, adapter: Adapter, axis: str, req: dict, 
     return fact
 
 
-def apply_axes(model: PreTrainedModel, adapter: Adapter, spec: dict, layers: dict, axes=AXES) -> dict:
+def apply_axes(model: PreTrainedModel, adapter: Adapter, spec: dict, layers: dict,
+               axes: Iterable[str] = AXES) -> dict:
     """Apply the named axes of `spec`, each into a new Edits stored in `layers` (before it runs, so that a failure
     half-way can still be undone). Returns the facts."""
     facts = {}
@@ -132,7 +133,7 @@ def _write_record(model, state: PatchState, record: Edits) -> None:
     bind_save(model, record)
 
 
-def block_names(model) -> dict:
+def block_names(model: torch.nn.Module) -> dict:
     """{each PreTrainedModel in `model` whose _no_split_modules must change: the names it should hold}.
     transformers (device_map) and accelerate (FSDP's transformer-based wrapping) find the blocks to keep whole by
     class name; a patch that gives blocks a subclass (post-norm placement, the sinusoidal input of layer 0) would hide
@@ -342,7 +343,7 @@ def calibrate(model: torch.nn.Module,
     return fit.calibrate(unwrap(model), batches)  # (peft's adapters sit inside the base model)
 
 
-def bake(model, stages: list, facts: dict, original_config: dict) -> None:
+def bake(model: PreTrainedModel, stages: list, facts: dict, original_config: dict) -> None:
     """Declare the specs `stages` (applied in that order) part of the model as it is now (used by from_pretrained
     after loading weights that already carry those patches)."""
     state = PatchState(spec={}, baked_stages=copy.deepcopy(stages), baked_facts=facts, baked_config=original_config)

@@ -82,7 +82,7 @@ def measure_one(model_type: str) -> dict:
         return {"built": True, "rope_config": tiny.has_rope(model.config), "inferred": False, "reason": str(e)}
 
 
-def tried_layers(model, result: dict) -> dict:
+def tried_layers(model: PreTrainedModel, result: dict) -> dict:
     """`result` with the per-layer position schemes that a patch of the tiny model refuses moved to not_available:
     whether a family's blocks hand their attention the rotary module's cos/sin is only seen by patching (each
     scheme in its first attention layer, the rest YaRN), and undone at once."""

@@ -22,7 +22,7 @@ from .position.attention import temperature
 AXES = ("norm", "placement", "position", "temperature")
 
 
-def position_request(scheme, options: dict) -> dict:
+def position_request(scheme: Any, options: dict) -> dict:
     """Validate a position request against the scheme registry (position/registry.py)."""
     return schemes.request(scheme, options)
 
@@ -74,7 +74,7 @@ def all_placement_options() -> set[str]:
     return {name for rec in PLACEMENTS.values() for name in rec.options}
 
 
-def placement_request(placement, options: dict) -> dict:
+def placement_request(placement: Any, options: dict) -> dict:
     """Validate a placement request against the registry (norm/placement.py); only the options given are stored."""
     kind = _choice("placement", placement, PLACEMENTS)
     accepted = PLACEMENTS[kind].options
