@@ -871,6 +871,32 @@ def search_options():
     return options_table()
 
 
+# ---------------------------------------------------------------------------------------------------------- layers
+
+def declared_layers() -> dict[str, set[str]]:
+    """tests/test_layering.py's LAYERS (part -> the parts it may import), read without importing the test module."""
+    tree = ast.parse((ROOT / "tests" / "test_layering.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "LAYERS")
+    # each row is a set literal, or set() for none
+    return {ast.literal_eval(k): set() if isinstance(v, ast.Call) else ast.literal_eval(v)
+            for k, v in zip(node.value.keys, node.value.values)}
+
+
+@table("tests/test_layering.py")
+def layers():
+    """The parts of the package, lowest first, and what each may import: the table the layering test holds."""
+    declared = declared_layers()
+    order = list(declared)
+
+    def name(part: str) -> str:
+        return f"`{part}/`" if (ROOT / "hfpatch" / part).is_dir() else f"`{part}`"
+
+    rows = [[name(part) + (" (`__init__.py`: the public API)" if part == "hfpatch" else ""),
+             ", ".join(name(p) for p in sorted(below, key=order.index)) or "nothing of hfpatch"]
+            for part, below in declared.items()]
+    return markdown_table(["part", "may import"], rows)
+
+
 # ---------------------------------------------------------------------------------------------------- recipe keys
 
 @table("hfpatch/train/config.py", "recipes/studies/study.py")

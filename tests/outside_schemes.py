@@ -34,6 +34,7 @@ from hfpatch.position.search_space import Param, Space
 # ------------------------------------------------------------------------------------------------- geometric
 
 
+# --8<-- [start:geometric]
 def geometric_factors(factor: float, pairs: int) -> list[float]:
     """λ_i = factor^(i / (pairs - 1)), highest frequency first."""
     return [factor ** (i / (pairs - 1)) for i in range(pairs)]
@@ -74,10 +75,12 @@ register("geometric", rope_scaling(
                  start=lambda s: {"factor": s.ratio}, short=("factor",),
                  fixed=lambda s: {"original_max_position_embeddings": s.window}),
     per_pair_seed=True))
+# --8<-- [end:geometric]
 
 
 # ----------------------------------------------------------------------------------------------------- decay
 
+# --8<-- [start:decay]
 SLOPE = "decay_slope"  # each attention module's slope
 ATTENTION = "decay_test"  # the attention function registered with transformers
 
@@ -134,3 +137,4 @@ register("decay", Scheme(
     apply_decay, ("known_positions", "attention_interface"), "every score lowered by slope x the distance",
     options={"slope": Option(positive, "the penalty per token of distance (default 0.1)")},
     limit=None, native=False, paths=DECAY_PATHS, gguf_refusal="decay is a test scheme"))
+# --8<-- [end:decay]

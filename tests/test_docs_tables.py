@@ -108,3 +108,14 @@ def test_test_counts_and_suite_times_are_written_only_by_the_generator():
     claims = [f"{name}: {m.group(0)}" for name, text in pages.items()
               for m in re.finditer(r"\b\d{1,3}(?:,\d{3})* (?:tests?|passed|skipped)\b|tests are skipped", text)]
     assert claims == []
+
+
+def test_the_layer_table_is_the_layering_tests_own():
+    """docs/extending.md's table of layers is made from tests/test_layering.py's LAYERS, read without importing it:
+    every row, in its order, with what it may import."""
+    from test_layering import LAYERS
+
+    declared = tables_module.declared_layers()
+    assert declared == LAYERS and list(declared) == list(LAYERS)
+    rows = [line for line in tables_module.TABLES["layers"]().splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1].rstrip("/") for row in rows] == list(LAYERS)

@@ -23,6 +23,7 @@ from hfpatch.registry import Registry
 from hfpatch.tiny import save_sized as save_tiny
 
 
+# --8<-- [start:engine]
 class ForeignModel:
     """Another engine's model: it scores and decodes with a transformers model it keeps to itself, and records the
     specs it was asked to run. Any attribute a transformers model has is missing here."""
@@ -77,6 +78,7 @@ class ForeignEngine:
     @staticmethod
     def paths_ran(model) -> dict:
         return {}
+# --8<-- [end:engine]
 
 
 class CountingEngine(TransformersEngine):
