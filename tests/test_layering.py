@@ -61,7 +61,9 @@ OPTIONAL = {
     "peft": "the peft extra: LoRA in the recipes",
     "lm_eval": "the lm-eval extra: the lm-evaluation-harness bridge",
     "datasets": "only --dataset / data.dataset read it, and importing it costs about a second",
-    "flash_attn": "flash-attention, where installed: the flash_attention_2 paths of alibi and self-extend",
+    "flash_attn": "flash-attention, where installed: the flash_attention_2 paths of alibi and self-extend, and "
+                  "FlashAttention-4's (flash_attn.cute) fa4 paths",
+    "cutlass": "NVIDIA's CuTe DSL, which FlashAttention-4 brings: the fa4 paths' score_mods are written in it",
     "gguf": "the gguf extra: reading and writing GGUF files",
     "llama_cpp": "the llama-cpp extra: the llama.cpp engine of the evaluations",
     "vllm": "vLLM, in its own Python: the vLLM engine's worker runs there, never in hfpatch's",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import operator
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -140,8 +141,6 @@ def near_far_mod(D: int) -> Callable[..., Any]:
     """A bias by distance: aux_tensors[0] is [H, D + 1] flattened (float32), the bias of distances 0 .. D - 1 and,
     in its last column, of every distance from D on (T5's last bucket); keys after the query (masked by the causal
     call) read distance 0."""
-    import operator
-
     import cutlass
     import cutlass.cute as cute
 
