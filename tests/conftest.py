@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from pathlib import Path
@@ -10,10 +11,13 @@ import pytest
 import torch
 import transformers
 from transformers import AutoModelForCausalLM
+from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as hf_logging
 
 import hfpatch
 from hfpatch import tiny
+from hfpatch.cli import main as cli_main
+from hfpatch.evaluate import sweep
 
 hf_logging.set_verbosity_error()
 
@@ -90,6 +94,57 @@ def assert_same_fingerprint(a, b):
     assert aa == ab, "module attributes changed"
     assert cfa == cfb, "config changed"
     assert ida == idb, "a module now reads another config object"
+
+
+@contextlib.contextmanager
+def leaves_unchanged(model):
+    """What runs inside leaves `model` exactly as it was (its fingerprint: every tensor, class, attribute, config)."""
+    before = fingerprint(model)
+    yield
+    assert_same_fingerprint(before, fingerprint(model))
+
+
+def assert_refused(model, match, **patch):
+    """hfpatch.patch(model, **patch) is a ValueError matching `match`, and leaves the model exactly as it was."""
+    with leaves_unchanged(model), pytest.raises(ValueError, match=match):
+        hfpatch.patch(model, **patch)
+
+
+def cached_step_and_full(model, x):
+    """The last token's logits twice: from one cached decode step after a prefill of the tokens before it, and from
+    the full forward of `x`."""
+    with torch.no_grad():
+        out = model(x[:, :-1], use_cache=True)
+        step = model(x[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits[:, -1]
+        full = model(x).logits[:, -1]
+    return step, full
+
+
+def plain_reload_log(path) -> str:
+    """What transformers logs while loading `path` without hfpatch, at its default verbosity (warnings: the test
+    suite runs quieter)."""
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    try:
+        with CaptureLogger(hf_logging.get_logger("transformers.quantizers.auto")) as log:
+            AutoModelForCausalLM.from_pretrained(path)
+    finally:
+        hf_logging.set_verbosity(before)
+    return log.out
+
+
+def cli_answered_by(monkeypatch, capsys, oracle, argv) -> str:
+    """`hfpatch ARGV`, which must succeed, with `oracle(run, ids, new_tokens, eos, done)` answering in place of the
+    run's greedy decoding: what it printed."""
+    monkeypatch.setattr(sweep.Run, "greedy", oracle)
+    assert cli_main(argv) == 0
+    return capsys.readouterr().out
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """hfpatch's cache folder ($HFPATCH_CACHE) in the test's own tmp_path, never the user's."""
+    monkeypatch.setenv("HFPATCH_CACHE", str(tmp_path / "cache"))
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ Attention)."""
 
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model, tokens
+from conftest import max_diff, tiny_model, tokens
 
 import hfpatch
 
@@ -69,6 +69,37 @@ def by_hand(model, ids, keep, pos, scores):
     if gemma:
         out = torch.tanh(out / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
     return out
+
+
+def patched_logits_by_hand(model, ids, keep, pos, scores):
+    """The patched model's logits of (ids, padding mask `keep`, position ids `pos`), checked against by_hand's with
+    `scores` at the real tokens (1e-4)."""
+    with torch.no_grad():
+        out = model(ids, attention_mask=keep, position_ids=pos).logits
+    expected = by_hand(model, ids, keep, pos, scores)
+    real = keep.bool()
+    assert max_diff(out[real].double(), expected[real]) <= 1e-4
+    return out
+
+
+def patched_on(family, attn, names, **patch):
+    """A tiny `family` model patched with `patch`, running the scheme's attention under its `names` = (eager name,
+    sdpa name) for `attn`. transformers will not load gemma2 on sdpa (softcapping): there the sdpa name is set by
+    hand."""
+    model = tiny_model(family, attn_implementation="eager" if family == "gemma2" else attn)
+    hfpatch.patch(model, **patch)
+    if attn == "sdpa" and family == "gemma2":
+        model.config._attn_implementation_internal = names[1]
+    assert model.config._attn_implementation == (names[0] if attn == "eager" else names[1])
+    return model
+
+
+def assert_unpatched_differs(model, ids, keep, pos, out):
+    """The scheme shows at this length: the unpatched model's logits (unpatching `model`) differ from `out` by more
+    than 1e-3 at the real tokens."""
+    real = keep.bool()
+    unpatched = hfpatch.unpatch(model)(ids, attention_mask=keep, position_ids=pos).logits
+    assert max_diff(unpatched[real], out[real]) > 1e-3
 
 
 def padded(batch_len, padding):

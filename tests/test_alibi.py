@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FAMILIES, ROPE_FAMILIES, logits, max_diff, tiny_model, tokens
+from conftest import FAMILIES, ROPE_FAMILIES, cached_step_and_full, logits, max_diff, tiny_model, tokens
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
 import hfpatch
@@ -168,12 +168,10 @@ def test_fast_and_explicit_paths_agree(family):
 def test_kv_cache_decode_equals_full_forward(family):
     model = hfpatch.patch(tiny_model(family), position="alibi")
     x = tokens(60)
+    step, full = cached_step_and_full(model, x)
+    assert max_diff(step, full) <= 1e-5
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        out = model(x[:, :-1], use_cache=True)
-        step = model(x[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits[:, -1]
-        full = model(x).logits[:, -1]
-        assert max_diff(step, full) <= 1e-5
-        kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
         assert torch.equal(model.generate(x, use_cache=True, **kw), model.generate(x, use_cache=False, **kw))
 
 

@@ -19,10 +19,7 @@ from hfpatch.cli import main
 from hfpatch.evaluate.results import Results
 from hfpatch.utils.files import Lock
 
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HFPATCH_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 def cli(capsys, *argv):

@@ -1,16 +1,15 @@
 """position="dual-chunk" against a reference written here from the paper (An et al. 2024): llama, qwen3 and gemma2
 forwards computed by hand from their weights in float64 (tests/handref.py), with the intra-, successive- and
-inter-chunk scores written out from the paper's position lists (GQA, padding, batch 2); cached decoding against the
-full forward; a chunk at least as long as the sequence against the unpatched model; errors leave the model exactly
-as it was."""
+inter-chunk scores written out from the paper's position lists (GQA, padding, batch 2); a chunk at least as long as
+the sequence against the unpatched model; errors leave the model exactly as it was. Cached decoding, gradients and the
+refusals it shares with Self-Extend are in tests/test_window_schemes.py."""
 
 import pytest
 import torch
-from conftest import ROPE_FAMILIES, WINDOW, assert_same_fingerprint, fingerprint, logits, max_diff, tiny_model, tokens
-from handref import by_hand, cached_and_full, gradients_by_name, padded, rope, skipping
+from conftest import ROPE_FAMILIES, WINDOW, assert_refused, leaves_unchanged, logits, max_diff, tiny_model, tokens
+from handref import assert_unpatched_differs, padded, patched_logits_by_hand, patched_on, rope, skipping
 
 import hfpatch
-from hfpatch import tiny
 from hfpatch.evaluate.common import parse_patches
 from hfpatch.position.attention import paths
 from hfpatch.position.schemes.dual_chunk import NAMES
@@ -56,19 +55,10 @@ def dca_scores(chunk_size, local_window):
     ("gemma2", "sdpa", "none", 24, 5),  # softcapping on the sdpa name: the written-out path
 ])
 def test_equals_the_hand_computation(family, attn, padding, C, w):
-    model = tiny_model(family, attn_implementation="eager" if family == "gemma2" else attn)
+    model = patched_on(family, attn, (NAMES.eager, NAMES.sdpa), position="dual-chunk", chunk_size=C, local_window=w)
     ids, keep, pos = padded(90, padding)
-    hfpatch.patch(model, position="dual-chunk", chunk_size=C, local_window=w)
-    if attn == "sdpa" and family == "gemma2":  # transformers will not load gemma2 on sdpa (softcapping)
-        model.config._attn_implementation_internal = NAMES.sdpa
-    assert model.config._attn_implementation == (NAMES.eager if attn == "eager" else NAMES.sdpa)
-    with torch.no_grad():
-        out = model(ids, attention_mask=keep, position_ids=pos).logits
-    expected = by_hand(model, ids, keep, pos, dca_scores(C, w))
-    real = keep.bool()
-    assert max_diff(out[real].double(), expected[real]) <= 1e-4
-    unpatched = hfpatch.unpatch(model)(ids, attention_mask=keep, position_ids=pos).logits
-    assert max_diff(unpatched[real], out[real]) > 1e-3  # the chunking is visible at this length
+    out = patched_logits_by_hand(model, ids, keep, pos, dca_scores(C, w))
+    assert_unpatched_differs(model, ids, keep, pos, out)  # the chunking is visible at this length
 
 
 @pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
@@ -79,11 +69,7 @@ def test_position_ids_that_skip_are_chunked_by_position(family, attn):
                           local_window=3)
     ids, keep, pos = skipping()
     paths.reset(model)
-    with torch.no_grad():
-        out = model(ids, attention_mask=keep, position_ids=pos).logits
-    expected = by_hand(model, ids, keep, pos, dca_scores(16, 3))
-    real = keep.bool()
-    assert max_diff(out[real].double(), expected[real]) <= 1e-4
+    patched_logits_by_hand(model, ids, keep, pos, dca_scores(16, 3))
     assert paths.ran(model) == {"pieces" if attn == "sdpa" else "eager": 2}
 
 
@@ -107,25 +93,6 @@ def test_every_rope_family(family):
         assert set(hfpatch.describe(model)["position"]["attention_path"]["ran"]) == {"pieces"}
     hfpatch.unpatch(model)
     assert max_diff(logits(model, x), base) == 0.0
-
-
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text", "gpt_neox"])
-def test_cached_decoding_equals_the_full_forward(family):
-    """The cache holds un-rotated keys; each step rotates them. Padding on the left, as generate() pads; the chunk
-    boundaries fall inside the cached part, the chunk of queries and between steps."""
-    model = hfpatch.patch(tiny_model(family), position="dual-chunk", chunk_size=16, local_window=3)
-    stepped, full, same = cached_and_full(model)
-    assert max_diff(stepped, full) <= 1e-5
-    assert same
-
-
-def test_gradients_match_the_eager_path():
-    """With gradients the sdpa name takes the written-out path; same gradients as the eager name."""
-    grads = gradients_by_name(position="dual-chunk", chunk_size=12, local_window=2)
-    assert grads["sdpa"].keys() == grads["eager"].keys()
-    for n in grads["sdpa"]:
-        assert torch.allclose(grads["sdpa"][n], grads["eager"][n], atol=1e-5), n
-    assert grads["sdpa"]["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
 
 
 def test_distances_stay_below_the_chunk_size():
@@ -153,20 +120,19 @@ def test_distances_stay_below_the_chunk_size():
 
 def test_defaults_describe_unpatch_and_limits():
     model = tiny_model("llama")
-    before = fingerprint(model)
-    hfpatch.patch(model, position="dual-chunk")
-    info = hfpatch.describe(model)
-    path = info["position"].pop("attention_path")
-    # the defaults: 3/4 and 1/16 of the trained window
-    assert info["position"] == {"scheme": "dual-chunk", "chunk_size": WINDOW * 3 // 4, "local_window": WINDOW // 16,
-                                "native": False}
-    assert path["order"] == ["fa4", "pieces", "written-out"]
-    assert info["position_limit"] is None and info["max_position_embeddings"] == WINDOW
-    assert "dual-chunk" in info["patches"]["position"]
-    hfpatch.patch(model, position="yarn", factor=2.0)  # replaces it
-    assert type(model.model.rotary_emb).__name__ == "LlamaRotaryEmbedding"
-    hfpatch.unpatch(model)
-    assert_same_fingerprint(before, fingerprint(model))
+    with leaves_unchanged(model):
+        hfpatch.patch(model, position="dual-chunk")
+        info = hfpatch.describe(model)
+        path = info["position"].pop("attention_path")
+        # the defaults: 3/4 and 1/16 of the trained window
+        assert info["position"] == {"scheme": "dual-chunk", "chunk_size": WINDOW * 3 // 4,
+                                    "local_window": WINDOW // 16, "native": False}
+        assert path["order"] == ["fa4", "pieces", "written-out"]
+        assert info["position_limit"] is None and info["max_position_embeddings"] == WINDOW
+        assert "dual-chunk" in info["patches"]["position"]
+        hfpatch.patch(model, position="yarn", factor=2.0)  # replaces it
+        assert type(model.model.rotary_emb).__name__ == "LlamaRotaryEmbedding"
+        hfpatch.unpatch(model)
 
 
 def test_save_and_reload(tmp_path):
@@ -204,46 +170,4 @@ BAD = [
 
 @pytest.mark.parametrize("kwargs,message", BAD, ids=[m for _, m in BAD])
 def test_bad_options_leave_the_model_untouched(kwargs, message):
-    model = tiny_model("llama")
-    before = fingerprint(model)
-    with pytest.raises(ValueError, match=message):
-        hfpatch.patch(model, position="dual-chunk", **kwargs)
-    assert_same_fingerprint(before, fingerprint(model))
-
-
-@pytest.mark.parametrize("family,message", [("gpt2", "is a RoPE scheme, but gpt2 has learned absolute position"),
-                                            ("bert", "is a RoPE scheme")])
-def test_models_without_rope_are_refused(family, message):
-    model = tiny_model(family)
-    before = fingerprint(model)
-    with pytest.raises(ValueError, match=message):
-        hfpatch.patch(model, position="dual-chunk")
-    assert_same_fingerprint(before, fingerprint(model))
-
-
-@pytest.mark.parametrize("family", ["doge", "qwen4_exp"])
-def test_cached_decoding_where_the_family_chooses_the_keys(family):
-    """doge adds a learned bias to its mask and qwen4_exp's indexer hides key blocks from a query, the newest slot
-    included: neither is an empty static-cache slot, so cached steps run and equal the full forward."""
-    model = hfpatch.patch(tiny.build_tiny(family), position="dual-chunk", chunk_size=16, local_window=2)
-    stepped, full = tiny.stepped_and_full(model)
-    assert max_diff(stepped, full) <= 1e-5
-    ids = tiny.sample_ids(length=24)
-    out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
-    assert out.shape[1] > ids.shape[1]
-
-
-def test_a_model_without_a_trained_window_is_refused_with_the_reason():
-    """recurrent_gemma attends locally and its config names no window to take the defaults and the limit from."""
-    model = tiny.build_tiny("recurrent_gemma")
-    assert "dual-chunk" not in hfpatch.supported(model)["patches"]["position"]  # (its probe forward sets the state)
-    before = fingerprint(model)
-    with pytest.raises(ValueError, match="recurrent_gemma's config names none"):
-        hfpatch.patch(model, position="dual-chunk")
-    assert_same_fingerprint(before, fingerprint(model))
-
-
-def test_a_static_cache_is_refused_with_a_clear_error():
-    model = hfpatch.patch(tiny_model("llama"), position="dual-chunk", chunk_size=16, local_window=2)
-    with pytest.raises(ValueError, match=r"a DynamicCache, what generate\(\) uses by default"):
-        model.generate(tokens(20), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="static")
+    assert_refused(tiny_model("llama"), message, position="dual-chunk", **kwargs)

@@ -68,13 +68,18 @@ def test_undo_goes_newest_first_and_touched_reports_the_first_value():
     assert m.plain == "original" and not hasattr(m, "fresh")
 
 
+def deleting(obj, *names):
+    """An Edits log that deleted `names` of `obj`, in that order."""
+    e = Edits()
+    for name in names:
+        e.delete(obj, name)
+    return e
+
+
 def test_deleted_buffers_come_back_as_buffers_with_their_persistence():
     m = holder()
     kept, cache, layout = m.kept, m.cache, slots(m)
-    e = Edits()
-    e.delete(m, "kept")
-    e.delete(m, "cache")
-    e.delete(m, "never_there")  # nothing to delete: nothing logged
+    e = deleting(m, "kept", "cache", "never_there")  # nothing to delete for never_there: nothing logged
     assert len(e) == 2 and "kept" not in m.state_dict()
     e.undo()
     assert m.kept is kept and m.cache is cache
@@ -86,10 +91,7 @@ def test_deleted_buffers_come_back_as_buffers_with_their_persistence():
 def test_deleted_parameters_and_submodules_come_back_in_their_slots():
     m = holder()
     weight, child, layout = m.weight, m.child, slots(m)
-    e = Edits()
-    e.delete(m, "weight")
-    e.delete(m, "child")
-    e.delete(m, "plain")
+    e = deleting(m, "weight", "child", "plain")
     e.undo()
     assert m.weight is weight and m.child is child and m.plain == "original"
     assert slots(m) == layout

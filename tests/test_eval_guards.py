@@ -15,10 +15,7 @@ from test_eval_perplexity import save_tiny, text_of, tiny_tokenizer
 import hfpatch
 from hfpatch.cli import main as cli_main
 
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HFPATCH_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 def cli(capsys, *argv):

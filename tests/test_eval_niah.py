@@ -8,10 +8,10 @@ import json
 import re
 
 import pytest
+from conftest import cli_answered_by
 
 from hfpatch.cli import main as cli_main
 from hfpatch.evaluate import haystack as hs
-from hfpatch.evaluate import sweep
 from hfpatch.evaluate.evaluations import niah
 from hfpatch.tiny import char_tokenizer as tiny_tokenizer
 from hfpatch.tiny import save_sized as save_tiny
@@ -72,11 +72,9 @@ def test_cli_heatmap_table_and_scores(tmp_path, monkeypatch, capsys):
         first = text.index("Figs are one of") < len(text) / 2
         return tok(" figs and goat cheese" if first else " bread", add_special_tokens=False)["input_ids"]
 
-    monkeypatch.setattr(sweep.Run, "greedy", oracle)
     argv = ["eval", "niah", "--model", str(model_dir), "--needles", "pizza", "--lengths", "1500,2500",
             "--depths", "0,0.3,0.9", "--patches", "none,ntk:2", "--out", str(tmp_path / "n")]
-    assert cli_main(argv) == 0
-    out = capsys.readouterr().out
+    out = cli_answered_by(monkeypatch, capsys, oracle, argv)
     res = json.loads((tmp_path / "n" / "results.json").read_text())
     assert len(res["cells"]) == 2 * 2 * 3
     for c in res["cells"]:

@@ -9,11 +9,10 @@ import warnings
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import cli_answered_by, tiny_model
 
 import hfpatch
 from hfpatch.cli import main as cli_main
-from hfpatch.evaluate import sweep
 from hfpatch.evaluate.evaluations.passkey import FILLER, build_prompt, is_correct, make_key
 from hfpatch.evaluate.results import comparable as strip_timing
 from hfpatch.lm.causal import causal_lm_parts, greedy
@@ -128,11 +127,9 @@ def test_cli_table_heatmap_json_and_resume(tmp_path, monkeypatch, capsys):
         right = key.start() < len(text) / 2
         return tok(" " + (key.group(1) if right else "12"), add_special_tokens=False)["input_ids"]
 
-    monkeypatch.setattr(sweep.Run, "greedy", oracle)
     argv = ["eval", "passkey", "--model", str(model_dir), "--lengths", "600,1000", "--depths", "0,0.4,1",
             "--trials", "2", "--patches", "none,yarn:2", "--out", str(tmp_path / "pk")]
-    assert cli_main(argv) == 0
-    out = capsys.readouterr().out
+    out = cli_answered_by(monkeypatch, capsys, oracle, argv)
     res = json.loads((tmp_path / "pk" / "results.json").read_text())
     assert len(res["cells"]) == 2 * 2 * 3 and len(calls) == 2 * 2 * 3 * 2
     for c in res["cells"]:

@@ -177,6 +177,20 @@ def test_ppl_and_bpb_equal_hand_computation(tiny_run, tmp_path, capsys):
 # resume
 
 
+def interrupt_document(monkeypatch, n):
+    """A Ctrl-C at the run's `n`-th document (sweep.Run.document_nll); returns the real document_nll."""
+    real, calls = sweep.Run.document_nll, []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(sweep.Run, "document_nll", interrupted)
+    return real
+
+
 def test_interrupted_run_resumes_without_recomputing(tiny_run, tmp_path, monkeypatch, capsys):
     model_dir, docs = tiny_run
     common = ["--model", str(model_dir), "--text-files", str(docs), "--lengths", "16,32", "--max-docs", "2",
@@ -184,17 +198,8 @@ def test_interrupted_run_resumes_without_recomputing(tiny_run, tmp_path, monkeyp
     assert perplexity.main([*common, "--out", str(tmp_path / "whole")]) == 0
     whole = json.loads((tmp_path / "whole" / "results.json").read_text())
 
-    real = sweep.Run.document_nll
-    calls = []
-
-    def interrupted(*a, **k):  # the 4th document: the second of the second cell
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
+    real = interrupt_document(monkeypatch, 4)  # the 4th document: the second of the second cell
     out = tmp_path / "resumed"
-    monkeypatch.setattr(sweep.Run, "document_nll", interrupted)
     assert perplexity.main([*common, "--out", str(out)]) == 130
     assert "run the same command again to resume" in capsys.readouterr().err
     partial = json.loads((out / "results.json").read_text())
@@ -525,16 +530,8 @@ def test_attention_path_counts_add_up_across_a_resume(tiny_run, tmp_path, monkey
     assert perplexity.main([*common, "--out", str(tmp_path / "whole")]) == 0
     whole = json.loads((tmp_path / "whole" / "results.json").read_text())["cells"][0]["attention_path"]
 
-    real, calls = sweep.Run.document_nll, []
-
-    def interrupted(*a, **k):  # the second document of the cell
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-
+    real = interrupt_document(monkeypatch, 2)  # the second document of the cell
     out = tmp_path / "resumed"
-    monkeypatch.setattr(sweep.Run, "document_nll", interrupted)
     assert perplexity.main([*common, "--out", str(out)]) == 130
     monkeypatch.setattr(sweep.Run, "document_nll", real)
     assert perplexity.main([*common, "--out", str(out)]) == 0

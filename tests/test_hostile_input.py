@@ -66,12 +66,19 @@ def modules_cache(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
+def refused_by_load_and_from_pretrained(path, load_match, from_pretrained_match):
+    """hfpatch's loader and hfpatch.from_pretrained both refuse the folder `path` with a ValueError, matching
+    `load_match` and `from_pretrained_match`."""
+    with pytest.raises(ValueError, match=load_match):
+        load(str(path))
+    with pytest.raises(ValueError, match=from_pretrained_match):
+        hfpatch.from_pretrained(path)
+
+
 def test_the_code_of_a_model_folder_is_not_run_unless_asked(remote_code, modules_cache, capsys):
     path, ran = remote_code
-    with pytest.raises(ValueError, match=r"trust_remote_code=True.*--trust-remote-code.*trust_remote_code: true"):
-        load(str(path))
-    with pytest.raises(ValueError, match=r"from_pretrained\(..., trust_remote_code=True\)"):
-        hfpatch.from_pretrained(path)
+    refused_by_load_and_from_pretrained(path, r"trust_remote_code=True.*--trust-remote-code.*trust_remote_code: true",
+                                        r"from_pretrained\(..., trust_remote_code=True\)")
     code, err = cli(capsys, "describe", str(path))
     assert code == 2 and err.count("\n") == 1 and "--trust-remote-code" in err
     assert not ran.exists()
@@ -81,10 +88,8 @@ def test_the_code_of_a_model_folder_is_not_run_unless_asked(remote_code, modules
 
 def test_pickled_weights_are_not_loaded_unless_asked(pickled, tmp_path, capsys):
     model, path = pickled
-    with pytest.raises(ValueError, match=r"pickles \(pytorch_model.bin\).*allow_pickled_weights=True"):
-        load(str(path))
-    with pytest.raises(ValueError, match=r"use_safetensors=None"):
-        hfpatch.from_pretrained(path)
+    refused_by_load_and_from_pretrained(path, r"pickles \(pytorch_model.bin\).*allow_pickled_weights=True",
+                                        r"use_safetensors=None")
     code, err = cli(capsys, "patch", str(path), "--position", "yarn", "--factor", "2", "--out", str(tmp_path / "o"))
     assert code == 2 and "--allow-pickled-weights" in err and not (tmp_path / "o").exists()
     loaded, _ = load(str(path), allow_pickled_weights=True)

@@ -11,9 +11,8 @@ import warnings
 
 import pytest
 import torch
+from conftest import plain_reload_log
 from transformers import AutoModelForCausalLM
-from transformers.testing_utils import CaptureLogger
-from transformers.utils import logging as hf_logging
 
 import hfpatch
 from hfpatch import tiny
@@ -37,19 +36,6 @@ def _save(model, path) -> list[str]:
     return [str(w.message) for w in caught]
 
 
-def _plain_reload_log(path) -> str:
-    """What transformers logs while loading `path` without hfpatch (at its default verbosity, warnings: the test
-    suite runs quieter)."""
-    before = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_warning()
-    try:
-        with CaptureLogger(hf_logging.get_logger("transformers.quantizers.auto")) as log:
-            AutoModelForCausalLM.from_pretrained(path)
-    finally:
-        hf_logging.set_verbosity(before)
-    return log.out
-
-
 @torch.no_grad()
 def _logits(model, ids):
     return model(input_ids=ids, use_cache=False).logits
@@ -62,7 +48,7 @@ def test_a_save_plain_transformers_cannot_express_says_so_and_a_plain_reload_war
     axis = next(iter(kwargs))
     said = [m for m in _save(model, tmp_path) if "hfpatch.from_pretrained reloads the patch" in m]
     assert len(said) == 1 and said[0].startswith(f"{axis}=")
-    log = _plain_reload_log(tmp_path)
+    log = plain_reload_log(tmp_path)
     assert "hfpatch.from_pretrained" in log and "unpatched architecture" in log
     loaded = hfpatch.from_pretrained(tmp_path).eval()
     assert getattr(loaded.config, "quantization_config", None) is None
@@ -77,7 +63,7 @@ def test_a_native_save_carries_no_mark_and_no_warning(tmp_path):
     model = _patched("llama", dict(position="yarn", factor=2.0))
     assert not [m for m in _save(model, tmp_path) if "hfpatch" in m]
     assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
-    assert "hfpatch" not in _plain_reload_log(tmp_path)
+    assert "hfpatch" not in plain_reload_log(tmp_path)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     ids = tiny.sample_ids(1, 24)
     assert torch.equal(_logits(plain, ids), _logits(model, ids))

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import ROPE_FAMILIES, WINDOW, logits, max_diff, native_model, tiny_model, tokens
+from conftest import ROPE_FAMILIES, WINDOW, cached_step_and_full, logits, max_diff, native_model, tiny_model, tokens
 
 import hfpatch
 
@@ -174,10 +174,7 @@ def test_kv_cache_decode_equals_full_forward(family):
     model = tiny_model(family)
     hfpatch.patch(model, position="yarn", factor=4.0)
     x = tokens(100)
-    with torch.no_grad():
-        out = model(x[:, :-1], use_cache=True)
-        step = model(x[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits[:, -1]
-        full = model(x).logits[:, -1]
+    step, full = cached_step_and_full(model, x)
     assert max_diff(step, full) <= 1e-5
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():

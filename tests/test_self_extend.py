@@ -1,18 +1,26 @@
 """position="self-extend" against a reference written here from the paper: llama, qwen3 and gemma2 forwards computed
 by hand from their weights in float64, with the neighbour / grouped attention written out (GQA, padding, batch 2);
-cached decoding against the full forward; G = 1 and a window covering everything against the unpatched model;
-errors leave the model exactly as it was."""
+G = 1 and a window covering everything against the unpatched model; errors leave the model exactly as it was.
+Cached decoding, gradients and the refusals it shares with Dual Chunk Attention are in tests/test_window_schemes.py."""
 
 import copy
 
 import pytest
 import torch
-from conftest import ROPE_FAMILIES, WINDOW, assert_same_fingerprint, fingerprint, logits, max_diff, tiny_model, tokens
-from handref import by_hand, cached_and_full, gradients_by_name, padded, rope, segmented, skipping
+from conftest import ROPE_FAMILIES, WINDOW, assert_refused, leaves_unchanged, logits, max_diff, tiny_model, tokens
+from handref import (
+    assert_unpatched_differs,
+    by_hand,
+    padded,
+    patched_logits_by_hand,
+    patched_on,
+    rope,
+    segmented,
+    skipping,
+)
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb  # noqa: F401 (the attention below rotates with it)
 
 import hfpatch
-from hfpatch import tiny
 from hfpatch.evaluate.common import parse_patches
 from hfpatch.position.attention import paths
 from hfpatch.position.schemes import rotated, self_extend
@@ -41,20 +49,10 @@ def self_extend_scores(G, W):
     ("gemma2", "sdpa", "none", 3, 8),  # softcapping on the sdpa name: the explicit path, blocked
 ])
 def test_equals_the_hand_computation(family, attn, padding, G, W):
-    # transformers will not load gemma2 on sdpa (softcapping): the sdpa name is set by hand below
-    model = tiny_model(family, attn_implementation="eager" if family == "gemma2" else attn)
+    model = patched_on(family, attn, (EAGER_NAME, SDPA_NAME), position="self-extend", group_size=G, window=W)
     ids, keep, pos = padded(90, padding)
-    hfpatch.patch(model, position="self-extend", group_size=G, window=W)
-    if attn == "sdpa" and family == "gemma2":
-        model.config._attn_implementation_internal = SDPA_NAME
-    assert model.config._attn_implementation == (EAGER_NAME if attn == "eager" else SDPA_NAME)
-    with torch.no_grad():
-        out = model(ids, attention_mask=keep, position_ids=pos).logits
-    expected = by_hand(model, ids, keep, pos, self_extend_scores(G, W))
-    real = keep.bool()
-    assert max_diff(out[real].double(), expected[real]) <= 1e-4
-    unpatched = hfpatch.unpatch(model)(ids, attention_mask=keep, position_ids=pos).logits
-    assert max_diff(unpatched[real], out[real]) > 1e-3  # the grouping is visible at this length
+    out = patched_logits_by_hand(model, ids, keep, pos, self_extend_scores(G, W))
+    assert_unpatched_differs(model, ids, keep, pos, out)  # the grouping is visible at this length
 
 
 @pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
@@ -64,11 +62,7 @@ def test_position_ids_that_skip_are_grouped_by_the_distance_of_the_positions(fam
     model = hfpatch.patch(tiny_model(family, attn_implementation=attn), position="self-extend", group_size=4, window=8)
     ids, keep, pos = skipping()
     paths.reset(model)
-    with torch.no_grad():
-        out = model(ids, attention_mask=keep, position_ids=pos).logits
-    expected = by_hand(model, ids, keep, pos, self_extend_scores(4, 8))
-    real = keep.bool()
-    assert max_diff(out[real].double(), expected[real]) <= 1e-4
+    patched_logits_by_hand(model, ids, keep, pos, self_extend_scores(4, 8))
     assert paths.ran(model) == {"pieces" if attn == "sdpa" else "eager": 2}
 
 
@@ -183,21 +177,28 @@ def test_position_blocks_bound_the_keys_that_need_a_mask():
             assert covered == list(range(300 - q_len, 300))
 
 
+def _refused_then_run(model, call, pos, refusing, match):
+    """The path `refusing` of Self-Extend's table raises PathUnavailable (matching `match`) for the attention call
+    `call` = (module, q, k, v) with position ids `pos`; the table then runs the call: {the path that ran: 1}."""
+    attn, q, k, v = call
+    path = next(p for p in paths.table("self-extend") if p.name == refusing)
+    with torch.no_grad(), pytest.raises(paths.PathUnavailable, match=match):
+        path.run(attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True, softcap=None,
+                 kwargs={"position_ids": pos})
+    paths.reset(model)
+    with torch.no_grad():
+        paths.run("self-extend", attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True,
+                  kwargs={"position_ids": pos})
+    return paths.ran(model)
+
+
 def test_the_piece_path_refuses_positions_that_go_back():
     """Packed documents (positions that start again) are no order the blocks can be cut by: the written-out path
     takes the call."""
     model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=4, window=8)
     attn, q, k, v = attention_inputs(model, 1, 48)
     pos = torch.cat([torch.arange(20), torch.arange(28)])[None]
-    pieces = next(p for p in paths.table("self-extend") if p.name == "pieces")
-    with torch.no_grad(), pytest.raises(paths.PathUnavailable, match="position ids that go back"):
-        pieces.run(attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True, softcap=None,
-                   kwargs={"position_ids": pos})
-    paths.reset(model)
-    with torch.no_grad():
-        paths.run("self-extend", attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True,
-                  kwargs={"position_ids": pos})
-    assert paths.ran(model) == {"written-out": 1}
+    assert _refused_then_run(model, (attn, q, k, v), pos, "pieces", "position ids that go back") == {"written-out": 1}
 
 
 def test_slot_positions_count_the_slots_some_query_sees():
@@ -268,32 +269,16 @@ def test_the_slot_cut_paths_refuse_position_ids_that_skip(name):
     """Each raises PathUnavailable before it computes anything (flash-attn and flex run on CUDA only: their refusal
     comes first, so it is seen here); the table then runs the piece path, which cuts its blocks by the positions."""
     model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=4, window=8)
-    attn = model.model.layers[0].self_attn
-    cfg = model.config
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 48, cfg.head_dim, generator=g)
-               for h in (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads))
+    attn, q, k, v = attention_inputs(model, 1, 48)
     pos = skipping()[2][:1]
-    path = next(p for p in paths.table("self-extend") if p.name == name)
-    with torch.no_grad(), pytest.raises(paths.PathUnavailable, match="position ids that skip"):
-        path.run(attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True, softcap=None,
-                 kwargs={"position_ids": pos})
-    paths.reset(model)
-    with torch.no_grad():
-        paths.run("self-extend", attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True,
-                  kwargs={"position_ids": pos})
-    assert paths.ran(model) == {"pieces": 1}
+    assert _refused_then_run(model, (attn, q, k, v), pos, name, "position ids that skip") == {"pieces": 1}
 
 
 def test_a_compiled_call_whose_positions_skip_stops_with_an_error():
     """A compiled graph cannot leave the piece path by the positions' values: contiguous positions run it (no graph
     break), positions that skip raise instead of being attended by slot distance."""
     model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=4, window=8)
-    attn = model.model.layers[0].self_attn
-    cfg = model.config
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 48, cfg.head_dim, generator=g)
-               for h in (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads))
+    attn, q, k, v = attention_inputs(model, 1, 48)
 
     def attend(pos):
         return paths.run("self-extend", attn, q, k, v, None, scaling=0.25, dropout=0.0, causal=True,
@@ -328,47 +313,27 @@ def test_every_rope_family(family):
     assert max_diff(logits(model, x), base) == 0.0
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text", "gpt_neox"])
-def test_cached_decoding_equals_the_full_forward(family):
-    """The cache holds un-rotated keys; each step rotates them at both maps. Padding on the left, as generate()
-    pads: the positions count real tokens only."""
-    model = hfpatch.patch(tiny_model(family), position="self-extend", group_size=3, window=10)
-    stepped, full, same = cached_and_full(model)
-    assert max_diff(stepped, full) <= 1e-5
-    assert same
-
-
-def test_gradients_match_the_eager_path():
-    """With gradients the sdpa name takes the explicit path; same gradients as the eager name."""
-    grads = gradients_by_name(position="self-extend", group_size=2, window=8)
-    assert grads["sdpa"].keys() == grads["eager"].keys()
-    for n in grads["sdpa"]:
-        assert torch.allclose(grads["sdpa"][n], grads["eager"][n], atol=1e-5), n
-    assert grads["sdpa"]["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
-
-
 # ---------------------------------------------------------------------------------------------- composes like any
 
 
 def test_describe_unpatch_and_limits():
     model = tiny_model("llama")
-    before = fingerprint(model)
-    hfpatch.patch(model, position="self-extend", group_size=4, window=16)
-    info = hfpatch.describe(model)
-    path = info["position"].pop("attention_path")
-    assert info["position"] == {"scheme": "self-extend", "group_size": 4, "window": 16, "native": False}
-    assert path["order"] == ["fa4", "flash-attn", "flex", "pieces", "written-out"]
-    assert path["ran"] == {}  # counted from the patch on: its own check's forward is not
-    with torch.no_grad():
-        model(tokens(20))
-    ran = hfpatch.describe(model)["position"]["attention_path"]["ran"]
-    assert set(ran) == {"pieces"}  # on this CPU, without gradients
-    assert info["position_limit"] == info["max_position_embeddings"] == (WINDOW - 16) * 4 + 16
-    assert "self-extend" in info["patches"]["position"]
-    hfpatch.patch(model, position="yarn", factor=2.0)  # replaces it
-    assert type(model.model.rotary_emb).__name__ == "LlamaRotaryEmbedding"
-    hfpatch.unpatch(model)
-    assert_same_fingerprint(before, fingerprint(model))
+    with leaves_unchanged(model):
+        hfpatch.patch(model, position="self-extend", group_size=4, window=16)
+        info = hfpatch.describe(model)
+        path = info["position"].pop("attention_path")
+        assert info["position"] == {"scheme": "self-extend", "group_size": 4, "window": 16, "native": False}
+        assert path["order"] == ["fa4", "flash-attn", "flex", "pieces", "written-out"]
+        assert path["ran"] == {}  # counted from the patch on: its own check's forward is not
+        with torch.no_grad():
+            model(tokens(20))
+        ran = hfpatch.describe(model)["position"]["attention_path"]["ran"]
+        assert set(ran) == {"pieces"}  # on this CPU, without gradients
+        assert info["position_limit"] == info["max_position_embeddings"] == (WINDOW - 16) * 4 + 16
+        assert "self-extend" in info["patches"]["position"]
+        hfpatch.patch(model, position="yarn", factor=2.0)  # replaces it
+        assert type(model.model.rotary_emb).__name__ == "LlamaRotaryEmbedding"
+        hfpatch.unpatch(model)
 
 
 def test_save_and_reload(tmp_path):
@@ -418,21 +383,7 @@ BAD = [
 
 @pytest.mark.parametrize("kwargs,message", BAD, ids=[m for _, m in BAD])
 def test_bad_options_leave_the_model_untouched(kwargs, message):
-    model = tiny_model("llama")
-    before = fingerprint(model)
-    with pytest.raises(ValueError, match=message):
-        hfpatch.patch(model, position="self-extend", **kwargs)
-    assert_same_fingerprint(before, fingerprint(model))
-
-
-@pytest.mark.parametrize("family,message", [("gpt2", "is a RoPE scheme, but gpt2 has learned absolute position"),
-                                            ("bert", "is a RoPE scheme")])
-def test_models_without_rope_are_refused(family, message):
-    model = tiny_model(family)
-    before = fingerprint(model)
-    with pytest.raises(ValueError, match=message):
-        hfpatch.patch(model, position="self-extend", group_size=4, window=16)
-    assert_same_fingerprint(before, fingerprint(model))
+    assert_refused(tiny_model("llama"), message, position="self-extend", **kwargs)
 
 
 class OwnRopeAttention(LlamaAttention):
@@ -448,10 +399,8 @@ def test_an_attention_it_cannot_reproduce_is_refused():
     for layer in model.model.layers:
         layer.self_attn.__class__ = OwnRopeAttention
         object.__setattr__(layer.self_attn, "own_rotary", own)  # not a submodule: the model has one rotary
-    before = fingerprint(model)
-    with pytest.raises(ValueError, match="does not reproduce llama's own RoPE attention"):
-        hfpatch.patch(model, position="self-extend", group_size=4, window=16)
-    assert_same_fingerprint(before, fingerprint(model))
+    assert_refused(model, "does not reproduce llama's own RoPE attention", position="self-extend",
+                             group_size=4, window=16)
 
 
 def test_position_maps_meet_at_the_window():
@@ -476,32 +425,3 @@ def test_a_deep_copy_rotates_with_its_own_rotary_module():
     hfpatch.unpatch(twin)
     assert max_diff(logits(twin, x), logits(tiny_model("llama"), x)) == 0.0
     assert max_diff(logits(model, x), patched) == 0.0
-
-
-@pytest.mark.parametrize("family", ["doge", "qwen4_exp"])
-def test_cached_decoding_where_the_family_chooses_the_keys(family):
-    """doge adds a learned bias to its mask and qwen4_exp's indexer hides key blocks from a query, the newest slot
-    included: neither is an empty static-cache slot, so cached steps run and equal the full forward."""
-    model = hfpatch.patch(tiny.build_tiny(family), position="self-extend", group_size=2, window=8)
-    stepped, full = tiny.stepped_and_full(model)
-    assert max_diff(stepped, full) <= 1e-5
-    ids = tiny.sample_ids(length=24)
-    out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
-    assert out.shape[1] > ids.shape[1]
-
-
-def test_a_model_without_a_trained_window_is_refused_with_the_reason():
-    """recurrent_gemma attends locally and its config names no window to take the defaults and the limit from."""
-    model = tiny.build_tiny("recurrent_gemma")
-    assert "self-extend" not in hfpatch.supported(model)["patches"]["position"]  # (its probe forward sets the state)
-    before = fingerprint(model)
-    with pytest.raises(ValueError, match="recurrent_gemma's config names none"):
-        hfpatch.patch(model, position="self-extend")
-    assert_same_fingerprint(before, fingerprint(model))
-
-
-def test_a_static_cache_is_refused_with_a_clear_error():
-    """Cached keys' positions are inferred (consecutive, ending at the newest query): a StaticCache breaks that."""
-    model = hfpatch.patch(tiny_model("llama"), position="self-extend", group_size=4, window=8)
-    with pytest.raises(ValueError, match=r"a DynamicCache, what generate\(\) uses by default"):
-        model.generate(tokens(20), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="static")

@@ -11,9 +11,8 @@ import warnings
 
 import pytest
 import torch
+from conftest import plain_reload_log
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
-from transformers.testing_utils import CaptureLogger
-from transformers.utils import logging as hf_logging
 
 import hfpatch
 from hfpatch import tiny
@@ -45,18 +44,6 @@ def _args(out, steps=2, **kw) -> TrainingArguments:
     return TrainingArguments(**{**given, **kw})
 
 
-def _plain_reload_log(path) -> str:
-    """What transformers logs while loading `path` without hfpatch, at its default verbosity (warnings)."""
-    before = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_warning()
-    try:
-        with CaptureLogger(hf_logging.get_logger("transformers.quantizers.auto")) as log:
-            AutoModelForCausalLM.from_pretrained(path)
-    finally:
-        hf_logging.set_verbosity(before)
-    return log.out
-
-
 @torch.no_grad()
 def _logits(model, ids):
     return model.eval()(input_ids=ids, use_cache=False).logits
@@ -77,7 +64,7 @@ def test_trainer_checkpoints_of_a_non_native_patch_reload_patched_and_make_a_pla
     for folder in (tmp_path / "run" / "checkpoint-2", tmp_path / "final"):
         config = json.loads((folder / "config.json").read_text())
         assert "hfpatch" in config["quantization_config"]["quant_method"]
-        log = _plain_reload_log(folder)
+        log = plain_reload_log(folder)
         assert "hfpatch.from_pretrained" in log and "unpatched architecture" in log
         loaded = hfpatch.from_pretrained(folder)
         assert hfpatch.describe(loaded)["applied"] == hfpatch.describe(model)["applied"]
@@ -136,7 +123,7 @@ def test_trl_sft_trainer_keeps_the_patch(tmp_path, tiny_tokenizer_dir):
                              processing_class=AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
     trainer.train()
     folder = tmp_path / "checkpoint-2"
-    assert "hfpatch.from_pretrained" in _plain_reload_log(folder)
+    assert "hfpatch.from_pretrained" in plain_reload_log(folder)
     loaded = hfpatch.from_pretrained(folder)
     assert hfpatch.describe(loaded)["applied"] == hfpatch.describe(model)["applied"]
     ids = tiny.sample_ids(1, 24, seed=5)
