@@ -141,6 +141,12 @@ def cli_answered_by(monkeypatch, capsys, oracle, argv) -> str:
     return capsys.readouterr().out
 
 
+def override_cases(table):
+    """(group, overrides, message) for each case of a table {group: {an override, or a tuple of them: message}}."""
+    return [(group, [args] if isinstance(args, str) else list(args), message)
+            for group, cases in table.items() for args, message in cases.items()]
+
+
 @pytest.fixture
 def own_cache(tmp_path, monkeypatch):
     """hfpatch's cache folder ($HFPATCH_CACHE) in the test's own tmp_path, never the user's."""

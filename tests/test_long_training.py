@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, WINDOW, stdlib_text, tiny_model, tokens
+from conftest import REPO, WINDOW, override_cases, stdlib_text, tiny_model, tokens
 
 import hfpatch
 from hfpatch.position.registry import SCHEMES
@@ -348,15 +348,23 @@ def test_sequence_parallel_configs_reach_the_recipe(name, sizes, monkeypatch):
         assert pc.sp_handler.sp_attn_implementation == "sdpa"
 
 
-@pytest.mark.parametrize("split,args,message", [
-    ("cp", ["patch={position: alibi}"], "position='alibi' cannot train under context parallelism (cp_size=2)"),
-    ("sp", ["patch={position: alibi}"], "position='alibi' cannot train under Ulysses sequence parallelism (sp_"),
-    ("cp", ["patch={position: dynamic}"], "position='dynamic' cannot train under context parallelism"),
-    ("sp", ["patch={position: dynamic-yarn}"], "position='dynamic-yarn' cannot train under Ulysses"),
-    ("sp", ["patch={position: yarn, factor: 4}", "pose.target_len=256"], "pose cannot train under Ulysses"),
-    ("cp", ["seq_len=62"], "seq_len=62 must be a multiple of 4 under context parallelism"),
-    ("sp", ["seq_len=63"], "seq_len=63 must be a multiple of 2 under Ulysses"),
-])
+# what each way of splitting sequences over processes refuses: an override (or a tuple of them), and the error
+SPLIT_REFUSALS = {
+    "cp": {
+        "patch={position: alibi}": "position='alibi' cannot train under context parallelism (cp_size=2)",
+        "patch={position: dynamic}": "position='dynamic' cannot train under context parallelism",
+        "seq_len=62": "seq_len=62 must be a multiple of 4 under context parallelism",
+    },
+    "sp": {
+        "patch={position: alibi}": "position='alibi' cannot train under Ulysses sequence parallelism (sp_",
+        "patch={position: dynamic-yarn}": "position='dynamic-yarn' cannot train under Ulysses",
+        ("patch={position: yarn, factor: 4}", "pose.target_len=256"): "pose cannot train under Ulysses",
+        "seq_len=63": "seq_len=63 must be a multiple of 2 under Ulysses",
+    },
+}
+
+
+@pytest.mark.parametrize("split,args,message", override_cases(SPLIT_REFUSALS))
 def test_what_cannot_train_with_split_sequences_is_refused(split, args, message, tiny_folder, text, tmp_path, capsys,
                                                            monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")

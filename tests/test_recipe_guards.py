@@ -74,28 +74,32 @@ def _no_txt(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("args,message", [
-    (["lr=.inf"], "lr must be a finite number in (0, 1], got inf"),
-    (["lr=.nan"], "lr must be a finite number in (0, 1], got nan"),
-    (["lr=1e308"], "lr must be a finite number in (0, 1], got 1e+308"),
-    (["clip=.nan"], "clip must be a finite number > 0 or null (no clipping), got nan"),
-    (["clip=-1"], "clip must be a finite number > 0 or null (no clipping), got -1.0"),
-    (["seed=-1"], "seed must be between 0 and 4294967295, got -1"),
-    (["weight_decay=-5"], "weight_decay must be a finite number >= 0"),
-    (["weight_decay=1e5"], "lr x weight_decay must stay below 1"),
-    (["data.eval_fraction=.nan"], "data.eval_fraction must be in [0, 1), got nan"),
-    (["model_config.hidden_sise=128"], "model_config: hidden_sise is not a setting of LlamaConfig (did you mean "
-                                       "hidden_size?)"),
-    (["model_config.hidden_size=-4"], "model_config.hidden_size must be > 0, got -4"),
-    (["model_config.num_hidden_layers=0"], "model_config.num_hidden_layers must be > 0, got 0"),
-    (["output_dir=/proc/hfpatch-test/run"], "output_dir /proc/hfpatch-test/run: cannot create it"),
-    (["data.text_files=[{non_utf8}]"], "not UTF-8 text"),
-    (["data.text_files=[{no_txt}]"], "has no .txt files"),
-    (["batch_size=100000"], "memory_check=false to try anyway"),
-])
-def test_values_that_would_corrupt_or_crash_training_are_one_error(base, capsys, tmp_path, args, message):
+# each override, and what the one error line refusing it says
+CORRUPTING = {
+    "lr=.inf": "lr must be a finite number in (0, 1], got inf",
+    "lr=.nan": "lr must be a finite number in (0, 1], got nan",
+    "lr=1e308": "lr must be a finite number in (0, 1], got 1e+308",
+    "clip=.nan": "clip must be a finite number > 0 or null (no clipping), got nan",
+    "clip=-1": "clip must be a finite number > 0 or null (no clipping), got -1.0",
+    "seed=-1": "seed must be between 0 and 4294967295, got -1",
+    "weight_decay=-5": "weight_decay must be a finite number >= 0",
+    "weight_decay=1e5": "lr x weight_decay must stay below 1",
+    "data.eval_fraction=.nan": "data.eval_fraction must be in [0, 1), got nan",
+    "model_config.hidden_sise=128": "model_config: hidden_sise is not a setting of LlamaConfig (did you mean "
+                                    "hidden_size?)",
+    "model_config.hidden_size=-4": "model_config.hidden_size must be > 0, got -4",
+    "model_config.num_hidden_layers=0": "model_config.num_hidden_layers must be > 0, got 0",
+    "output_dir=/proc/hfpatch-test/run": "output_dir /proc/hfpatch-test/run: cannot create it",
+    "data.text_files=[{non_utf8}]": "not UTF-8 text",
+    "data.text_files=[{no_txt}]": "has no .txt files",
+    "batch_size=100000": "memory_check=false to try anyway",
+}
+
+
+@pytest.mark.parametrize("arg,message", CORRUPTING.items())
+def test_values_that_would_corrupt_or_crash_training_are_one_error(base, capsys, tmp_path, arg, message):
     files = {"non_utf8": _non_utf8(tmp_path), "no_txt": _no_txt(tmp_path)}
-    args = [a.format(**files) for a in args]
+    args = [arg.format(**files)]
 
     def main(cfg):
         if any(a.startswith("batch_size") for a in args):  # the memory check is in the loop, before any step

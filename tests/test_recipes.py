@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from conftest import REPO, stdlib_text, tiny_model
+from conftest import REPO, override_cases, stdlib_text, tiny_model
 from torch.nn.parallel import DistributedDataParallel
 
 import hfpatch
@@ -145,28 +145,38 @@ def tiny_folder(tmp_path, tiny_tokenizer_dir):
     return path
 
 
-@pytest.mark.parametrize("recipe,args,message", [
-    ("heal", ["bogus=1"], "unknown config key 'bogus'"),
-    ("heal", ["distill.temp=2"], "unknown config key 'distill.temp'"),
-    ("heal", ["lr=fast"], "lr must be float, got 'fast'"),
-    ("heal", ["max_steps=1.5"], "max_steps must be int"),
-    ("heal", ["data.text_files=[/no/such/file.txt]"], "data path not found: /no/such/file.txt"),
-    ("context_extension", ["seq_len=128"], "seq_len=128 is above the 64 positions the model supports"),
-    ("context_extension", ["patch={position: yarn, factor: 0.5}"], "patch: factor must be > 1"),
-    ("context_extension", ["patch={position: interpolate, factor: 2}"], "stretches a learned absolute position"),
-    ("pretrain", ["tokenizer=x"], "pretrain builds its model from model_config"),
-    ("heal", ["precision=fp8"], "precision must be no, bf16 or fp16"),
-    ("heal", ["seq_len=[1"], "override 'seq_len=[1': not valid YAML: expected ',' or ']'"),
-    ("heal", ["lr=!!python/object/apply:os.system [exit 3]"], "!!python/ tags are not accepted"),
-    ("heal", ["data.text_files=[1, 2]"], "data.text_files must be a list of strings, got [1, 2]"),
-    ("heal", ["lora.enabled=true", "lora.target_modules=[nope]"], "lora: Target modules {'nope'} not found"),
-    ("heal", ["log_with=[nonsense]"], "log_with: unknown tracker 'nonsense'"),
-    ("heal", ["data.max_tokens=40"], "the data holds 40 tokens: fewer than two sequences of seq_len=32"),
-    ("heal", ["tokenizer=smollm2"], "the tokenizer has 49152 tokens, the model's embedding 384 rows"),
-    ("heal", ["calibrate=-1"], "calibrate must be >= 0"),
-    ("heal", ["patch={norm: dyt}", "calibrate=100000"], "calibrate=100000 is more than the"),
-    ("heal", ["calibrate=1"], "nothing to calibrate (patch it with norm='batchnorm'"),
-])
+# what each recipe refuses before training: an override (or a tuple of them), and what the one error line says
+BAD_CONFIGS = {
+    "heal": {
+        "bogus=1": "unknown config key 'bogus'",
+        "distill.temp=2": "unknown config key 'distill.temp'",
+        "lr=fast": "lr must be float, got 'fast'",
+        "max_steps=1.5": "max_steps must be int",
+        "data.text_files=[/no/such/file.txt]": "data path not found: /no/such/file.txt",
+        "precision=fp8": "precision must be no, bf16 or fp16",
+        "seq_len=[1": "override 'seq_len=[1': not valid YAML: expected ',' or ']'",
+        "lr=!!python/object/apply:os.system [exit 3]": "!!python/ tags are not accepted",
+        "data.text_files=[1, 2]": "data.text_files must be a list of strings, got [1, 2]",
+        ("lora.enabled=true", "lora.target_modules=[nope]"): "lora: Target modules {'nope'} not found",
+        "log_with=[nonsense]": "log_with: unknown tracker 'nonsense'",
+        "data.max_tokens=40": "the data holds 40 tokens: fewer than two sequences of seq_len=32",
+        "tokenizer=smollm2": "the tokenizer has 49152 tokens, the model's embedding 384 rows",
+        "calibrate=-1": "calibrate must be >= 0",
+        ("patch={norm: dyt}", "calibrate=100000"): "calibrate=100000 is more than the",
+        "calibrate=1": "nothing to calibrate (patch it with norm='batchnorm'",
+    },
+    "context_extension": {
+        "seq_len=128": "seq_len=128 is above the 64 positions the model supports",
+        "patch={position: yarn, factor: 0.5}": "patch: factor must be > 1",
+        "patch={position: interpolate, factor: 2}": "stretches a learned absolute position",
+    },
+    "pretrain": {
+        "tokenizer=x": "pretrain builds its model from model_config",
+    },
+}
+
+
+@pytest.mark.parametrize("recipe,args,message", override_cases(BAD_CONFIGS))
 def test_bad_configs_fail_before_training(tiny_folder, text, tmp_path, capsys, recipe, args, message):
     import importlib.util
 
