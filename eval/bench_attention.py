@@ -53,10 +53,11 @@ from eval.benchutil import (
     markdown_table,
     median,
     module_name,
+    parse_or_work,
     peak_rss,
     reset_peak_rss,
     rss,
-    run_worker,
+    run_cells,
     timed_forwards,
 )
 from hfpatch.position.attention import fa4, flex, kernels, paths
@@ -425,11 +426,8 @@ def main(argv=None):
                    "while the cells run")
     p.add_argument("--budget-s", type=float, help="with --device: start no cell after this many seconds")
     p.add_argument("--out", default=str(REPO / "eval" / "results" / "attention"))
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--length", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(args)))
+    args = parse_or_work(p, argv, worker)
+    if args is None:
         return
     if args.device:
         check_device(p, args)
@@ -445,22 +443,7 @@ def main(argv=None):
         (["--threads", str(args.threads)] if args.threads else [])
     if args.cold_compile:
         os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
-    results = {}
-    os.makedirs(args.out, exist_ok=True)
-    for v, L in cells(args.lengths, chosen, args.train_lengths):
-        t0 = time.perf_counter()
-        try:
-            results[(v, L)] = run_worker(MODULE, ["--worker", v, "--length", str(L), *shape])
-        except RuntimeError as e:  # one cell failing (memory, a path refusing) does not lose the others
-            results[(v, L)] = {"error": str(e).strip().splitlines()[-1][:200]}
-        print(f"{v} @ {L}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        with open(os.path.join(args.out, "bench.json"), "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("worker", "length")},
-                       "cells": {f"{v}@{L}": r for (v, L), r in results.items()}}, f, indent=1)
-    text = tables(results, args)
-    with open(os.path.join(args.out, "bench.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    run_cells(MODULE, cells(args.lengths, chosen, args.train_lengths), shape, args, tables)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import hfpatch
-from eval.benchutil import markdown_table, median, module_name, peak_rss, reset_peak_rss, rss, run_worker
+from eval.benchutil import int_options, median, module_name, passed_on, peak_rss, reset_peak_rss, rss, run_worker
+from hfpatch.evaluate.report import markdown_table
 from hfpatch.utils.files import write_json
 
 GB = 1024**3
@@ -84,12 +85,7 @@ def convert(args, folder):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=1)
+    sizes = int_options(p, layers=12, hidden=768, heads=12, vocab=50257, seq=1024, batch=1)
     p.add_argument("--repeats", type=int, default=3, help="timed steps per worker")
     p.add_argument("--rounds", type=int, default=2, help="workers per variant, in alternating order")
     p.add_argument("--json")
@@ -102,8 +98,7 @@ def main(argv=None):
         print(json.dumps(result))
         return result
 
-    shape = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads), "--vocab",
-             str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch), "--repeats", str(args.repeats)]
+    shape = passed_on(args, [*sizes, "repeats"])
     with tempfile.TemporaryDirectory() as folder:
         run_worker(MODULE, ["--worker", "prepare", "--folder", folder, *shape])
         runs = {"layernorm": [], "rmsnorm": []}

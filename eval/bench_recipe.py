@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eval.benchutil import markdown_table, module_name, peak_rss, reset_peak_rss, rss, run_worker
+from eval.benchutil import int_options, module_name, passed_on, peak_rss, reset_peak_rss, rss, run_worker
+from hfpatch.evaluate.report import markdown_table
 from hfpatch.train import data, setup
 from hfpatch.train.config import load
 from hfpatch.utils.files import write_json
@@ -100,11 +101,7 @@ def trainer_worker(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=20)
+    sizes = int_options(p, layers=4, hidden=256, seq_len=512, batch=4, steps=20)
     p.add_argument("--tokenizer", default="smollm2")
     p.add_argument("--text-files", help="default: the stdlib corpus")
     p.add_argument("--rounds", type=int, default=1)
@@ -116,8 +113,7 @@ def main(argv=None):
         print(json.dumps((recipe_worker if args.worker == "recipe" else trainer_worker)(args)))
         return
 
-    shape = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--seq-len", str(args.seq_len), "--batch",
-             str(args.batch), "--steps", str(args.steps), "--tokenizer", args.tokenizer]
+    shape = [*passed_on(args, sizes), "--tokenizer", args.tokenizer]
     if args.text_files:  # the workers run from the repository root: each path whole
         shape += ["--text-files", ",".join(os.path.abspath(f) for f in args.text_files.split(","))]
     runs = {"recipe": [], "trainer": []}

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 from pathlib import Path
 
 import torch
@@ -36,7 +35,16 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 import hfpatch
-from eval.benchutil import interleaved, length_list, markdown_table, median, module_name, timed_forwards, worker_grid
+from eval.benchutil import (
+    interleaved,
+    length_list,
+    markdown_table,
+    median,
+    module_name,
+    parse_or_work,
+    timed_forwards,
+    worker_grid,
+)
 from hfpatch.position.attention import paths
 from hfpatch.position.schemes import self_extend
 from hfpatch.position.schemes.self_extend import _pieces, grouped_key_positions, grouped_query_positions
@@ -187,11 +195,8 @@ def main(argv=None):
                    help="--skipping: segment counts, comma-separated (1: contiguous positions)")
     p.add_argument("--dtypes", type=lambda t: t.split(","), default=["float32", "bfloat16"], help="--skipping")
     p.add_argument("--threads", type=int, default=1, help="--skipping: torch threads")
-    p.add_argument("--worker", choices=["unpatched", "self-extend", "dual-chunk", "explicit"], help=argparse.SUPPRESS)
-    p.add_argument("--length", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(args)))
+    args = parse_or_work(p, argv, worker, ["unpatched", "self-extend", "dual-chunk", "explicit"])
+    if args is None:
         return
     if args.skipping:
         result = {"args": vars(args), "results": skipping(args)}

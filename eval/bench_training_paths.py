@@ -15,15 +15,11 @@ is measured here as well. Writes OUT/bench.json and OUT/bench.md (OUT = eval/res
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import time
 
 import torch
 
 from eval import bench_attention
-from eval.benchutil import REPO, length_list, markdown_table, median, module_name, run_worker
+from eval.benchutil import REPO, length_list, markdown_table, median, module_name, parse_or_work, run_cells
 from hfpatch.position.attention import paths
 
 GB = 1024**3
@@ -107,30 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(REPO / "eval" / "results" / "training_paths"))
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--length", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(args)))
+    args = parse_or_work(p, argv, worker)
+    if args is None:
         return
     shape = ["--layers", str(args.layers), "--repeats", str(args.repeats), "--threads", str(args.threads)]
-    results: dict = {}
-    os.makedirs(args.out, exist_ok=True)
-    for L in args.lengths:
-        for v in variants():
-            t0 = time.perf_counter()
-            try:
-                results[(v, L)] = run_worker(MODULE, ["--worker", v, "--length", str(L), *shape])
-            except RuntimeError as e:  # one cell failing does not lose the others
-                results[(v, L)] = {"error": str(e).strip().splitlines()[-1][:200]}
-            print(f"{v} @ {L}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-            with open(os.path.join(args.out, "bench.json"), "w") as f:
-                json.dump({"args": {k: x for k, x in vars(args).items() if k not in ("worker", "length")},
-                           "cells": {f"{v}@{L}": r for (v, L), r in results.items()}}, f, indent=1)
-    text = tables(results, args)
-    with open(os.path.join(args.out, "bench.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    run_cells(MODULE, [(v, L) for L in args.lengths for v in variants()], shape, args, tables)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ import hfpatch
 from hfpatch.evaluate.common import parse_lengths
 from hfpatch.evaluate.report import markdown_table  # noqa: F401 (re-exported to the bench scripts)
 from hfpatch.models import SMOLLM2, resolve
+from hfpatch.utils.files import write_json, write_text
 from hfpatch.utils.timing import interleaved  # noqa: F401 (re-exported to the bench scripts)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,6 +122,57 @@ def smollm2_shaped(layers: int, max_positions: int):
     factor = max(2.0, 2 ** (max_positions - 1).bit_length() / config.max_position_embeddings)
     hfpatch.patch(model, position="yarn", factor=factor)
     return model
+
+
+def int_options(p: argparse.ArgumentParser, **defaults: int) -> list[str]:
+    """Add `--NAME` (an int; underscores written as dashes) with its default for each of `defaults`: the sizes a
+    script passes on to its workers. Returns their names, for `passed_on`."""
+    for name, default in defaults.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    return list(defaults)
+
+
+def passed_on(args: argparse.Namespace, names: list[str]) -> list[str]:
+    """`--NAME VALUE` for each of `names`: the options a worker is started with, as the script was given them."""
+    return [part for name in names for part in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+
+
+def parse_or_work(p: argparse.ArgumentParser, argv: list[str] | None, worker: Callable[[argparse.Namespace], dict],
+                  variants: list[str] | None = None) -> argparse.Namespace | None:
+    """The arguments of a script whose cells each run in a worker process of its own (run_worker): with the hidden
+    `--worker VARIANT --length L` (VARIANT one of `variants`, if given) this process is such a worker, which prints
+    worker(args)'s JSON and returns None."""
+    p.add_argument("--worker", choices=variants, help=argparse.SUPPRESS)
+    p.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return None
+    return args
+
+
+def run_cells(module: str, cells: Iterable[tuple[str, int]], shape: list[str], args: argparse.Namespace,
+              tables: Callable[[dict, argparse.Namespace], str]) -> str:
+    """Each (variant, length) cell of `cells` in a worker process of `module` (`--worker VARIANT --length L` plus
+    `shape`); a cell that fails (memory, a path refusing) is recorded with its error and the others still run.
+    ARGS.out/bench.json is written after every cell, so a stopped run keeps what finished; ARGS.out/bench.md holds
+    `tables(results, args)`, which is printed and returned."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {}
+    for v, L in cells:
+        t0 = time.perf_counter()
+        try:
+            results[(v, L)] = run_worker(module, ["--worker", v, "--length", str(L), *shape])
+        except RuntimeError as e:
+            results[(v, L)] = {"error": str(e).strip().splitlines()[-1][:200]}
+        print(f"{v} @ {L}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        write_json(out / "bench.json", {"args": {k: x for k, x in vars(args).items() if k not in ("worker", "length")},
+                                        "cells": {f"{v}@{L}": r for (v, L), r in results.items()}})
+    text = tables(results, args)
+    write_text(out / "bench.md", text + "\n")
+    print(text)
+    return text
 
 
 def worker_grid(module: str, lengths, variants_of, shape: list[str]) -> dict:

@@ -87,6 +87,13 @@ def table(*sources: str):
     return register
 
 
+def table_named(name: str, render, *sources: str) -> None:
+    """Register `render` (no arguments, returning Markdown) as the table docs/generated/NAME.md: for tables made
+    alike under several names."""
+    render.__name__ = name
+    table(*sources)(render)
+
+
 def load(path: str) -> dict:
     return json.loads((RESULTS / path).read_text())
 
@@ -122,29 +129,12 @@ def relabelled(path: str, patch: str, label: str) -> list[dict]:
     return [{**c, "patch": label} for c in load(path)["cells"] if c["patch"] == patch]
 
 
-@table("eval/results/main.json")
-def main_ppl():
-    return command_report("ppl", "main.json")
-
-
-@table("eval/results/books.json")
-def books_ppl():
-    return command_report("ppl", "books.json")
-
-
-@table("eval/results/passkey.json")
-def passkey():
-    return command_report("passkey", "passkey.json")
-
-
-@table("eval/results/ruler/results.json")
-def ruler():
-    return command_report("ruler", "ruler/results.json")
-
-
-@table("eval/results/niah/results.json")
-def niah():
-    return command_report("niah", "niah/results.json")
+# the tables `hfpatch eval` printed: docs/generated/NAME.md <- the evaluation and its results file under eval/results/
+COMMAND_REPORTS = {"main_ppl": ("ppl", "main.json"), "books_ppl": ("ppl", "books.json"),
+                   "passkey": ("passkey", "passkey.json"), "ruler": ("ruler", "ruler/results.json"),
+                   "niah": ("niah", "niah/results.json")}
+for _name, (_evaluation, _path) in COMMAND_REPORTS.items():
+    table_named(_name, lambda e=_evaluation, p=_path: command_report(e, p), f"eval/results/{_path}")
 
 
 # ------------------------------------------------------------------------------------------------- Self-Extend
@@ -399,8 +389,10 @@ def serving_engines():
     return serving_markdown()
 
 
-def cross_engine_table(lengths: str, folder: str = "cross_engine",
-                       weights: str = "SmolLM2-135M (Q4_1 GGUF)") -> str:
+GGUF_WEIGHTS = "SmolLM2-135M (Q4_1 GGUF)"
+
+
+def cross_engine_table(lengths: str, folder: str = "cross_engine", weights: str = GGUF_WEIGHTS) -> str:
     result = load(f"{folder}/{lengths}/cross_engine.json")
     return (f"{weights}, the first {result['windows']} window(s) of {result['book']} at the longest "
             f"length; mean NLL per token; passkey at the longest length, depth 0.5: keys found of those both engines "
@@ -420,29 +412,18 @@ def model_card_example():
     return f"````markdown\n{text.rstrip()}\n````"
 
 
-@table("eval/results/cross_engine_vllm/2k/cross_engine.json")
-def cross_engine_vllm():
-    return cross_engine_table("2k", "cross_engine_vllm", VLLM_WEIGHTS)
-
-
-@table("eval/results/cross_engine_vllm/8k/cross_engine.json")
-def cross_engine_vllm_long():
-    return cross_engine_table("8k", "cross_engine_vllm", VLLM_WEIGHTS)
+# docs/generated/NAME.md <- the cross-engine run at these lengths in this folder of eval/results/, on these weights
+CROSS_ENGINE = {"cross_engine": ("2k", "cross_engine", GGUF_WEIGHTS),
+                "cross_engine_long": ("8k-16k", "cross_engine", GGUF_WEIGHTS),
+                "cross_engine_vllm": ("2k", "cross_engine_vllm", VLLM_WEIGHTS),
+                "cross_engine_vllm_long": ("8k", "cross_engine_vllm", VLLM_WEIGHTS)}
+for _name, _run in CROSS_ENGINE.items():
+    table_named(_name, lambda run=_run: cross_engine_table(*run), f"eval/results/{_run[1]}/{_run[0]}/cross_engine.json")
 
 
 @table("eval/results/cross_engine_vllm/longrope_keys.json")
 def vllm_longrope_keys():
     return vllm_saved_keys.table(load("cross_engine_vllm/longrope_keys.json"))
-
-
-@table("eval/results/cross_engine/2k/cross_engine.json")
-def cross_engine():
-    return cross_engine_table("2k")
-
-
-@table("eval/results/cross_engine/8k-16k/cross_engine.json")
-def cross_engine_long():
-    return cross_engine_table("8k-16k")
 
 
 @table("eval/results/cross_engine/8k-16k/ppl-transformers/results.json",
@@ -468,11 +449,15 @@ def moby_dick_2k(rows: list[tuple[str, str, str]]) -> str:
             + ppl_tables(cells, [label for *_, label in rows], [2048], ["chunks"]))
 
 
+# the first rows of both heal tables: the model as it was, and swapped to LayerNorm without training
+UNHEALED = [("heal_before.json", "none", "original SmolLM2"),
+            ("heal_before.json", "norm=layernorm", "swapped to LayerNorm, not trained")]
+
+
 @table("eval/results/heal_before.json", "eval/results/heal_kl_only.json", "eval/results/heal_after.json",
        "eval/results/heal_control.json")
 def heal():
-    rows = [("heal_before.json", "none", "original SmolLM2"),
-            ("heal_before.json", "norm=layernorm", "swapped to LayerNorm, not trained"),
+    rows = [*UNHEALED,
             ("heal_kl_only.json", "none", "swapped, healed: distillation only (α = 1), lr 5e-5, 60 steps"),
             ("heal_after.json", "none", "swapped, healed: α = 0.5 (half CE), lr 3e-4, 100 steps"),
             ("heal_control.json", "none", "control: not swapped, same training as the row above")]
@@ -484,8 +469,7 @@ def heal():
        "eval/results/heal_dyt_calibrated.json", "eval/results/heal_dyt_log.jsonl",
        "eval/results/heal_dyt_calibrated_log.jsonl")
 def heal_dyt():
-    rows = [("heal_before.json", "none", "original SmolLM2"),
-            ("heal_before.json", "norm=layernorm", "swapped to LayerNorm, not trained"),
+    rows = [*UNHEALED,
             ("heal_kl_only.json", "none", "LayerNorm, healed: distillation only (α = 1), lr 5e-5, 60 steps"),
             ("heal_dyt_before.json", "norm=dyt", "swapped to DyT (α0 = 0.5), not trained"),
             ("heal_dyt.json", "none", "DyT, healed: the same config (α = 1, lr 5e-5, 60 steps)"),
@@ -540,26 +524,27 @@ def heal_log_summary(path: Path) -> list[str]:
             f"{sum(s['kl'] for s in last) / len(last):.4f}", f"{minutes} min {seconds} s"]
 
 
-@table("eval/results/context_extension_before.json", "eval/results/context_extension_after.json")
-def context_extension():
-    rows = [("context_extension_before.json", "none", "pretrained at 256, no patch"),
-            ("context_extension_before.json", "yarn:4", "+ YaRN ×4, no fine-tuning"),
-            ("context_extension_after.json", "none", "+ YaRN ×4, fine-tuned 60 steps at 1,024")]
+def moby_dick_ppl(rows: list[tuple[str, str, str]]) -> str:
+    """Perplexity on Moby-Dick at 256 to 2,048 tokens of each (results file, spec, label) row: models side by side."""
     cells = [c for path, patch, label in rows for c in relabelled(path, patch, label)]
     return ("Perplexity on *Moby-Dick* (chunks; the same 16,384 tokens at every length).\n\n"
             + ppl_tables(cells, [label for *_, label in rows], [256, 512, 1024, 2048], ["chunks"]))
+
+
+@table("eval/results/context_extension_before.json", "eval/results/context_extension_after.json")
+def context_extension():
+    return moby_dick_ppl([("context_extension_before.json", "none", "pretrained at 256, no patch"),
+                          ("context_extension_before.json", "yarn:4", "+ YaRN ×4, no fine-tuning"),
+                          ("context_extension_after.json", "none", "+ YaRN ×4, fine-tuned 60 steps at 1,024")])
 
 
 @table("eval/results/pose/ppl_pretrained.json", "eval/results/pose/ppl_full1024.json",
        "eval/results/pose/ppl_pose256.json")
 def pose_ppl():
-    rows = [("pose/ppl_pretrained.json", "none", "pretrained at 256 (200 steps), no patch"),
-            ("pose/ppl_pretrained.json", "yarn:4", "+ YaRN ×4, no fine-tuning"),
-            ("pose/ppl_full1024.json", "none", "+ YaRN ×4, fine-tuned 60 steps at 1,024"),
-            ("pose/ppl_pose256.json", "none", "+ YaRN ×4, PoSE 60 steps at 256, target 1,024")]
-    cells = [c for path, patch, label in rows for c in relabelled(path, patch, label)]
-    return ("Perplexity on *Moby-Dick* (chunks; the same 16,384 tokens at every length).\n\n"
-            + ppl_tables(cells, [label for *_, label in rows], [256, 512, 1024, 2048], ["chunks"]))
+    return moby_dick_ppl([("pose/ppl_pretrained.json", "none", "pretrained at 256 (200 steps), no patch"),
+                          ("pose/ppl_pretrained.json", "yarn:4", "+ YaRN ×4, no fine-tuning"),
+                          ("pose/ppl_full1024.json", "none", "+ YaRN ×4, fine-tuned 60 steps at 1,024"),
+                          ("pose/ppl_pose256.json", "none", "+ YaRN ×4, PoSE 60 steps at 256, target 1,024")])
 
 
 @table("eval/results/pose/train_log_full1024.jsonl", "eval/results/pose/train_log_pose256.jsonl",
@@ -605,19 +590,8 @@ def compare_positions_extrapolation():
     return markdown_table(["arm", f"ppl {first}", f"ppl {last}", f"{last} / {first}"], rows)
 
 
-@table("eval/results/compare/compare_norms.json")
-def compare_norms():
-    return study("norms")
-
-
-@table("eval/results/compare/compare_placement.json")
-def compare_placement():
-    return study("placement")
-
-
-@table("eval/results/compare/compare_placement_2025.json")
-def compare_placement_2025():
-    return study("placement_2025")
+for _name in ("norms", "placement", "placement_2025"):
+    table_named(f"compare_{_name}", lambda name=_name: study(name), f"eval/results/compare/compare_{_name}.json")
 
 
 @table("eval/results/compare/compare_placement.json", "eval/results/compare/compare_placement_2025.json")
@@ -653,34 +627,8 @@ def transcribed(name: str) -> str:
     return f"`{d['command']}` — {d['conditions']}.\n\n" + markdown_table(d["header"], d["rows"])
 
 
-@table("eval/results/benchmarks/bench_patch.json")
-def bench_patch():
-    return transcribed("bench_patch")
-
-
-@table("eval/results/benchmarks/bench_alibi.json")
-def bench_alibi():
-    return transcribed("bench_alibi")
-
-
-@table("eval/results/benchmarks/bench_norm.json")
-def bench_norm():
-    return transcribed("bench_norm")
-
-
-@table("eval/results/benchmarks/bench_recipe.json")
-def bench_recipe():
-    return transcribed("bench_recipe")
-
-
-@table("eval/results/benchmarks/bench_ppl_memory.json")
-def bench_ppl_memory():
-    return transcribed("bench_ppl_memory")
-
-
-@table("eval/results/benchmarks/tiny_threads.json")
-def tiny_threads():
-    return transcribed("tiny_threads")
+for _name in ("bench_patch", "bench_alibi", "bench_norm", "bench_recipe", "bench_ppl_memory", "tiny_threads"):
+    table_named(_name, lambda name=_name: transcribed(name), f"eval/results/benchmarks/{_name}.json")
 
 
 # the model bench_long_train shaped on: SmolLM2-135M's width and key/value heads (for the floor per token)
