@@ -18,13 +18,15 @@ name from the module. An evaluation from elsewhere is registered with `evaluatio
 
 from __future__ import annotations
 
+from typing import Any
+
 from .evaluations import EVALUATIONS as EVALUATIONS  # the folder lists itself
 from .evaluations import evaluation as evaluation
 
 _API = ("run", "perplexity", "passkey", "ruler", "niah")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     """The Python API (api.py), imported on first use: the command reads EVALUATIONS without importing torch."""
     if name in _API:
         from . import api  # the CLI's lazy loading: `hfpatch --help` must not import torch
