@@ -33,6 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..models import resolve
 from ..utils.host import available_bytes
+from ..utils.timing import duration as duration  # importable from here too
 from .causal import cache_keyword, cache_of
 
 if TYPE_CHECKING:
@@ -247,14 +248,6 @@ def measure_speed(parts: Any, shape: Shape, tokens: int) -> Speed:
         t2 = time.perf_counter()
     flops = forward_flops(shape, tokens)
     return Speed(flops_per_s=flops / max(t1 - t0, 1e-9), step_s=t2 - t1, calibration_tokens=tokens)
-
-
-def duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def work_left(records: str, todo: Any) -> str:

@@ -24,9 +24,10 @@ from ..lm.text import Document, tokenizer_fingerprint
 from ..position.registry import MAX_FACTOR
 from ..utils.files import write_text
 from ..utils.modes import evaluating
+from ..utils.timing import duration
 from . import objective, report, space
 from .loop import BEST, KIND, RESULTS, Plan, Search
-from .options import SearchOptions, duration_text
+from .options import SearchOptions
 from .report import label
 
 if TYPE_CHECKING:
@@ -188,12 +189,12 @@ def _print_timing(s: Search) -> None:
     m, e = s.measured(), s.clock.estimate
     parts = []
     if "rank" in m:
-        parts.append(f"per ranked candidate estimated {duration_text(e['rank'])}, measured {duration_text(m['rank'])} "
+        parts.append(f"per ranked candidate estimated {duration(e['rank'])}, measured {duration(m['rank'])} "
                      f"over {m['ranked_candidates']} ({m['guard_reads']} guard read(s))")
     if "full_sample" in m and s.plan.proxy is not None:
-        parts.append(f"per full-length sample estimated {duration_text(e['full_sample'])}, measured "
-                     f"{duration_text(m['full_sample'])} over {m['full_samples']}")
-    parts.append(f"wall time {duration_text(s.clock.elapsed())}")
+        parts.append(f"per full-length sample estimated {duration(e['full_sample'])}, measured "
+                     f"{duration(m['full_sample'])} over {m['full_samples']}")
+    parts.append(f"wall time {duration(s.clock.elapsed())}")
     print("hfpatch search: " + "; ".join(parts), file=sys.stderr)
 
 

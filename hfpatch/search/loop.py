@@ -35,8 +35,9 @@ from ..evaluate.common import applied
 from ..evaluate.parsing import length_label
 from ..evaluate.results import Results
 from ..lm.causal import causal_lm_parts
+from ..utils.timing import duration
 from . import objective, report, space
-from .options import Budget, SearchOptions, duration_text
+from .options import Budget, SearchOptions
 from .report import FULL, REFERENCE, label
 
 if TYPE_CHECKING:
@@ -290,8 +291,8 @@ class Search:
         need = self.clock.elapsed() + ref_left + e["rank"] + (2 * e["full"] if self.plan.proxy is not None else 0)
         if need > budget.seconds:
             both = " (and both at full length)" if self.plan.proxy else ""
-            raise ValueError(f"--budget {duration_text(budget.seconds)} cannot score one candidate here: the "
-                             f"unpatched reference and one candidate{both} need about {duration_text(need)} on this "
+            raise ValueError(f"--budget {duration(budget.seconds)} cannot score one candidate here: the "
+                             f"unpatched reference and one candidate{both} need about {duration(need)} on this "
                              f"machine ({self.describe_costs()}); give --budget {math.ceil(need / 60)}m or more")
 
     def describe_costs(self) -> str:
@@ -299,11 +300,11 @@ class Search:
         target = length_label(self.opts.target_length)
         what = (f"{len(self.plan.ranking)} proxy sample(s) of {len(self.plan.proxy[0].ids)} tokens"
                 if self.plan.proxy else f"{len(self.plan.samples)} sample(s) of {target}")
-        text = (f"about {duration_text(e['rank'])} per candidate ({what} at {duration_text(e['rank_sample'])} each, "
-                f"a guard read of {length_label(len(self.plan.guard))} tokens at {duration_text(e['guard'])} for "
+        text = (f"about {duration(e['rank'])} per candidate ({what} at {duration(e['rank_sample'])} each, "
+                f"a guard read of {length_label(len(self.plan.guard))} tokens at {duration(e['guard'])} for "
                 f"{100 * e['guard_share']:.0f} % of them)")
         if self.plan.proxy is not None:
-            text += (f"; about {duration_text(e['full'])} per finalist at full length ({len(self.plan.samples)} "
+            text += (f"; about {duration(e['full'])} per finalist at full length ({len(self.plan.samples)} "
                      f"sample(s) of {target})")
         return text
 
@@ -343,7 +344,7 @@ class Search:
                     return f"{budget.evaluations} candidates ranked"
                 reserve = self._full_left() * self.clock.expected("full", [])
                 if not self._fits(budget, self.clock.expected("rank", self.clock.ranked) + reserve):
-                    return f"the wall-time budget ({duration_text(budget.seconds or 0)}) would be passed"
+                    return f"the wall-time budget ({duration(budget.seconds or 0)}) would be passed"
                 cell = cell or self._cell(name, g, family, params, spec)
                 start = time.perf_counter()
                 self.evaluate(cell, self.plan.ranking, [])
@@ -366,7 +367,7 @@ class Search:
                 continue
             left = len(self.plan.samples) - sum("sample" in r for r in cell["samples"])
             if not self._fits(budget, left * self.clock.expected("full_sample", self.clock.full_samples)):
-                return (f"the wall-time budget ({duration_text(budget.seconds or 0)}) would be passed before "
+                return (f"the wall-time budget ({duration(budget.seconds or 0)}) would be passed before "
                         f"{ranked['patch']} is scored at full length")
             self.evaluate(cell, self.plan.samples, self.clock.full_samples)
         return None

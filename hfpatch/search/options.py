@@ -19,6 +19,7 @@ from typing import Any
 
 from ..evaluate.parsing import parse_length
 from ..utils import command
+from ..utils.timing import duration
 
 # The families of the search space (space.FAMILIES holds their records, in this order; a test keeps them equal).
 FAMILY_NAMES = ("longrope", "yarn", "self-extend", "dual-chunk")
@@ -51,16 +52,8 @@ class Budget:
             raise ValueError(f"a wall-time budget must be a positive number of seconds, got {self.seconds!r}")
 
     def __str__(self) -> str:
-        parts = [duration_text(self.seconds)] if self.seconds is not None else []
+        parts = [duration(self.seconds)] if self.seconds is not None else []
         return ", ".join(parts + ([f"{self.evaluations} candidates"] if self.evaluations is not None else []))
-
-
-def duration_text(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def parse_budget(text: str) -> Budget:

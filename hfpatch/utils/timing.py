@@ -1,5 +1,6 @@
 """Timing what is compared side by side: the benchmarks (eval/bench_*.py) and the compare study's training steps.
-Runs of the things compared alternate, so that the drifts of a shared machine hit all of them alike."""
+Runs of the things compared alternate, so that the drifts of a shared machine hit all of them alike. And a duration
+in words, as the reports and estimates print it."""
 
 from __future__ import annotations
 
@@ -26,3 +27,12 @@ def interleaved(fns: dict, repeats: int, warmup: int = 1) -> dict[str, list[floa
 def medians(fns: dict, repeats: int, warmup: int = 1) -> dict[str, float]:
     """{name: the median of its `interleaved` times}."""
     return {name: statistics.median(ts) for name, ts in interleaved(fns, repeats, warmup).items()}
+
+
+def duration(seconds: float) -> str:
+    """Seconds in words a report shows: "45 s", "12 min", "2.5 h"."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
