@@ -68,7 +68,7 @@ declare -A GPU_BUDGET=(
   [passkey-arms]=15     # python -m eval.search_study passkey-arms
   [search-passkey]=140  # 3 arms x 16k/32k x 10 keys: 60 prompts, each read whole and 12 tokens decoded
   [temperature-ppl]=120 [temperature-passkey]=330  # 12 arms
-  [heal-ppl]=60 [heal]=150)
+  [heal-ppl]=45 [heal]=110)
 declare -A STEPS=([search]="search save arms search-ppl passkey-arms search-passkey"
                   [temperature]="temperature-ppl temperature-passkey"
                   [heal]="heal-ppl heal heal-ppl heal heal-ppl heal heal-ppl")
