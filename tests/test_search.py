@@ -159,6 +159,7 @@ def test_same_seed_same_search_other_seed_other_candidates(model, tok, docs, tmp
     drawn = [[x["spec"] for x in _scored(_results(tmp_path / d)) if x["generation"] > 0] for d in "ac"]
     assert drawn[0] != drawn[1]
     assert json.loads((tmp_path / "a" / "best.json").read_text()) == a["spec"]
+    assert a["best"] is None or f"**best** {a['best']} |" in (tmp_path / "a" / "table.md").read_text()
 
 
 def test_budget_of_candidates_is_respected_and_a_resume_continues(model, tok, docs, tmp_path):

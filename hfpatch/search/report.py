@@ -53,14 +53,15 @@ def _rise(cell: dict, base: float | None) -> str:
 
 
 def table(data: dict) -> str:
-    """The best candidate, the finalists and every starting point (generation 0), with their ranking score (the
-    proxy's, when there is one) and their full-length numbers."""
+    """The best candidate, the finalists (with a proxy stage) and every starting point (generation 0), with their
+    ranking score (the proxy's, when there is one) and their full-length numbers."""
     ident = data["identity"]
     guard, proxy = ident["guard"], ident["proxy"]
     base = _reference_short(data)
     best_name = data.get("best")
     ranked = [c for c in ranked_cells(data) if c.get("complete")]
-    finalists = [c for c in ranked if full_cell(data, c["patch"]) is not None and c["generation"] > 0]
+    finalists = [c for c in ranked if c["patch"] == best_name
+                 or (proxy and full_cell(data, c["patch"]) is not None and c["generation"] > 0)]
     chosen = sorted({c["patch"]: c for c in [*finalists, *(c for c in ranked if c["generation"] == 0)]}.values(),
                     key=lambda c: (c["patch"] != best_name, c["order"]))
     rows = []
