@@ -47,6 +47,7 @@ from hfpatch.norm.kinds import NORMS
 from hfpatch.norm.placement import PLACEMENTS
 from hfpatch.position.attention.temperature import TEMPERATURES as TEMPERATURE_KINDS
 from hfpatch.position.registry import LAYER_SCHEMES, SCHEMES
+from hfpatch.utils.timing import duration
 from recipes.studies import report as study_report
 
 HERE = Path(__file__).resolve().parent
@@ -843,6 +844,50 @@ def layers():
              ", ".join(name(p) for p in sorted(below, key=order.index)) or "nothing of hfpatch"]
             for part, below in declared.items()]
     return markdown_table(["part", "may import"], rows)
+
+
+# ---------------------------------------------------------------------------------------------------------- search
+
+SEARCH_FULL = "search/dracula_16k_full/results.json"
+
+
+def search_cells(path: str) -> list[dict]:
+    return [c for c in load(path)["cells"] if c.get("complete")]
+
+
+@table(f"eval/results/{SEARCH_FULL}")
+def search_full():
+    """The search scoring every candidate at full length: its table (the best against the starting points), and
+    what it cost."""
+    from hfpatch.search import report as search_report
+
+    data = load(SEARCH_FULL)
+    run = data["runs"][-1]
+    took = [c["seconds"] for c in data["cells"] if c.get("seconds")]
+    estimate = duration(run["estimate"]["rank"])
+    return (search_report.caption(data) + "\n\n" + search_report.table(data)
+            + f"\n\nWall time {duration(sum(r['seconds'] for r in data['runs']))} for "
+            f"{len(search_cells(SEARCH_FULL))} candidates ({run['stopped']}); a candidate took {duration(min(took))} "
+            f"to {duration(max(took))} (median {duration(median(took))}), its estimate {estimate}.")
+
+
+@table("eval/results/search/proxy_16k.json", f"eval/results/{SEARCH_FULL}")
+def search_proxy():
+    """Spearman's rank correlation between each proxy design's score and the full-length score, over the full-length
+    search's candidates (the starting points included), and what a candidate cost each way on the same machine."""
+    data = load("search/proxy_16k.json")
+    full = search_cells(SEARCH_FULL)
+    full_s = median(c["seconds"] for c in full if c.get("seconds"))
+    rho = lambda v: "—" if v is None else f"{v:.3f}"
+    rows = []
+    for d in sorted(data["designs"].values(), key=lambda d: (d["tokens"], d["segments"])):
+        c = d["correlation"]
+        feasible = f"{rho(c['score_feasible'])} ({c['feasible_candidates']})"
+        rows.append([f"{d['tokens']:,} tokens in {d['segments']} segments", c["candidates"], rho(c["score"]),
+                     rho(c["needle_ppl"]), rho(c["plain_ppl"]), feasible, duration(median(d["seconds"].values()))])
+    rows.append(["full length (2 samples of 16k)", len(full), "1", "1", "1", "1", duration(full_s)])
+    return markdown_table(["proxy sample (x 2 per candidate)", "candidates", "ρ score", "ρ needle ppl",
+                           "ρ plain ppl", "ρ score, feasible only (n)", "median time per candidate"], rows)
 
 
 # ---------------------------------------------------------------------------------------------------- recipe keys
