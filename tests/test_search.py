@@ -171,6 +171,24 @@ def test_budget_of_candidates_is_respected_and_a_resume_continues(model, tok, do
     assert [c["order"] for c in data["cells"]] == list(range(13))  # continued, nothing scored twice
 
 
+def test_estimate_after_generation_0_is_each_familys_starting_point_as_measured(model, tok, docs, tmp_path, capsys):
+    n0 = 1 + 4 + 1 + 1 + 1  # the reference and the starting points of longrope (4), yarn, self-extend, dual-chunk
+    run_search(model, tok, TARGET, out=tmp_path, budget=str(n0 + 2), documents=docs, **SMALL)
+    data = json.loads((tmp_path / "results.json").read_text())
+    estimate = data["runs"][-1]["estimate"]
+    start = [c for c in data["cells"] if c["generation"] == 0 and c["family"] != "none"
+             and any(r.get("guard") for r in c["samples"])]
+    by_family: dict[str, list[float]] = {}
+    for c in start:
+        by_family.setdefault(c["family"], []).append(c["seconds"])
+    expected = {f: sum(v) / len(v) for f, v in by_family.items()}
+    assert estimate["rank_by_family"] == pytest.approx(expected)
+    assert estimate["rank"] == pytest.approx(sum(expected.values()) / len(expected))
+    assert "rank_first" in estimate  # the first forwards' estimate, kept beside it
+    err = capsys.readouterr().err
+    assert "the starting points measured about" in err and "from the first forwards" in err
+
+
 def test_wall_time_budget_is_respected(model, tok, docs, tmp_path):
     t0 = time.perf_counter()
     run_search(model, tok, TARGET, out=tmp_path, budget="6s", documents=docs, **SMALL)

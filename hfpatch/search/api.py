@@ -189,7 +189,8 @@ def _print_timing(s: Search) -> None:
     m, e = s.measured(), s.clock.estimate
     parts = []
     if "rank" in m:
-        parts.append(f"per ranked candidate estimated {duration(e['rank'])}, measured {duration(m['rank'])} "
+        first = f" ({duration(e['rank_first'])} from the first forwards)" if "rank_first" in e else ""
+        parts.append(f"per ranked candidate estimated {duration(e['rank'])}{first}, measured {duration(m['rank'])} "
                      f"over {m['ranked_candidates']} ({m['guard_reads']} guard read(s))")
     if "full_sample" in m and s.plan.proxy is not None:
         parts.append(f"per full-length sample estimated {duration(e['full_sample'])}, measured "

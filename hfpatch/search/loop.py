@@ -14,8 +14,12 @@ would have: a kill loses at most the sample in flight, and the same command fini
 text is read once per short-context setting (space.Family.short): candidates that agree on it share the record.
 
 Time: the unpatched model's first forwards (the guard's text, its first sample) are timed, and they are the
-estimate of what a candidate costs here; from then on the candidates' own measured times are. A candidate is
-started only if it, and the full-length stage after it, are expected to end within the wall-time budget.
+first estimate of what a candidate costs here (enough to refuse a budget that cannot score one). Families differ in
+cost (an attention path runs more than one attention; a child of generation >= 1 almost always has a short-context
+setting of its own, so it reads the guard itself), so once generation 0 is ranked the estimate is each family's
+starting point as measured, guard read included, averaged over the families; from then on the candidates' own
+measured times decide. A candidate is started only if it, and the full-length stage after it, are expected to end
+within the wall-time budget.
 """
 
 from __future__ import annotations
@@ -272,6 +276,31 @@ class Search:
                 "rank": len(self.plan.ranking) * rank_sample + share * guard,
                 "full": len(self.plan.samples) * full_sample}
 
+    def refine_estimate(self) -> None:
+        """The per-candidate estimate from generation 0 as measured (stored seconds, so a resumed search agrees):
+        per family, the mean time of its starting points that read the guard themselves; their mean over the
+        families is the estimate of a ranked candidate."""
+        per_family: dict[str, list[float]] = {}
+        for cell in self.cells:
+            if cell["generation"] != 0 or cell["family"] == "none" or "seconds" not in cell:
+                continue
+            if any(r.get("guard") for r in cell["samples"]):
+                per_family.setdefault(cell["family"], []).append(cell["seconds"])
+        if not per_family:
+            return
+        means = {f: sum(v) / len(v) for f, v in per_family.items()}
+        self.clock.estimate = {**self.clock.estimate, "rank_first": self.clock.estimate.get("rank_first", self.clock
+                               .estimate["rank"]), "rank": sum(means.values()) / len(means), "rank_by_family": means,
+                               "guard_share": 1.0}
+        self.results.data["runs"][-1]["estimate"] = self.clock.estimate
+        print(f"hfpatch search: {self.describe_family_costs()}", file=sys.stderr)
+
+    def describe_family_costs(self) -> str:
+        e = self.clock.estimate
+        each = ", ".join(f"{f} {duration(t)}" for f, t in e["rank_by_family"].items())
+        return (f"the starting points measured about {duration(e['rank'])} per candidate, guard read included "
+                f"({each}): the estimate from here on")
+
     def _full_left(self) -> int:
         """Full-length cells the second stage has still to score (the reference and the finalists)."""
         if self.plan.proxy is None:
@@ -356,6 +385,11 @@ class Search:
                 leader = next(iter(self.finalists()), None)
                 bar.set_postfix_str(f"best {label(leader)} {leader['score']:.4f}" if leader else "best -")
                 bar.update(1)
+            if g == 0:
+                self.refine_estimate()
+                if budget.evaluations is None and budget.seconds is not None:
+                    bar.total = bar.n + int(max(0.0, budget.seconds - self.clock.elapsed())
+                                            // max(self.clock.estimate["rank"], 1e-9))
             g += 1
 
     def _finals(self, budget: Budget) -> str | None:
