@@ -13,7 +13,7 @@ from conftest import stdlib_text
 
 import hfpatch
 from hfpatch.evaluate import evaluation
-from hfpatch.evaluate.llamacpp import LlamaCppModel
+from hfpatch.evaluate.llamacpp import LlamaCppModel, weights_as_stored
 from hfpatch.interop import gguf as hg
 from hfpatch.lm.causal import causal_lm_parts, document_nll, greedy
 
@@ -38,8 +38,10 @@ def ids(smollm2):
 
 
 def scores(path, ids, **params):
-    """Logits of llama.cpp run directly (no hfpatch), as a reference."""
-    llm = llama_cpp.Llama(path, n_ctx=len(ids), logits_all=True, verbose=False, n_threads=1, **params)
+    """Logits of llama.cpp run directly (no hfpatch), as a reference (its weights as stored: see
+    test_llama_cpp_contexts_read_the_weights_as_stored)."""
+    with weights_as_stored():
+        llm = llama_cpp.Llama(path, n_ctx=len(ids), logits_all=True, verbose=False, n_threads=1, **params)
     llm.eval(ids)
     out = np.array(llm.scores[: len(ids)])
     llm.close()
@@ -151,3 +153,16 @@ def test_eval_refuses_a_transformers_folder_for_llama_cpp(tmp_path, capsys):
     assert evaluation("ppl").main(["--engine", "llama.cpp", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--engine llama.cpp runs GGUF files" in err
+
+
+def test_llama_cpp_contexts_read_the_weights_as_stored(engine, ids):
+    """llama.cpp's extra buffer types (load-time repacking, AMX among them) are off while hfpatch builds a context,
+    and llama-cpp-python's defaults are restored after; the context it built evaluates."""
+    native = llama_cpp.llama_cpp
+    assert native.llama_model_default_params().use_extra_bufts  # llama.cpp's own default
+    with weights_as_stored():
+        assert not native.llama_model_default_params().use_extra_bufts
+    assert native.llama_model_default_params().use_extra_bufts
+    llm = engine.llm(N)
+    llm.eval(ids[:N])
+    assert np.isfinite(np.array(llm.scores[:N])).all()

@@ -16,6 +16,11 @@ llama.cpp fixes the RoPE when a context is created: one context serves a cell's 
 its short and long factors follows the context size (rounded up to 256 tokens for decoding), where transformers
 follows the current sequence length.
 
+Weights are read as stored: llama.cpp's extra CPU buffer types, which repack weights at load time for AMX and other
+instruction sets, are turned off (`use_extra_bufts`): on a CPU with AMX, llama-cpp-python 0.3.36 repacks the Q4_1
+file's weights for AMX and then crashes (a segmentation fault) in its first decode. The plain CPU kernels read the
+same weights.
+
 Needs the optional extra llama-cpp-python (pip install 'hfpatch[llama-cpp]'); it compiles llama.cpp on install.
 """
 
@@ -61,6 +66,27 @@ def check_installed() -> None:
         raise ImportError("--engine llama.cpp needs llama-cpp-python: pip install 'hfpatch[llama-cpp]' (it "
                           "compiles llama.cpp, which takes a while)") from None
 
+
+
+@contextlib.contextmanager
+def weights_as_stored() -> Iterator[None]:
+    """While a Llama is built: llama.cpp's model parameters with its extra buffer types off (no load-time repacking
+    of the weights; the module docstring says why). llama-cpp-python takes no argument for it, so the default
+    parameters it starts from are wrapped, and restored after."""
+    import llama_cpp.llama_cpp as native  # an optional extra; llama_cpp.llama reads the defaults from here
+
+    defaults = native.llama_model_default_params
+
+    def as_stored() -> Any:
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    native.llama_model_default_params = as_stored
+    try:
+        yield
+    finally:
+        native.llama_model_default_params = defaults
 
 @dataclass
 class Setting:
@@ -138,9 +164,10 @@ class LlamaCppModel:
         key = (s.path, tuple(sorted(s.kv_overrides.items())), tuple(sorted(s.params.items())), n_ctx)
         if key != self._key:
             self.close_context()
-            self._llm = Llama(s.path, n_ctx=n_ctx, n_batch=min(512, n_ctx), logits_all=True, verbose=False,
-                              n_threads=self.threads, n_threads_batch=self.threads,
-                              kv_overrides=dict(s.kv_overrides) or None, **s.params)
+            with weights_as_stored():
+                self._llm = Llama(s.path, n_ctx=n_ctx, n_batch=min(512, n_ctx), logits_all=True, verbose=False,
+                                  n_threads=self.threads, n_threads_batch=self.threads,
+                                  kv_overrides=dict(s.kv_overrides) or None, **s.params)
             self._key = key
         self._llm.reset()
         return self._llm
