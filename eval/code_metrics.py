@@ -17,7 +17,10 @@ Measured by reading the source (ast); only the scheme registry is imported, for 
   repository's own ruff settings, and per folder (needs ruff; without it the count is null);
 - the pairs of places that `duplicates` finds (six or more shared lines) in the repository and in each of
   DUPLICATE_FOLDERS (needs the `duplicates` command on PATH; without it the counts are null).
-- the lines of the package's modules, in all and per part (a top-level module or folder of hfpatch/).
+- the lines of the package's modules, in all and per part (a top-level module or folder of hfpatch/);
+- import cycles inside the package's folders: for each folder, the graph of its entries (modules and sub-folders)
+  with an edge wherever one imports from another (at the top or inside a function); the folders whose graph has a
+  cycle, and the imports that lie on one (an import back up a folder's layers closes a cycle).
 """
 
 from __future__ import annotations
@@ -174,6 +177,72 @@ def package_lines(package: Path) -> dict:
     return {"total": sum(parts.values()), "parts": dict(sorted(parts.items(), key=lambda kv: (-kv[1], kv[0])))}
 
 
+def _module_names(package: Path) -> dict[str, Path]:
+    """{dotted module name: file} of the package (a folder's __init__ is the folder's name)."""
+    out = {}
+    for path in python_files(package):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, modules: dict[str, Path], root: str) -> list[str]:
+    """The package's modules an import statement of `module` imports (a name that is a module counts as it)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
+            kept = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join(kept + ([base] if base else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+    out = []
+    for name in names:
+        if name.split(".")[0] != root:
+            continue
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name:
+            out.append(name)
+    return out
+
+
+def import_cycles(package: Path) -> dict:
+    """Folders of the package whose entries import each other back, and the imports that lie on such a cycle."""
+    modules = _module_names(package)
+    edges: dict[str, set[tuple[str, str]]] = {}
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in _targets(node, module, modules, package.name):
+                a, b = module.split("."), target.split(".")
+                k = 0
+                while k < min(len(a), len(b)) and a[k] == b[k]:
+                    k += 1
+                if k < len(a) and k < len(b):  # two entries of the folder a[:k]
+                    edges.setdefault(".".join(a[:k]), set()).add((a[k], b[k]))
+    folders, on_cycle = [], 0
+    for folder, pairs in sorted(edges.items()):
+        reach: dict[str, set[str]] = {}
+        for a, b in pairs:
+            reach.setdefault(a, set()).add(b)
+        changed = True
+        while changed:
+            changed = False
+            for seen in reach.values():
+                more = set().union(*(reach.get(m, set()) for m in seen)) - seen
+                if more:
+                    seen |= more
+                    changed = True
+        cyclic = [(a, b) for a, b in pairs if a in reach.get(b, set())]
+        if cyclic:
+            folders.append(folder.replace(".", "/"))
+            on_cycle += len(cyclic)
+    return {"folders": folders, "imports_on_cycles": on_cycle}
+
+
 def measure() -> dict:
     parse = {p: ast.parse(p.read_text(), str(p)) for p in python_files(REPO / "hfpatch")}
     returns, defs = return_annotation_coverage(parse)
@@ -211,6 +280,7 @@ def measure() -> dict:
         "duplicates": duplicate_pairs(REPO),
         "package_files": len(parse),
         "package_lines": package_lines(REPO / "hfpatch"),
+        "import_cycles": import_cycles(REPO / "hfpatch"),
     }
 
 
