@@ -36,7 +36,7 @@ from eval import gpu_check as gpu
 from eval import memory_breakdown as mb
 from hfpatch.evaluate import card, engines, evaluation
 from hfpatch.evaluate.common import length_label
-from hfpatch.evaluate.report import markdown_table
+from hfpatch.evaluate.report import markdown_table, number
 from hfpatch.evaluate.stats import wilson
 from hfpatch.evaluate.sweep import covering, report
 from hfpatch.evaluate.transformers_engine import MODEL_OPTIONS
@@ -751,6 +751,9 @@ def code_metrics():
                                                                          f"{d['annotated_returns']['total']})"),
         row("ruff errors: in all (hfpatch / tests / eval / recipes)",
             lambda d: _in_all_and_per_folder(d["ruff_errors"]["errors"], d["ruff_errors"]["per_folder"])),
+        row("import cycles inside the package's folders: imports on a cycle (folders)",
+            lambda d: f"{d['import_cycles']['imports_on_cycles']} "
+                      f"({', '.join(d['import_cycles']['folders']) or 'none'})"),
         row("`duplicates` pairs: the repository (hfpatch / tests / eval / recipes)",
             lambda d: _in_all_and_per_folder(d["duplicates"]["pairs"]["repository"], d["duplicates"]["pairs"])),
     ]
@@ -869,6 +872,180 @@ def search_full():
             + f"\n\nWall time {duration(sum(r['seconds'] for r in data['runs']))} for "
             f"{len(search_cells(SEARCH_FULL))} candidates ({run['stopped']}); a candidate took {duration(min(took))} "
             f"to {duration(max(took))} (median {duration(median(took))}), its estimate {estimate}.")
+
+
+SEARCH_RUN = "search/dracula_16k/results.json"
+
+
+@table(f"eval/results/{SEARCH_RUN}")
+def search_run():
+    """The search as a user runs it (a wall-time budget, the defaults): its table, and what it cost against its own
+    estimate."""
+    from hfpatch.search import report as search_report
+
+    data = load(SEARCH_RUN)
+    runs = data["runs"]
+    measured, estimate = runs[-1]["measured"], runs[-1]["estimate"]
+    ranked = [c for c in search_report.ranked_cells(data) if c.get("complete")]
+    full = [c for c in data["cells"] if c["patch"].endswith(search_report.FULL) and c.get("complete")]
+    got = lambda key: duration(measured[key]) if key in measured else "—"
+    first = estimate.get("rank_first", estimate["rank"])
+    off = lambda e: f" ({100 * (e / measured['rank'] - 1):+.0f} %)" if "rank" in measured else ""
+    rows = [["ranked candidates", len(ranked), duration(first) + off(first),
+             duration(estimate["rank"]) + off(estimate["rank"]) if "rank_first" in estimate else "—", got("rank")],
+            ["guard reads (8k tokens)", measured["guard_reads"], duration(estimate["guard"]), "—", got("guard")],
+            ["full-length samples (16k tokens)", measured["full_samples"], duration(estimate["full_sample"]), "—",
+             got("full_sample")]]
+    wall = sum(r["seconds"] for r in runs)
+    by_family = ", ".join(f"{f} {duration(t)}" for f, t in estimate.get("rank_by_family", {}).items())
+    return (search_report.caption(data) + "\n\n" + search_report.table(data) + "\n\n"
+            + markdown_table(["what", "how many", "estimated each, from the first forwards",
+                              "estimated each, from the starting points", "measured each (mean)"], rows)
+            + (f"\n\nThe starting points, guard read included: {by_family}." if by_family else "")
+            + f"\n\nBudget {runs[-1]['budget']}; wall time {duration(wall)} from the command's start (loading "
+            f"included), {len(ranked)} candidates ranked and {len(full)} scored at full length "
+            f"(the unpatched model among them); stopped: {runs[-1]['stopped']}.")
+
+
+STUDY_BOOKS = {"moby_dick": "Moby-Dick", "a_tale_of_two_cities": "A Tale of Two Cities"}
+STUDY_FILES = [f"search/{kind}_{book}{ext}" for book in STUDY_BOOKS
+               for kind, ext in (("ppl", "/results.json"), ("needle", ".json"))] + ["search/passkey_16k/results.json"]
+
+
+def study_arm(patch: str, found: str) -> str:
+    """An arm of the search study in a few words: the found patch by its search label, LongRoPE's NTK-formula arm by
+    what it is, the others by their spec."""
+    if patch == found:
+        return "**found**"
+    return "longrope, NTK formula's factors" if patch.startswith("longrope:") else f"`{patch}`"
+
+
+def load_if_run(path: str) -> dict | None:
+    """A study's results file, None while the study has not written it (its tables then say so)."""
+    return load(path) if (RESULTS / path).exists() else None
+
+
+def study_book(book: str, found: str) -> list[list]:
+    ppl = {(c["patch"], c["length"]): c for c in (load_if_run(f"search/ppl_{book}/results.json") or {"cells": []})
+           ["cells"] if c.get("complete")}
+    needle = (load_if_run(f"search/needle_{book}.json") or {"arms": {}})["arms"]
+    patches = list(dict.fromkeys(p for p, _ in ppl))
+    base = ppl.get(("none", 8192), {}).get("ppl")
+    rows = []
+    for p in patches:
+        at8, at16 = ppl.get((p, 8192), {}).get("ppl"), ppl.get((p, 16384), {}).get("ppl")
+        n = needle.get(p, {})
+        rise = f"{100 * (at8 / base - 1):+.2f} %" if at8 and base else "—"
+        rows.append([study_arm(p, found), number(at8), rise, number(at16), number(n.get("needle_ppl")),
+                     number(n.get("plain_ppl"))])
+    return rows
+
+
+@table(f"eval/results/{SEARCH_RUN}", *(f"eval/results/{f}" for f in STUDY_FILES))
+def search_study():
+    """The found patch against the fixed rescalings on two books the search never saw: perplexity at 8k and 16k
+    (the first 16,384 tokens, fp32), the search's needle-driven perplexity at 16k, and passkey retrieval at 16k."""
+    from eval.search_study import spec_string
+    from hfpatch.search import report as search_report
+
+    data = load(SEARCH_RUN)
+    best = next((c for c in data["cells"] if c["patch"] == data.get("best")), None)
+    found = spec_string(best["spec"]) if best else ""
+    head = (f"**found**: {search_report.label(best)} (`{found}`)." if best else
+            "The search found no patch that beats the unpatched model.")
+    header = ["patch", "ppl 8k (fp32)", "vs none at 8k", "ppl 16k (fp32)", "needle ppl 16k (bf16)",
+              "plain ppl 16k, needle samples (bf16)"]
+    pending = "not yet measured: `bash eval/search_study.sh` resumes the study"
+    out = [head]
+    for book, title in STUDY_BOOKS.items():
+        rows = study_book(book, found)
+        out.append(f"**{title}**\n\n" + (markdown_table(header, rows) if rows else pending + "."))
+    trials: dict[str, list] = {}
+    for c in (load_if_run("search/passkey_16k/results.json") or {"cells": []})["cells"]:
+        trials.setdefault(c["patch"], []).extend(c.get("trials", []))
+    rows = [[study_arm(p, found), found_rate(t)] for p, t in trials.items() if t]
+    out.append("**passkey at 16k** (10 random keys at depth 0.5, greedy decoding, bf16; 95 % Wilson interval)\n\n"
+               + (markdown_table(["patch", "found"], rows) if rows else pending + "."))
+    return "\n\n".join(out)
+
+
+def study_verdict(book: str, title: str, found: str, every: list[str]) -> list[str]:
+    """What one unseen book says of the study's aim: is the found patch lowest at 16k, and within 1 % of the
+    unpatched model at 8k."""
+    cells = (load_if_run(f"search/ppl_{book}/results.json") or {"cells": []})["cells"]
+    ppl = {(c["patch"], c["length"]): c["ppl"] for c in cells if c.get("complete")}
+    at16 = {p: v for (p, n), v in ppl.items() if n == 16384}
+    base8, found8, found16 = ppl.get(("none", 8192)), ppl.get((found, 8192)), at16.get(found)
+    if any((p, n) not in ppl for p in every for n in (8192, 16384)) or None in (found16, base8, found8):
+        return [f"*{title}*: not every arm is measured yet (`bash eval/search_study.sh` resumes it)."]
+    others = {p: v for p, v in at16.items() if p != found}
+    rival = min(others, key=others.get)
+    lowest = found16 < others[rival]
+    rise = 100 * (found8 / base8 - 1)
+    return [f"*{title}*: at 16k the found patch is {'the lowest' if lowest else 'not the lowest'} "
+            f"({number(found16)} against {study_arm(rival, found)}'s {number(others[rival])}, "
+            f"{100 * (found16 / others[rival] - 1):+.1f} %); at 8k it is {rise:+.2f} % from the unpatched model "
+            f"({'within' if abs(rise) <= 1 else 'outside'} 1 %)."]
+
+
+@table(f"eval/results/{SEARCH_RUN}", *(f"eval/results/{f}" for f in STUDY_FILES[:-1]))
+def search_findings():
+    """The study's aim, checked book by book: the found patch lowest at 16k, and within 1 % of unpatched at 8k."""
+    from eval.search_study import arms, spec_string
+
+    data = load(SEARCH_RUN)
+    best = next((c for c in data["cells"] if c["patch"] == data.get("best")), None)
+    if best is None:
+        return "The search found no patch that beats the unpatched model: the study compares the fixed arms alone."
+    found = spec_string(best["spec"])
+    every = arms(best["spec"], data["identity"]["target_length"] / data["identity"]["window"])
+    lines = [line for book, title in STUDY_BOOKS.items() for line in study_verdict(book, title, found, every)]
+    return "\n".join(f"- {line}" for line in lines)
+
+
+def engine_gap(nll: dict, role: str) -> str:
+    """llama.cpp's mean NLL against transformers' for one role (none, patched), as a relative gap."""
+    tf, lc = nll.get("transformers", {}).get(role), nll.get("llama.cpp", {}).get(role)
+    return "—" if tf is None or lc is None else f"{lc:.5f} vs {tf:.5f} ({100 * (lc / tf - 1):+.3f} %)"
+
+
+@table("eval/results/search/served.json")
+def search_served():
+    """The found patch served as found: saved, reloaded with hfpatch and in plain transformers, exported to GGUF,
+    and llama.cpp's perplexity against transformers' next to the unpatched model's own gap (eval/search_served.py)."""
+    d = load_if_run("search/served.json")
+    if d is None:
+        return "Not yet measured: `python -m eval.search_served` (eval/results/README.md) measures it."
+    rows = []
+    for role, arm in d["arms"].items():
+        nll = arm.get("nll", {})
+        plain = f"{arm['plain_reload_max_diff']:.3g}" if "plain_reload_max_diff" in arm else "—"
+        if arm.get("plain_reload_warnings"):
+            plain += " (warned: " + "; ".join(w.split(" - ")[0] for w in arm["plain_reload_warnings"]) + ")"
+        gguf = "exported" if arm.get("gguf") else f"refused: {arm['gguf_refusal']}" if "gguf_refusal" in arm else "—"
+        rows.append([f"{role}: {arm['label']}", f"{arm.get('hfpatch_reload_max_diff', float('nan')):.3g}", plain,
+                     gguf, engine_gap(nll, "none"), engine_gap(nll, "patched")])
+    return (f"Mean NLL per token of the first {d['length']:,} tokens of `{Path(d['book']).name}`; logit differences "
+            f"over {d['length']:,} random tokens, fp32.\n\n"
+            + markdown_table(["patch", "reloaded by hfpatch: largest logit difference",
+                              "reloaded by plain transformers: largest logit difference",
+                              "GGUF", "unpatched: llama.cpp vs transformers", "patched: llama.cpp vs transformers"],
+                             rows))
+
+
+@table("eval/results/benchmarks/search_steps.json")
+def search_steps():
+    """What each step of a search candidate costs, measured side by side in one run (eval/bench_search.py)."""
+    d = load_if_run("benchmarks/search_steps.json")
+    if d is None:
+        return "Not yet measured: `python -m eval.bench_search` (eval/results/README.md) measures it."
+    sec = d["seconds"]
+    full = sec["full-length sample, fp32"]
+    rows = [[name, f"{t:.1f} s", f"{full / t:.1f}x"] for name, t in sec.items()]
+    return (f"SmolLM2-135M, one sample of the search at {length_label(d['target'])} and its proxy "
+            f"({d['proxy_tokens']:,} tokens, design {d['proxy_design']}); median of {d['repeats']} runs, alternating, "
+            f"{d['machine']['threads']} torch threads.\n\n"
+            + markdown_table(["step", "seconds", "faster than a full-length sample in fp32"], rows))
 
 
 @table("eval/results/search/proxy_16k.json", f"eval/results/{SEARCH_FULL}")
