@@ -4,7 +4,7 @@
 # Cities: perplexity at 8k and 16k (each book's first 16,384 tokens, fp32), then the search's own needle-driven
 # perplexity at 16k (2 samples per book) and passkey retrieval at 16k (10 keys, depth 0.5) for the found patch, yarn:2
 # and the other arm with the lowest perplexity at 16k on Moby-Dick, both in bf16 as the search itself scored (a 16k
-# forward takes about a fifth of its fp32 time on a CPU with AMX; what they measure moves by far more than bf16's
+# forward takes about a third of its fp32 time on a CPU with AMX; what they measure moves by far more than bf16's
 # rounding). Every step writes its results file as it goes and the same command resumes it; the results go to
 # eval/results/search/.
 #   bash eval/search_study.sh [SEARCH_OUT]        (default eval/results/search/dracula_16k)
