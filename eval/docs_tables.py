@@ -1000,6 +1000,12 @@ def search_findings():
     found = spec_string(best["spec"])
     every = arms(best["spec"], data["identity"]["target_length"] / data["identity"]["window"])
     lines = [line for book, title in STUDY_BOOKS.items() for line in study_verdict(book, title, found, every)]
+    trials: dict[str, list] = {}
+    for c in (load_if_run("search/passkey_16k/results.json") or {"cells": []})["cells"]:
+        trials.setdefault(c["patch"], []).extend(c.get("trials", []))
+    if trials.get(found):
+        keys = ", ".join(f"{study_arm(p, found)} {found_rate(t)}" for p, t in trials.items() if t)
+        lines.append(f"*Passkey at 16k* (greedy, every digit right), keys found: {keys}.")
     return "\n".join(f"- {line}" for line in lines)
 
 
@@ -1025,12 +1031,15 @@ def search_served():
         gguf = "exported" if arm.get("gguf") else f"refused: {arm['gguf_refusal']}" if "gguf_refusal" in arm else "—"
         rows.append([f"{role}: {arm['label']}", f"{arm.get('hfpatch_reload_max_diff', float('nan')):.3g}", plain,
                      gguf, engine_gap(nll, "none"), engine_gap(nll, "patched")])
+    pending = [f"{role}: {arm['label']}" for role, arm in d["arms"].items() if "nll" not in arm]
+    note = (f"\n\nNot yet measured: the GGUF export and perplexities of {'; '.join(pending)} (the same command "
+            "resumes the run)." if pending else "")
     return (f"Mean NLL per token of the first {d['length']:,} tokens of `{Path(d['book']).name}`; logit differences "
             f"over {d['length']:,} random tokens, fp32.\n\n"
             + markdown_table(["patch", "reloaded by hfpatch: largest logit difference",
                               "reloaded by plain transformers: largest logit difference",
                               "GGUF", "unpatched: llama.cpp vs transformers", "patched: llama.cpp vs transformers"],
-                             rows))
+                             rows) + note)
 
 
 @table("eval/results/benchmarks/search_steps.json")
