@@ -186,7 +186,8 @@ def _module_names(package: Path) -> dict[str, Path]:
     return out
 
 
-def _targets(node: ast.Import | ast.ImportFrom, module: str, modules: dict[str, Path], root: str) -> list[str]:
+def import_targets(node: ast.Import | ast.ImportFrom, module: str, modules: dict[str, Path],
+                   root: str) -> list[str]:
     """The package's modules an import statement of `module` imports (a name that is a module counts as it)."""
     if isinstance(node, ast.Import):
         names = [a.name for a in node.names]
@@ -216,7 +217,7 @@ def import_cycles(package: Path) -> dict:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
-            for target in _targets(node, module, modules, package.name):
+            for target in import_targets(node, module, modules, package.name):
                 a, b = module.split("."), target.split(".")
                 k = 0
                 while k < min(len(a), len(b)) and a[k] == b[k]:

@@ -11,6 +11,8 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+from eval.code_metrics import import_targets
+
 PACKAGE = Path(__file__).resolve().parents[1] / "hfpatch"
 
 # part -> the parts it may import. A part is a top-level module of the package or a sub-package; "hfpatch" is the
@@ -105,23 +107,7 @@ def part_of(module: str) -> str:
 
 def _targets(node, module: str) -> list[str]:
     """The package's modules an import statement in `module` imports (a name that is a submodule counts as it)."""
-    if isinstance(node, ast.Import):
-        names = [a.name for a in node.names]
-    else:
-        base = node.module or ""
-        if node.level:
-            package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
-            parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-            base = ".".join(parts + ([base] if base else []))
-        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
-    out = []
-    for name in names:
-        if name.split(".")[0] != PACKAGE.name:
-            continue
-        while name not in MODULES:
-            name = name.rpartition(".")[0]
-        out.append(name)
-    return out
+    return import_targets(node, module, MODULES, PACKAGE.name)
 
 
 def _imports(module: str):
