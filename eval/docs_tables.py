@@ -925,6 +925,14 @@ def load_if_run(path: str) -> dict | None:
     return load(path) if (RESULTS / path).exists() else None
 
 
+def passkey_trials() -> dict[str, list]:
+    """{patch: its trials} of the search study's passkey run (empty while it has not run)."""
+    trials: dict[str, list] = {}
+    for c in (load_if_run("search/passkey_16k/results.json") or {"cells": []})["cells"]:
+        trials.setdefault(c["patch"], []).extend(c.get("trials", []))
+    return trials
+
+
 def study_book(book: str, found: str) -> list[list]:
     ppl = {(c["patch"], c["length"]): c for c in (load_if_run(f"search/ppl_{book}/results.json") or {"cells": []})
            ["cells"] if c.get("complete")}
@@ -960,9 +968,7 @@ def search_study():
     for book, title in STUDY_BOOKS.items():
         rows = study_book(book, found)
         out.append(f"**{title}**\n\n" + (markdown_table(header, rows) if rows else pending + "."))
-    trials: dict[str, list] = {}
-    for c in (load_if_run("search/passkey_16k/results.json") or {"cells": []})["cells"]:
-        trials.setdefault(c["patch"], []).extend(c.get("trials", []))
+    trials = passkey_trials()
     rows = [[study_arm(p, found), found_rate(t)] for p, t in trials.items() if t]
     out.append("**passkey at 16k** (10 random keys at depth 0.5, greedy decoding, bf16; 95 % Wilson interval)\n\n"
                + (markdown_table(["patch", "found"], rows) if rows else pending + "."))
@@ -1000,9 +1006,7 @@ def search_findings():
     found = spec_string(best["spec"])
     every = arms(best["spec"], data["identity"]["target_length"] / data["identity"]["window"])
     lines = [line for book, title in STUDY_BOOKS.items() for line in study_verdict(book, title, found, every)]
-    trials: dict[str, list] = {}
-    for c in (load_if_run("search/passkey_16k/results.json") or {"cells": []})["cells"]:
-        trials.setdefault(c["patch"], []).extend(c.get("trials", []))
+    trials = passkey_trials()
     if trials.get(found):
         keys = ", ".join(f"{study_arm(p, found)} {found_rate(t)}" for p, t in trials.items() if t)
         lines.append(f"*Passkey at 16k* (greedy, every digit right), keys found: {keys}.")
