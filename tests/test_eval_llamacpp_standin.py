@@ -43,6 +43,8 @@ class StandInLlama:
                  n_threads: int | None = None, n_threads_batch: int | None = None, kv_overrides: dict | None = None,
                  **params):
         assert logits_all, "the engine reads the logits of every position"
+        # as llama_cpp.Llama does: the model parameters start from llama.cpp's defaults, read when it is built
+        self.model_params = sys.modules["llama_cpp.llama_cpp"].llama_model_default_params()
         self.path, self.n_ctx, self.kv_overrides, self.params = path, n_ctx, kv_overrides, params
         self.scores = np.zeros((n_ctx, VOCAB), dtype=np.float32)
         self.n_tokens = 0
@@ -63,13 +65,24 @@ class StandInLlama:
         self.closed = True
 
 
+def stand_in_default_params() -> types.SimpleNamespace:
+    """llama.cpp's default model parameters, as far as the engine touches them: extra buffer types on."""
+    return types.SimpleNamespace(use_extra_bufts=True)
+
+
 @pytest.fixture
 def stand_in(monkeypatch):
-    """llama_cpp in sys.modules is the stand-in, for the engine's lazy imports."""
+    """llama_cpp and its native bindings llama_cpp.llama_cpp in sys.modules are the stand-in, for the engine's lazy
+    imports."""
+    native = types.ModuleType("llama_cpp.llama_cpp")
+    native.llama_model_default_params = stand_in_default_params  # type: ignore[attr-defined]
     module = types.ModuleType("llama_cpp")
+    module.__path__ = []  # a package, as the real one is
     module.Llama = StandInLlama  # type: ignore[attr-defined]
+    module.llama_cpp = native  # type: ignore[attr-defined]
     module.__version__ = "0.0+standin"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "llama_cpp", module)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_cpp", native)
     StandInLlama.made = []
     return StandInLlama
 
@@ -108,6 +121,19 @@ def test_engine_model_scores_windows_as_llama_cpps_logits_give(stand_in, smollm2
     assert count == sum(end - start - first for start, end, first in spans)
     assert runs == [(start + first, end) for start, end, first in spans]
     assert all(llm.closed for llm in stand_in.made)  # closing the model closes its contexts
+
+
+def test_engine_builds_contexts_with_the_weights_as_stored_and_restores_llama_cpps_defaults(stand_in, smollm2_gguf):
+    """Extra buffer types (load-time repacking of the weights) are off in every context the engine builds, and
+    llama.cpp's defaults are what they were once it is built."""
+    model = LlamaCppModel(smollm2_gguf, threads=1)
+    try:
+        with model.applied({}, "none"):
+            model.document_nll(list(range(1, 33)), [(0, 32, 1)])
+    finally:
+        model.close()
+    assert stand_in.made and all(llm.model_params.use_extra_bufts is False for llm in stand_in.made)
+    assert sys.modules["llama_cpp.llama_cpp"].llama_model_default_params is stand_in_default_params
 
 
 def test_engine_model_decodes_greedily_on_its_kv_cache_and_stops_at_eos(stand_in, smollm2_gguf):
