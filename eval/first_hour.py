@@ -232,10 +232,11 @@ def junit_summary(path: Path) -> dict:
 
 def skip_reason(skipped: ET.Element) -> str:
     """A skip's reason: the message, or for a module skipped whole ("collection skipped") the reason in its text,
-    "('tests/test_cli.py', 20, 'Skipped: why')"."""
+    "('tests/test_cli.py', 20, 'Skipped: why')" (double quotes where the reason holds a single one)."""
     message = skipped.get("message") or ""
-    found = re.search(r"'Skipped: (.*)'\)\s*$", skipped.text or "", re.S) if message == "collection skipped" else None
-    return " ".join((found.group(1) if found else message).split())
+    found = re.search(r"""(['"])Skipped: (.*)\1\)\s*$""", skipped.text or "", re.S) \
+        if message == "collection skipped" else None
+    return " ".join((found.group(2) if found else message).split())
 
 
 def git_commit() -> str | None:
@@ -250,7 +251,7 @@ def conditions(args: argparse.Namespace, load_start: float | None, load_end: flo
     if idle is None and load_start is not None:
         idle = load_start < IDLE_LOAD
     return {"where": args.where or f"this checkout ({'with' if BOOKS.is_dir() else 'no'} ../shared)",
-            "machine": f"{os.cpu_count()}-core {platform.machine()}", "idle": idle,
+            "machine": f"{os.cpu_count()}-core {platform.machine().replace('_', '-')}", "idle": idle,
             "load": args.load or (None if load_start is None else f"{load_start:.1f} at the start, "
                                                                    f"{load_end:.1f} at the end")}
 

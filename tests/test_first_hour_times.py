@@ -36,13 +36,17 @@ TESTS = textwrap.dedent("""
         pytest.skip("Phi3Config accepts only default/longrope")
 """)
 SKIPPED_MODULE = 'import pytest\n\npytest.importorskip("no_such_package_here", reason="the extra is not installed")\n'
+# a reason holding a single quote: pytest's report quotes it with double quotes
+QUOTED_SKIP = 'import pytest\n\npytest.importorskip("no_such_package_here", reason="pip install \'x[extra]\'")\n'
 
 
 @pytest.fixture
 def junit(tmp_path):
-    """A junit report written by pytest itself: 2 passed, 1 failed, 3 skipped in one file, one module skipped whole."""
+    """A junit report written by pytest itself: 2 passed, 1 failed, 3 skipped in one file, two modules skipped
+    whole."""
     (tmp_path / "test_sample.py").write_text(TESTS)
     (tmp_path / "test_extra.py").write_text(SKIPPED_MODULE)
+    (tmp_path / "test_quoted.py").write_text(QUOTED_SKIP)
     report = tmp_path / "junit.xml"
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir",
@@ -53,9 +57,10 @@ def junit(tmp_path):
 
 def test_junit_summary_counts_as_pytest_does(junit):
     summary = first_hour.junit_summary(junit)
-    assert summary["counts"] == {"passed": 2, "skipped": 4, "failed": 1, "errors": 0}
+    assert summary["counts"] == {"passed": 2, "skipped": 5, "failed": 1, "errors": 0}
     assert {s["reason"]: s["tests"] for s in summary["skips"]} == {
-        "Phi3Config accepts only default/longrope": 2, "no books here": 1, "the extra is not installed": 1}
+        "Phi3Config accepts only default/longrope": 2, "no books here": 1, "the extra is not installed": 1,
+        "pip install 'x[extra]'": 1}
     assert summary["files"]["test_sample.py"]["tests"] == 6
 
 
