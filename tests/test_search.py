@@ -523,6 +523,54 @@ def test_two_stages_rank_on_proxies_and_decide_at_full_length(model, tok, long_d
         assert by[found["best"] + "/full"]["score"] < by["g0c0/full"]["score"]
 
 
+def test_the_unpatched_model_is_scored_at_full_length_before_any_candidate_is_ranked(model, tok, long_docs, tmp_path,
+                                                                                     capsys):
+    """The full-length stage is reserved from the unpatched model's own full-length samples, measured first: its
+    full-length cell comes before every ranked candidate but the reference, and the estimate keeps its time."""
+    run_search(model, tok, PROXY_TARGET, out=tmp_path, budget="6", documents=long_docs, proxy_tokens=PROXY_TOKENS,
+               finalists=1, **SMALL)
+    data = json.loads((tmp_path / "results.json").read_text())
+    order = {c["patch"]: c["order"] for c in data["cells"]}
+    ranked = [name for name in order if not name.endswith("/full") and name != "g0c0"]
+    assert ranked and order["g0c0/full"] < min(order[name] for name in ranked)
+    assert data["runs"][-1]["estimate"]["full_sample_reference"] > 0
+    assert "the unpatched model's full-length sample measured" in capsys.readouterr().err
+
+
+def test_the_full_length_reserve_is_each_finalists_samples_at_its_familys_cost(model, tok, long_docs, tmp_path):
+    """While candidates are ranked, the full-length stage is reserved as: for each finalist chosen so far and each
+    place still open, its samples times the unpatched model's full-length sample times its family's cost at the
+    ranking stage (an open place: the costliest family); a family measured at full length counts as measured."""
+    from hfpatch.search.api import prepare
+    from hfpatch.search.options import SearchOptions
+
+    run_search(model, tok, PROXY_TARGET, out=tmp_path, budget="12", documents=long_docs, proxy_tokens=PROXY_TOKENS,
+               finalists=3, **SMALL)
+    opts = SearchOptions.from_python(target_length=PROXY_TARGET, out=str(tmp_path), budget="12",
+                                     proxy_tokens=PROXY_TOKENS, finalists=3, **SMALL)
+    s = prepare(model, tok, opts, long_docs)
+    try:
+        finalists = s.finalists()
+        assert len(finalists) >= 2
+        s.results.data["cells"] = [c for c in s.results.data["cells"] if not c["patch"].endswith("/full")
+                                   or c["patch"] == "g0c0/full"]  # the finalists not yet scored at full length
+        rank_n = len(s.plan.ranking)
+        costs = {"longrope": 1.5, "yarn": 1.2, "self-extend": 2.5, "dual-chunk": 2.0}  # x the unpatched model
+        unpatched = rank_n * 1.0 + 3.0
+        s.clock.estimate = {"rank_sample": 1.0, "guard": 3.0, "full_sample": 4.0, "full_sample_reference": 10.0,
+                            "rank_by_family": {f: c * unpatched for f, c in costs.items()}}
+        samples = len(s.plan.samples)
+        open_places = 3 - len(finalists)
+        want = sum(samples * 10.0 * costs[c["family"]] for c in finalists) + open_places * samples * 10.0 * 2.5
+        assert s.full_reserve() == pytest.approx(want)
+        family = finalists[0]["family"]
+        s.clock.full_by_family[family] = [7.0, 9.0]  # measured at full length here: the slowest of them counts
+        mine = sum(1 for c in finalists if c["family"] == family)
+        assert s.full_reserve() == pytest.approx(want - mine * samples * (10.0 * costs[family] - 9.0))
+    finally:
+        s.results.close()
+
+
 def test_when_no_patch_beats_the_unpatched_model_best_json_is_the_model_as_it_is(model, tok, docs, tmp_path,
                                                                                    monkeypatch, capsys):
     """Every patch scored worse than the unpatched model (a stand-in objective that adds 1 nat to a patched model's

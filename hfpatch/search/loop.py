@@ -75,6 +75,7 @@ class Clock:
     guard_reads: list[float] = field(default_factory=list)
     ranked: list[float] = field(default_factory=list)  # a ranked candidate each, its guard read included
     full_samples: list[float] = field(default_factory=list)
+    full_by_family: dict[str, list[float]] = field(default_factory=dict)  # the same seconds, per family
     estimate: dict = field(default_factory=dict)  # guard, rank sample, full sample, rank candidate, full candidate
 
     def elapsed(self) -> float:
@@ -301,13 +302,40 @@ class Search:
         return (f"the starting points measured about {duration(e['rank'])} per candidate, guard read included "
                 f"({each}): the estimate from here on")
 
-    def _full_left(self) -> int:
-        """Full-length cells the second stage has still to score (the reference and the finalists)."""
+    def family_cost(self, family: str | None) -> float:
+        """How many times the unpatched model's time a candidate of `family` takes (None: the costliest family), as
+        the starting points measured it at the ranking stage, guard read included; 1 until they are measured."""
+        e = self.clock.estimate
+        by_family = e.get("rank_by_family")
+        if family == "none" or not by_family:
+            return 1.0
+        unpatched = len(self.plan.ranking) * e["rank_sample"] + e["guard"]
+        return max(1.0, by_family.get(family, max(by_family.values())) / unpatched)
+
+    def full_sample_seconds(self, family: str | None) -> float:
+        """What one full-length sample of a `family` candidate is expected to take: the slowest of this family's
+        measured here, else the unpatched model's (measured first, before any candidate is ranked) times the
+        family's cost, else the estimate."""
+        measured = self.clock.full_by_family.get(family or "")
+        if measured:
+            return max(measured[-8:])
+        base = self.clock.estimate.get("full_sample_reference", self.clock.estimate["full_sample"])
+        return base * self.family_cost(family)
+
+    def full_reserve(self) -> float:
+        """Seconds the full-length stage still needs: the samples each of its cells has left (the reference, the
+        finalists chosen so far, and the places still open, costed as the costliest family)."""
         if self.plan.proxy is None:
-            return 0
-        names = [REFERENCE] + [c["patch"] for c in self.finalists()]
-        missing = sum(report.full_cell(self.results.data, n) is None for n in names)
-        return missing + max(0, self.opts.finalists - (len(names) - 1))
+            return 0.0
+        chosen: list[tuple[str | None, str | None]] = [(REFERENCE, "none")]
+        chosen += [(c["patch"], c["family"]) for c in self.finalists()]
+        chosen += [(None, None)] * max(0, self.opts.finalists - (len(chosen) - 1))
+        total = 0.0
+        for name, family in chosen:
+            cell = self.results.find({"patch": name + FULL}) if name is not None else None
+            done = sum("sample" in r for r in cell["samples"]) if cell is not None else 0
+            total += (len(self.plan.samples) - done) * self.full_sample_seconds(family)
+        return total
 
     def _fits(self, budget: Budget, cost: float) -> bool:
         return budget.seconds is None or self.clock.elapsed() + cost <= budget.seconds
@@ -351,6 +379,10 @@ class Search:
         bar = tqdm(total=total, initial=done, unit="candidate", disable=not progress, file=sys.stderr,
                    dynamic_ncols=True)
         try:
+            if self.plan.proxy is not None:
+                early = self._reference_at_full_length(budget)
+                if early:
+                    return early
             stopped = self._rank(budget, bar)
             if self.plan.proxy is not None:
                 stopped = self._finals(budget) or stopped
@@ -373,8 +405,7 @@ class Search:
                 done = sum(bool(c.get("complete")) for c in report.ranked_cells(self.results.data))
                 if budget.evaluations is not None and done >= budget.evaluations:
                     return f"{budget.evaluations} candidates ranked"
-                reserve = self._full_left() * self.clock.expected("full", [])
-                if not self._fits(budget, self.clock.expected("rank", self.clock.ranked) + reserve):
+                if not self._fits(budget, self.clock.expected("rank", self.clock.ranked) + self.full_reserve()):
                     return f"the wall-time budget ({duration(budget.seconds or 0)}) would be passed"
                 cell = cell or self._cell(name, g, family, params, spec)
                 start = time.perf_counter()
@@ -392,20 +423,45 @@ class Search:
                                             // max(self.clock.estimate["rank"], 1e-9))
             g += 1
 
+    def _reference_at_full_length(self, budget: Budget) -> str | None:
+        """The unpatched model at full length, before any candidate is ranked: what its samples take, measured,
+        is what the full-length stage is reserved from (kept in the estimate, so a resumed search agrees)."""
+        reference = self.results.find({"patch": REFERENCE})
+        if reference is None or self.full_cell_of(reference).get("complete"):
+            return None
+        stopped = self._score_at_full_length(budget, reference)
+        if stopped is None and self.clock.full_samples:
+            measured = sum(self.clock.full_samples) / len(self.clock.full_samples)
+            self.clock.estimate = {**self.clock.estimate, "full_sample_reference": measured}
+            self.results.data["runs"][-1]["estimate"] = self.clock.estimate
+            self.results.save()
+            print(f"hfpatch search: the unpatched model's full-length sample measured {duration(measured)} (estimated "
+                  f"{duration(self.clock.estimate['full_sample'])}): the full-length stage is reserved from it, "
+                  "times each finalist's family cost", file=sys.stderr)
+        return stopped
+
     def _finals(self, budget: Budget) -> str | None:
         """The reference and the finalists at full length; why it stopped early (None: it did not)."""
-        chosen = [self.results.find({"patch": REFERENCE}), *self.finalists()]
-        for ranked in chosen:
-            if ranked is None or ranked.get("error"):
-                continue
-            cell = self.full_cell_of(ranked)
-            if cell.get("complete"):
-                continue
-            left = len(self.plan.samples) - sum("sample" in r for r in cell["samples"])
-            if not self._fits(budget, left * self.clock.expected("full_sample", self.clock.full_samples)):
-                return (f"the wall-time budget ({duration(budget.seconds or 0)}) would be passed before "
-                        f"{ranked['patch']} is scored at full length")
-            self.evaluate(cell, self.plan.samples, self.clock.full_samples)
+        for ranked in [self.results.find({"patch": REFERENCE}), *self.finalists()]:
+            if ranked is not None and not ranked.get("error"):
+                stopped = self._score_at_full_length(budget, ranked)
+                if stopped:
+                    return stopped
+        return None
+
+    def _score_at_full_length(self, budget: Budget, ranked: dict) -> str | None:
+        """A ranked candidate's samples at full length, if the budget has room for them; why not, if it has not."""
+        cell = self.full_cell_of(ranked)
+        if cell.get("complete"):
+            return None
+        left = len(self.plan.samples) - sum("sample" in r for r in cell["samples"])
+        if not self._fits(budget, left * self.full_sample_seconds(ranked["family"])):
+            return (f"the wall-time budget ({duration(budget.seconds or 0)}) would be passed before "
+                    f"{ranked['patch']} is scored at full length")
+        timings: list[float] = []
+        self.evaluate(cell, self.plan.samples, timings)
+        self.clock.full_samples += timings
+        self.clock.full_by_family.setdefault(ranked["family"], []).extend(timings)
         return None
 
     def full_cell_of(self, ranked: dict) -> dict:
@@ -424,6 +480,7 @@ class Search:
             out["guard"] = sum(c.guard_reads) / len(c.guard_reads)
         if c.full_samples:
             out["full_sample"] = sum(c.full_samples) / len(c.full_samples)
+            out["full_sample_by_family"] = {f: sum(t) / len(t) for f, t in c.full_by_family.items() if t}
         return out
 
 
