@@ -36,6 +36,7 @@ from typing import Any
 from . import patch_options
 from .evaluate import EVALUATIONS
 from .patch_options import scheme_options
+from .plugins import PluginError, load_plugins
 from .utils.command import Parser, UsageError, run_main
 from .utils.files import Lock, describe_os_error, write_folder
 from .utils.warn import NeedsCalibrationWarning
@@ -297,6 +298,11 @@ def _locked(out: Path) -> Lock:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        load_plugins()  # the extensions installed as packages register themselves before any argument is read
+    except PluginError as e:
+        print(f"hfpatch: error: {e}", file=sys.stderr)
+        return 2
     if argv[:1] == ["search"]:  # every following argument is the search's own, --help included
         from hfpatch.search.command import main as search_main
 

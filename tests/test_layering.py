@@ -42,6 +42,7 @@ LAYERS: dict[str, set[str]] = {
     # supported(): every family measured
     "families": {"apply", "introspect", "adapters", "norm", "position", "tiny", "utils"},
     "patch_options": {"position", "norm"},  # `hfpatch patch`'s flags as data; the registries read to check them
+    "plugins": set(),  # extensions installed as packages (entry points), loaded by the command
     "hfpatch": {"introspect", "spec", "apply", "families", "interop"},  # the public API
     # running models: what evaluations and training share, then each
     # a causal LM as body + head; documents and tokenizers
@@ -53,7 +54,7 @@ LAYERS: dict[str, set[str]] = {
     "train": {"hfpatch", "introspect", "apply", "spec", "adapters", "norm", "position", "edits", "lm", "models",
               "registry", "utils"},
     "cli": {"hfpatch", "introspect", "evaluate", "lm", "search", "norm", "spec", "models", "families", "apply",
-            "interop", "position", "utils", "patch_options"},
+            "interop", "position", "utils", "patch_options", "plugins"},
     "__main__": {"cli"},
 }
 
