@@ -302,16 +302,6 @@ class Search:
         return (f"the starting points measured about {duration(e['rank'])} per candidate, guard read included "
                 f"({each}): the estimate from here on")
 
-    def family_cost(self, family: str | None) -> float:
-        """How many times the unpatched model's time a candidate of `family` takes (None: the costliest family), as
-        the starting points measured it at the ranking stage, guard read included; 1 until they are measured."""
-        e = self.clock.estimate
-        by_family = e.get("rank_by_family")
-        if family == "none" or not by_family:
-            return 1.0
-        unpatched = len(self.plan.ranking) * e["rank_sample"] + e["guard"]
-        return max(1.0, by_family.get(family, max(by_family.values())) / unpatched)
-
     def full_sample_seconds(self, family: str | None) -> float:
         """What one full-length sample of a `family` candidate is expected to take: the slowest of this family's
         measured here, else the unpatched model's (measured first, before any candidate is ranked) times the
@@ -320,7 +310,7 @@ class Search:
         if measured:
             return max(measured[-8:])
         base = self.clock.estimate.get("full_sample_reference", self.clock.estimate["full_sample"])
-        return base * self.family_cost(family)
+        return base * family_cost(self.clock.estimate, len(self.plan.ranking), family)
 
     def full_reserve(self) -> float:
         """Seconds the full-length stage still needs: the samples each of its cells has left (the reference, the
@@ -482,6 +472,17 @@ class Search:
             out["full_sample"] = sum(c.full_samples) / len(c.full_samples)
             out["full_sample_by_family"] = {f: sum(t) / len(t) for f, t in c.full_by_family.items() if t}
         return out
+
+
+def family_cost(estimate: dict, ranking_samples: int, family: str | None) -> float:
+    """How many times the unpatched model's time a candidate of `family` takes (None: the costliest family), as its
+    starting points measured it at the ranking stage (`estimate`'s rank_by_family, guard read included, against the
+    unpatched model's `ranking_samples` ranking samples and guard read); 1 until they are measured."""
+    by_family = estimate.get("rank_by_family")
+    if family == "none" or not by_family:
+        return 1.0
+    unpatched = ranking_samples * estimate["rank_sample"] + estimate["guard"]
+    return max(1.0, by_family.get(family, max(by_family.values())) / unpatched)
 
 
 def _key(spec: dict) -> str:
