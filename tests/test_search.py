@@ -554,14 +554,17 @@ def test_the_full_length_reserve_is_each_finalists_samples_at_its_familys_cost(m
         assert len(finalists) >= 2
         s.results.data["cells"] = [c for c in s.results.data["cells"] if not c["patch"].endswith("/full")
                                    or c["patch"] == "g0c0/full"]  # the finalists not yet scored at full length
-        rank_n = len(s.plan.ranking)
+        unpatched = len(s.plan.ranking) * 1.0 + 3.0  # a ranked unpatched candidate: its samples and a guard read
+        s.clock.estimate = {"rank_sample": 1.0, "guard": 3.0, "full_sample": 4.0, "full_sample_reference": 10.0}
         costs = {"longrope": 1.5, "yarn": 1.2, "self-extend": 2.5, "dual-chunk": 2.0}  # x the unpatched model
-        unpatched = rank_n * 1.0 + 3.0
-        s.clock.estimate = {"rank_sample": 1.0, "guard": 3.0, "full_sample": 4.0, "full_sample_reference": 10.0,
-                            "rank_by_family": {f: c * unpatched for f, c in costs.items()}}
+        for cell in s.cells:  # every ranked candidate of a family took its cost
+            if cell["family"] != "none" and "seconds" in cell:
+                cell["seconds"] = costs[cell["family"]] * unpatched
+        reading = {c["family"] for c in s.cells if c["family"] != "none" and any(r.get("guard") for r in c["samples"])}
         samples = len(s.plan.samples)
-        open_places = 3 - len(finalists)
-        want = sum(samples * 10.0 * costs[c["family"]] for c in finalists) + open_places * samples * 10.0 * 2.5
+        costliest = max(costs[f] for f in reading)
+        want = (sum(samples * 10.0 * costs[c["family"]] for c in finalists)
+                + (3 - len(finalists)) * samples * 10.0 * costliest)
         assert s.full_reserve() == pytest.approx(want)
         family = finalists[0]["family"]
         s.clock.full_by_family[family] = [7.0, 9.0]  # measured at full length here: the slowest of them counts
@@ -569,6 +572,21 @@ def test_the_full_length_reserve_is_each_finalists_samples_at_its_familys_cost(m
         assert s.full_reserve() == pytest.approx(want - mine * samples * (10.0 * costs[family] - 9.0))
     finally:
         s.results.close()
+
+
+def test_a_familys_cost_is_the_median_of_its_ranked_candidates_that_read_the_guard():
+    """One slow candidate (something else ran beside it) does not move its family's cost; candidates that share
+    another's guard read, the unpatched model and full-length cells do not count."""
+    from hfpatch.search.loop import ranked_seconds_by_family
+
+    def cell(family, seconds, guard=True, patch="g1c0"):
+        return {"patch": patch, "family": family, "seconds": seconds,
+                "samples": [{"guard": True} if guard else {"from": "g0c1"}, {"sample": 0}]}
+
+    cells = [cell("dual-chunk", 15.0), cell("dual-chunk", 16.0), cell("dual-chunk", 90.0), cell("yarn", 12.0),
+             cell("yarn", 3.0, guard=False), cell("none", 10.0), {"patch": "g1c0/full", "family": "yarn",
+                                                                   "samples": [{"guard": True}]}]
+    assert ranked_seconds_by_family(cells) == {"dual-chunk": 16.0, "yarn": 12.0}
 
 
 def test_when_no_patch_beats_the_unpatched_model_best_json_is_the_model_as_it_is(model, tok, docs, tmp_path,

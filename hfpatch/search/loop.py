@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -305,12 +306,13 @@ class Search:
     def full_sample_seconds(self, family: str | None) -> float:
         """What one full-length sample of a `family` candidate is expected to take: the slowest of this family's
         measured here, else the unpatched model's (measured first, before any candidate is ranked) times the
-        family's cost, else the estimate."""
+        family's cost at the ranking stage, else the estimate."""
         measured = self.clock.full_by_family.get(family or "")
         if measured:
             return max(measured[-8:])
         base = self.clock.estimate.get("full_sample_reference", self.clock.estimate["full_sample"])
-        return base * family_cost(self.clock.estimate, len(self.plan.ranking), family)
+        costs = ranked_seconds_by_family(self.cells) or self.clock.estimate.get("rank_by_family", {})
+        return base * family_cost(self.clock.estimate, len(self.plan.ranking), family, costs)
 
     def full_reserve(self) -> float:
         """Seconds the full-length stage still needs: the samples each of its cells has left (the reference, the
@@ -474,11 +476,21 @@ class Search:
         return out
 
 
-def family_cost(estimate: dict, ranking_samples: int, family: str | None) -> float:
-    """How many times the unpatched model's time a candidate of `family` takes (None: the costliest family), as its
-    starting points measured it at the ranking stage (`estimate`'s rank_by_family, guard read included, against the
-    unpatched model's `ranking_samples` ranking samples and guard read); 1 until they are measured."""
-    by_family = estimate.get("rank_by_family")
+def ranked_seconds_by_family(cells: list[dict]) -> dict[str, float]:
+    """Per family, the median seconds of its ranked candidates that read the guard themselves, every generation (the
+    stored seconds, so that a resumed search agrees; the median, so that one candidate slowed by something else
+    running does not move it): what a candidate of the family costs here."""
+    per_family: dict[str, list[float]] = {}
+    for cell in cells:
+        if cell["family"] != "none" and "seconds" in cell and any(r.get("guard") for r in cell["samples"]):
+            per_family.setdefault(cell["family"], []).append(cell["seconds"])
+    return {f: statistics.median(v) for f, v in per_family.items()}
+
+
+def family_cost(estimate: dict, ranking_samples: int, family: str | None, by_family: dict[str, float]) -> float:
+    """How many times the unpatched model's time a candidate of `family` takes at the ranking stage (None: the
+    costliest family): its seconds in `by_family` (guard read included) against the unpatched model's
+    `ranking_samples` ranking samples and guard read in `estimate`; 1 while none are measured."""
     if family == "none" or not by_family:
         return 1.0
     unpatched = ranking_samples * estimate["rank_sample"] + estimate["guard"]
