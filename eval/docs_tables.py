@@ -874,37 +874,70 @@ def search_full():
             f"to {duration(max(took))} (median {duration(median(took))}), its estimate {estimate}.")
 
 
-SEARCH_RUN = "search/dracula_16k/results.json"
+SEARCH_RUN = "search/dracula_16k/results.json"  # the search whose found patch the study evaluates
+SEARCH_COSTS = "search/costs_16k/results.json"  # the same command, timed against its estimates
 
 
-@table(f"eval/results/{SEARCH_RUN}")
+@table(f"eval/results/{SEARCH_COSTS}")
 def search_run():
     """The search as a user runs it (a wall-time budget, the defaults): its table, and what it cost against its own
-    estimate."""
+    estimate: a ranked candidate, a guard read, a full-length sample of the unpatched model and of each finalist's
+    family."""
     from hfpatch.search import report as search_report
 
-    data = load(SEARCH_RUN)
+    data = load(SEARCH_COSTS)
     runs = data["runs"]
     measured, estimate = runs[-1]["measured"], runs[-1]["estimate"]
     ranked = [c for c in search_report.ranked_cells(data) if c.get("complete")]
     full = [c for c in data["cells"] if c["patch"].endswith(search_report.FULL) and c.get("complete")]
     got = lambda key: duration(measured[key]) if key in measured else "—"
     first = estimate.get("rank_first", estimate["rank"])
-    off = lambda e: f" ({100 * (e / measured['rank'] - 1):+.0f} %)" if "rank" in measured else ""
-    rows = [["ranked candidates", len(ranked), duration(first) + off(first),
-             duration(estimate["rank"]) + off(estimate["rank"]) if "rank_first" in estimate else "—", got("rank")],
-            ["guard reads (8k tokens)", measured["guard_reads"], duration(estimate["guard"]), "—", got("guard")],
-            ["full-length samples (16k tokens)", measured["full_samples"], duration(estimate["full_sample"]), "—",
-             got("full_sample")]]
+    off = lambda e, m: f" ({signed_percent(e, m)})"
+    rank_off = lambda e: off(e, measured["rank"]) if "rank" in measured else ""
+    rows = [["ranked candidates", len(ranked), duration(first) + rank_off(first),
+             duration(estimate["rank"]) + rank_off(estimate["rank"]) if "rank_first" in estimate else "—",
+             got("rank")],
+            ["guard reads (8k tokens)", measured["guard_reads"], duration(estimate["guard"]), "—", got("guard")]]
+    rows += search_full_sample_rows(data, estimate, measured)
     wall = sum(r["seconds"] for r in runs)
+    finalists = [c for c in full if c["family"] != "none"]
     by_family = ", ".join(f"{f} {duration(t)}" for f, t in estimate.get("rank_by_family", {}).items())
     return (search_report.caption(data) + "\n\n" + search_report.table(data) + "\n\n"
             + markdown_table(["what", "how many", "estimated each, from the first forwards",
-                              "estimated each, from the starting points", "measured each (mean)"], rows)
+                              "estimated each, once measured", "measured each (mean)"], rows)
             + (f"\n\nThe starting points, guard read included: {by_family}." if by_family else "")
             + f"\n\nBudget {runs[-1]['budget']}; wall time {duration(wall)} from the command's start (loading "
-            f"included), {len(ranked)} candidates ranked and {len(full)} scored at full length "
-            f"(the unpatched model among them); stopped: {runs[-1]['stopped']}.")
+            f"included), {len(ranked)} candidates ranked, the unpatched model and {len(finalists)} of "
+            f"{data['identity']['finalists']} finalists scored at full length; stopped: {runs[-1]['stopped']}.")
+
+
+def signed_percent(estimated: float, measured: float) -> str:
+    """How far an estimate is from what was measured: "+26 %", "-27 %", "+0 %" (never "-0 %")."""
+    return f"{round(100 * (estimated / measured - 1)) + 0:+d} %"
+
+
+def search_full_sample_rows(data: dict, estimate: dict, measured: dict) -> list[list]:
+    """A full-length sample: the unpatched model's (estimated from the first forwards, then measured first), and
+    each finalist family's (estimated as the unpatched model's times the family's cost at the ranking stage, as the
+    search reserved it once every candidate was ranked)."""
+    from hfpatch.search.loop import family_cost, ranked_seconds_by_family
+
+    target = length_label(data["identity"]["target_length"])
+    per_family = measured.get("full_sample_by_family", {})
+    full = [c for c in data["cells"] if c["patch"].endswith("/full") and c.get("complete")]
+    count = lambda family: sum(len([r for r in c["samples"] if "sample" in r]) for c in full if c["family"] == family)
+    reference = estimate.get("full_sample_reference")
+    rows = [[f"full-length samples ({target} tokens), unpatched", count("none"), duration(estimate["full_sample"])
+             + (f" ({signed_percent(estimate['full_sample'], reference)})" if reference else ""), "—",
+             duration(per_family["none"]) if "none" in per_family else "—"]]
+    for family, seconds in per_family.items():
+        if family == "none" or reference is None:
+            continue
+        cost = family_cost(estimate, data["identity"]["proxy_samples"], family, ranked_seconds_by_family(data["cells"]))
+        guess = reference * cost
+        rows.append([f"full-length samples ({target} tokens), {family}", count(family), "—",
+                     f"{duration(guess)} ({signed_percent(guess, seconds)})", duration(seconds)])
+    return rows
 
 
 STUDY_BOOKS = {"moby_dick": "Moby-Dick", "a_tale_of_two_cities": "A Tale of Two Cities"}
