@@ -493,8 +493,9 @@ def family_cost(estimate: dict, ranking_samples: int, family: str | None, by_fam
     `ranking_samples` ranking samples and guard read in `estimate`; 1 while none are measured."""
     if family == "none" or not by_family:
         return 1.0
-    unpatched = ranking_samples * estimate["rank_sample"] + estimate["guard"]
-    return max(1.0, by_family.get(family, max(by_family.values())) / unpatched)
+    costliest = max(by_family.values())
+    seconds = costliest if family is None else by_family.get(family, costliest)
+    return max(1.0, seconds / (ranking_samples * estimate["rank_sample"] + estimate["guard"]))
 
 
 def _key(spec: dict) -> str:
