@@ -18,8 +18,10 @@ first estimate of what a candidate costs here (enough to refuse a budget that ca
 cost (an attention path runs more than one attention; a child of generation >= 1 almost always has a short-context
 setting of its own, so it reads the guard itself), so once generation 0 is ranked the estimate is each family's
 starting point as measured, guard read included, averaged over the families; from then on the candidates' own
-measured times decide. A candidate is started only if it, and the full-length stage after it, are expected to end
-within the wall-time budget.
+measured times decide. With a proxy stage, the unpatched model is scored at full length first: the full-length
+stage is reserved from what its samples took, times each finalist's family cost at the ranking stage (the median of
+the family's ranked candidates, against the unpatched model). A candidate is started only if it, and the
+full-length stage after it, are expected to end within the wall-time budget.
 """
 
 from __future__ import annotations
