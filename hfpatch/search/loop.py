@@ -77,9 +77,13 @@ class Clock:
     started: float = field(default_factory=time.perf_counter)
     guard_reads: list[float] = field(default_factory=list)
     ranked: list[float] = field(default_factory=list)  # a ranked candidate each, its guard read included
-    full_samples: list[float] = field(default_factory=list)
-    full_by_family: dict[str, list[float]] = field(default_factory=dict)  # the same seconds, per family
+    full_by_family: dict[str, list[float]] = field(default_factory=dict)  # full-length samples, per family
     estimate: dict = field(default_factory=dict)  # guard, rank sample, full sample, rank candidate, full candidate
+
+    @property
+    def full_samples(self) -> list[float]:
+        """Every full-length sample's seconds, whatever its family."""
+        return [t for times in self.full_by_family.values() for t in times]
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -305,15 +309,19 @@ class Search:
         return (f"the starting points measured about {duration(e['rank'])} per candidate, guard read included "
                 f"({each}): the estimate from here on")
 
-    def full_sample_seconds(self, family: str | None) -> float:
+    def ranking_costs(self) -> dict[str, float]:
+        """Per family, what a ranked candidate takes here: its ranked candidates' median, else its starting
+        points' mean (the estimate), else nothing yet."""
+        return ranked_seconds_by_family(self.cells) or self.clock.estimate.get("rank_by_family", {})
+
+    def full_sample_seconds(self, family: str | None, costs: dict[str, float]) -> float:
         """What one full-length sample of a `family` candidate is expected to take: the slowest of this family's
         measured here, else the unpatched model's (measured first, before any candidate is ranked) times the
-        family's cost at the ranking stage, else the estimate."""
+        family's cost at the ranking stage (`costs`: ranking_costs()), else the estimate."""
         measured = self.clock.full_by_family.get(family or "")
         if measured:
             return max(measured[-8:])
         base = self.clock.estimate.get("full_sample_reference", self.clock.estimate["full_sample"])
-        costs = ranked_seconds_by_family(self.cells) or self.clock.estimate.get("rank_by_family", {})
         return base * family_cost(self.clock.estimate, len(self.plan.ranking), family, costs)
 
     def full_reserve(self) -> float:
@@ -324,11 +332,11 @@ class Search:
         chosen: list[tuple[str | None, str | None]] = [(REFERENCE, "none")]
         chosen += [(c["patch"], c["family"]) for c in self.finalists()]
         chosen += [(None, None)] * max(0, self.opts.finalists - (len(chosen) - 1))
-        total = 0.0
+        costs, total = self.ranking_costs(), 0.0
         for name, family in chosen:
             cell = self.results.find({"patch": name + FULL}) if name is not None else None
             done = sum("sample" in r for r in cell["samples"]) if cell is not None else 0
-            total += (len(self.plan.samples) - done) * self.full_sample_seconds(family)
+            total += (len(self.plan.samples) - done) * self.full_sample_seconds(family, costs)
         return total
 
     def _fits(self, budget: Budget, cost: float) -> bool:
@@ -424,8 +432,9 @@ class Search:
         if reference is None or self.full_cell_of(reference).get("complete"):
             return None
         stopped = self._score_at_full_length(budget, reference)
-        if stopped is None and self.clock.full_samples:
-            measured = sum(self.clock.full_samples) / len(self.clock.full_samples)
+        timings = self.clock.full_by_family.get("none")
+        if stopped is None and timings:
+            measured = sum(timings) / len(timings)
             self.clock.estimate = {**self.clock.estimate, "full_sample_reference": measured}
             self.results.data["runs"][-1]["estimate"] = self.clock.estimate
             self.results.save()
@@ -449,13 +458,10 @@ class Search:
         if cell.get("complete"):
             return None
         left = len(self.plan.samples) - sum("sample" in r for r in cell["samples"])
-        if not self._fits(budget, left * self.full_sample_seconds(ranked["family"])):
+        if not self._fits(budget, left * self.full_sample_seconds(ranked["family"], self.ranking_costs())):
             return (f"the wall-time budget ({duration(budget.seconds or 0)}) would be passed before "
                     f"{ranked['patch']} is scored at full length")
-        timings: list[float] = []
-        self.evaluate(cell, self.plan.samples, timings)
-        self.clock.full_samples += timings
-        self.clock.full_by_family.setdefault(ranked["family"], []).extend(timings)
+        self.evaluate(cell, self.plan.samples, self.clock.full_by_family.setdefault(ranked["family"], []))
         return None
 
     def full_cell_of(self, ranked: dict) -> dict:
