@@ -177,7 +177,7 @@ def package_lines(package: Path) -> dict:
     return {"total": sum(parts.values()), "parts": dict(sorted(parts.items(), key=lambda kv: (-kv[1], kv[0])))}
 
 
-def _module_names(package: Path) -> dict[str, Path]:
+def module_names(package: Path) -> dict[str, Path]:
     """{dotted module name: file} of the package (a folder's __init__ is the folder's name)."""
     out = {}
     for path in python_files(package):
@@ -211,7 +211,7 @@ def import_targets(node: ast.Import | ast.ImportFrom, module: str, modules: dict
 
 def import_cycles(package: Path) -> dict:
     """Folders of the package whose entries import each other back, and the imports that lie on such a cycle."""
-    modules = _module_names(package)
+    modules = module_names(package)
     edges: dict[str, set[tuple[str, str]]] = {}
     for module, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

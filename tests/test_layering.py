@@ -11,7 +11,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-from eval.code_metrics import import_targets
+from eval.code_metrics import import_targets, module_names
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hfpatch"
 
@@ -89,17 +89,7 @@ ENTRY_POINTS = {"hfpatch/cli.py", "hfpatch/evaluate/__init__.py", "hfpatch/evalu
 DEFERRED = {"hfpatch/evaluate/plots.py": {"matplotlib"}}
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = path
-    return out
-
-
-MODULES = _modules()
+MODULES = module_names(PACKAGE)
 
 
 def part_of(module: str) -> str:
