@@ -34,12 +34,16 @@ def install(site: Path, entry_points: str, modules: dict[str, str] | None = None
     return site
 
 
-def hfpatch_command(site: Path, *argv: str, **env: str) -> subprocess.CompletedProcess:
-    """The `hfpatch` command in a fresh process whose path holds `site` and the tests' extension modules."""
+def python(site: Path, code: str, *argv: str, **env: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh Python whose path holds `site` and the tests' extension modules, plugins on."""
     path = os.pathsep.join([str(site), str(TESTS), os.environ.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-c", "import sys; from hfpatch.cli import main; sys.exit(main())", *argv],
-                          capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": path, "HFPATCH_PLUGINS": "", **env})
+
+
+def hfpatch_command(site: Path, *argv: str, **env: str) -> subprocess.CompletedProcess:
+    """The `hfpatch` command in such a process."""
+    return python(site, "import sys; from hfpatch.cli import main; sys.exit(main())", *argv, **env)
 
 
 ENTRY_POINTS = """\
@@ -78,7 +82,7 @@ def test_a_plugin_that_fails_to_load_stops_the_command_in_one_line_naming_it(tmp
     assert "HFPATCH_PLUGINS=off" in lines[0]
 
 
-def test_plugins_are_loaded_once_per_process(tmp_path, monkeypatch):
+def test_plugins_are_loaded_once_per_process(tmp_path):
     """hfpatch.cli.main called twice in one process (as from Python) loads a plugin once: a second load would
     register its extensions twice, which the registries refuse."""
     site = install(tmp_path, "[hfpatch.plugins]\necho = demo_echo:register\n", {"demo_echo": REGISTER_ECHO})
@@ -92,8 +96,6 @@ def test_plugins_are_loaded_once_per_process(tmp_path, monkeypatch):
                 assert e.code == 0, e.code
         print(load_plugins())
     """)
-    path = os.pathsep.join([str(site), str(TESTS), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": path, "HFPATCH_PLUGINS": ""})
+    done = python(site, code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "['echo']"
