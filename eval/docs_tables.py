@@ -898,7 +898,7 @@ def search_run():
              duration(estimate["rank"]) + rank_off(estimate["rank"]) if "rank_first" in estimate else "—",
              got("rank")],
             ["guard reads (8k tokens)", measured["guard_reads"], duration(estimate["guard"]), "—", got("guard")]]
-    rows += search_full_sample_rows(data, estimate, measured)
+    rows += search_full_sample_rows(data, full, estimate, measured)
     wall = sum(r["seconds"] for r in runs)
     finalists = [c for c in full if c["family"] != "none"]
     by_family = ", ".join(f"{f} {duration(t)}" for f, t in estimate.get("rank_by_family", {}).items())
@@ -916,15 +916,14 @@ def signed_percent(estimated: float, measured: float) -> str:
     return f"{round(100 * (estimated / measured - 1)) + 0:+d} %"
 
 
-def search_full_sample_rows(data: dict, estimate: dict, measured: dict) -> list[list]:
+def search_full_sample_rows(data: dict, full: list[dict], estimate: dict, measured: dict) -> list[list]:
     """A full-length sample: the unpatched model's (estimated from the first forwards, then measured first), and
     each finalist family's (estimated as the unpatched model's times the family's cost at the ranking stage, as the
-    search reserved it once every candidate was ranked)."""
+    search reserved it once every candidate was ranked); `full`: the run's complete full-length cells."""
     from hfpatch.search.loop import family_cost, ranked_seconds_by_family
 
     target = length_label(data["identity"]["target_length"])
     per_family = measured.get("full_sample_by_family", {})
-    full = [c for c in data["cells"] if c["patch"].endswith("/full") and c.get("complete")]
     count = lambda family: sum(len([r for r in c["samples"] if "sample" in r]) for c in full if c["family"] == family)
     reference = estimate.get("full_sample_reference")
     rows = [[f"full-length samples ({target} tokens), unpatched", count("none"), duration(estimate["full_sample"])
@@ -966,6 +965,14 @@ def passkey_trials() -> dict[str, list]:
     return trials
 
 
+def found_patch(data: dict) -> tuple[dict | None, str]:
+    """The search's best cell and its patch as the study's spec string ("" when no patch beats the unpatched model)."""
+    from eval.search_study import spec_string
+
+    best = next((c for c in data["cells"] if c["patch"] == data.get("best")), None)
+    return best, spec_string(best["spec"]) if best else ""
+
+
 def study_book(book: str, found: str) -> list[list]:
     ppl = {(c["patch"], c["length"]): c for c in (load_if_run(f"search/ppl_{book}/results.json") or {"cells": []})
            ["cells"] if c.get("complete")}
@@ -986,12 +993,10 @@ def study_book(book: str, found: str) -> list[list]:
 def search_study():
     """The found patch against the fixed rescalings on two books the search never saw: perplexity at 8k and 16k
     (the first 16,384 tokens, fp32), the search's needle-driven perplexity at 16k, and passkey retrieval at 16k."""
-    from eval.search_study import spec_string
     from hfpatch.search import report as search_report
 
     data = load(SEARCH_RUN)
-    best = next((c for c in data["cells"] if c["patch"] == data.get("best")), None)
-    found = spec_string(best["spec"]) if best else ""
+    best, found = found_patch(data)
     head = (f"**found**: {search_report.label(best)} (`{found}`)." if best else
             "The search found no patch that beats the unpatched model.")
     header = ["patch", "ppl 8k (fp32)", "vs none at 8k", "ppl 16k (fp32)", "needle ppl 16k (bf16)",
@@ -1030,13 +1035,12 @@ def study_verdict(book: str, title: str, found: str, every: list[str]) -> list[s
 @table(f"eval/results/{SEARCH_RUN}", *(f"eval/results/{f}" for f in STUDY_FILES[:-1]))
 def search_findings():
     """The study's aim, checked book by book: the found patch lowest at 16k, and within 1 % of unpatched at 8k."""
-    from eval.search_study import arms, spec_string
+    from eval.search_study import arms
 
     data = load(SEARCH_RUN)
-    best = next((c for c in data["cells"] if c["patch"] == data.get("best")), None)
+    best, found = found_patch(data)
     if best is None:
         return "The search found no patch that beats the unpatched model: the study compares the fixed arms alone."
-    found = spec_string(best["spec"])
     every = arms(best["spec"], data["identity"]["target_length"] / data["identity"]["window"])
     lines = [line for book, title in STUDY_BOOKS.items() for line in study_verdict(book, title, found, every)]
     trials = passkey_trials()
