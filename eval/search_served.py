@@ -42,7 +42,7 @@ def chosen(search: Path) -> dict[str, dict]:
     data = json.loads((search / "results.json").read_text())
     cells = [c for c in report.ranked_cells(data) if c.get("complete") and c["family"] != "none"]
     base = next(c["short_ppl"] for c in data["cells"] if c["patch"] == report.REFERENCE)
-    guard = data["identity"]["guard"]
+    guard, window = data["identity"]["guard"], data["identity"]["window"]
 
     def score(c: dict) -> float:
         full = report.full_cell(data, c["patch"])
@@ -51,15 +51,16 @@ def chosen(search: Path) -> dict[str, dict]:
     out = {}
     if data.get("best"):
         out["found"] = next(c for c in cells if c["patch"] == data["best"])
-    exportable = [c for c in cells if objective.feasible(c, base, guard) and exports(c["spec"])]
-    if exportable and ("found" not in out or not exports(out["found"]["spec"])):
+    exportable = [c for c in cells if objective.feasible(c, base, guard) and exports(c["spec"], window)]
+    if exportable and ("found" not in out or not exports(out["found"]["spec"], window)):
         out["best exportable"] = min(exportable, key=lambda c: (score(c), c["score"], c["order"]))
     return out
 
 
-def exports(spec: dict) -> bool:
+def exports(spec: dict, window: int) -> bool:
+    """Whether the patch has a GGUF form, for a model trained to `window` tokens."""
     try:
-        hg.request(**spec, trained_window=lambda: 8192)
+        hg.request(**spec, trained_window=lambda: window)
     except ValueError:
         return False
     return True
