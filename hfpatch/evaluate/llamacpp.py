@@ -67,7 +67,6 @@ def check_installed() -> None:
                           "compiles llama.cpp, which takes a while)") from None
 
 
-
 @contextlib.contextmanager
 def weights_as_stored() -> Iterator[None]:
     """While a Llama is built: llama.cpp's model parameters with its extra buffer types off (no load-time repacking
@@ -87,6 +86,7 @@ def weights_as_stored() -> Iterator[None]:
         yield
     finally:
         native.llama_model_default_params = defaults
+
 
 @dataclass
 class Setting:
